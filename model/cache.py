@@ -1,0 +1,117 @@
+"""A preallocated key/value cache whose rows may hold sequences of different lengths.
+
+Slot s of row b holds the key and value of that row's token at position s, so a row's length is
+also the position of its next token: positions are derived from the cache, in one place
+(``KVCache.positions``). New entries are written in place (slices, or an index_put for ragged
+rows); the cache is never concatenated or copied per step. Rows can be swapped so that a batch's
+active rows stay at the front (the service's continuous batching relies on this).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from model.config import ModelConfig
+
+
+class CacheFull(ValueError):
+    """A write would go past the cache's preallocated length."""
+
+
+class KVCache:
+    """Keys and values for ``n_layers`` layers: each [rows, n_heads, max_length, head_dim]."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        rows: int,
+        max_length: int,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        shape = (config.n_layers, rows, config.n_heads, max_length, config.head_dim)
+        self.keys = torch.zeros(shape, device=device, dtype=dtype)
+        self.values = torch.zeros(shape, device=device, dtype=dtype)
+        self.max_length = max_length
+        # Lengths live on the host: they decide slicing, and reading them must never sync a GPU.
+        self.lengths = torch.zeros(rows, dtype=torch.long)
+
+    @property
+    def rows(self) -> int:
+        return self.keys.shape[1]
+
+    def positions(self, rows: slice, n_new: int, new_counts: Tensor | None = None) -> CacheWrite:
+        """Plan a write of ``n_new`` tokens per row into ``rows`` (``new_counts`` [B] if ragged).
+
+        Row b's tokens go to slots lengths[b], lengths[b]+1, …; those slots are their positions.
+        With ``new_counts``, tokens past a row's count are padding: not written, and given the
+        row's last real position so that table-based schemes never see a phantom position.
+        """
+        start = self.lengths[rows]
+        offsets = torch.arange(n_new)
+        positions = start.unsqueeze(1) + offsets  # [B, T]
+        counts = torch.full_like(start, n_new) if new_counts is None else new_counts.cpu()
+        if new_counts is not None:
+            last_real = start + (counts - 1).clamp(min=0)
+            positions = torch.minimum(positions, last_real.unsqueeze(1))
+        end = start + counts
+        key_length = int(end.max()) if end.numel() else 0
+        if key_length > self.max_length:
+            raise CacheFull(
+                f"the cache holds {self.max_length} positions per row; this step needs {key_length}"
+            )
+        uniform = new_counts is None and bool((start == start[0]).all())
+        valid = offsets.unsqueeze(0) < counts.unsqueeze(1)  # [B, T]
+        return CacheWrite(rows, positions, valid, end, key_length, uniform)
+
+    def write(
+        self, layer: int, plan: CacheWrite, keys: Tensor, values: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """Store ``keys``/``values`` [B, H, T, hd] for ``layer`` and return the keys and values of
+        every slot up to the longest row → each [B, H, key_length, hd] (views, no copy)."""
+        layer_keys = self.keys[layer, plan.rows]
+        layer_values = self.values[layer, plan.rows]
+        if plan.uniform:
+            start = int(plan.positions[0, 0])
+            layer_keys[:, :, start : start + keys.shape[2]] = keys
+            layer_values[:, :, start : start + keys.shape[2]] = values
+        else:
+            device = keys.device
+            row_index, token_index = plan.valid.nonzero(as_tuple=True)
+            slots = plan.positions[row_index, token_index].to(device)
+            row_index, token_index = row_index.to(device), token_index.to(device)
+            layer_keys[row_index, :, slots] = keys[row_index, :, token_index]
+            layer_values[row_index, :, slots] = values[row_index, :, token_index]
+        return layer_keys[:, :, : plan.key_length], layer_values[:, :, : plan.key_length]
+
+    def commit(self, plan: CacheWrite) -> None:
+        """Advance the rows' lengths once every layer has been written."""
+        self.lengths[plan.rows] = plan.end
+
+    def reset(self, row: int) -> None:
+        """Forget row ``row``'s sequence (its slots are simply overwritten later)."""
+        self.lengths[row] = 0
+
+    def move_row(self, source: int, target: int) -> None:
+        """Copy row ``source`` into row ``target`` (compacts a batch when a sequence leaves)."""
+        if source == target:
+            return
+        length = int(self.lengths[source])
+        self.keys[:, target, :, :length] = self.keys[:, source, :, :length]
+        self.values[:, target, :, :length] = self.values[:, source, :, :length]
+        self.lengths[target] = length
+
+
+@dataclass(frozen=True)
+class CacheWrite:
+    """Where one forward pass writes: computed once, shared by all layers (host tensors)."""
+
+    rows: slice
+    positions: Tensor  # [B, T] position (= slot) of each new token
+    valid: Tensor  # [B, T] False for ragged padding, which is not written
+    end: Tensor  # [B] row lengths after the write
+    key_length: int  # slots every row's queries may look at: the longest row after the write
+    uniform: bool  # every row starts at the same slot and writes all T tokens

@@ -1,0 +1,44 @@
+"""Vaswani et al.'s sinusoidal encoding: sin on even and cos on odd dimensions.
+
+PE(p, 2i) = sin(p · base^(-2i/d)), PE(p, 2i+1) = cos(p · base^(-2i/d)). Each (sin, cos) pair is a
+clock hand, so PE(p + k) is PE(p) rotated pair by pair: one block-diagonal rotation M_k for all p.
+"""
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from model.positional.base import PositionalScheme
+
+
+@dataclass(frozen=True)
+class SinusoidalParams:
+    base: float = 10000.0
+    scale: float = 1.0
+
+
+def sinusoidal_encoding(positions: Tensor, d_model: int, base: float = 10000.0) -> Tensor:
+    """Sinusoidal vectors for arbitrary ``positions`` [...] → [..., d_model] (float32)."""
+    if d_model % 2:
+        raise ValueError(f"the sinusoidal encoding needs an even d_model, got {d_model}")
+    pair = torch.arange(0, d_model, 2, device=positions.device, dtype=torch.float64)
+    frequencies = base ** (-pair / d_model)  # [d/2]
+    angles = positions.to(torch.float64).unsqueeze(-1) * frequencies  # [..., d/2]
+    # float64 angles keep sin/cos exact to ~1e-12 for positions in the thousands.
+    encoding = torch.stack((angles.sin(), angles.cos()), dim=-1).flatten(-2)
+    return encoding.to(torch.float32)
+
+
+def sinusoidal_table(n_positions: int, d_model: int, base: float = 10000.0) -> Tensor:
+    """The sinusoidal encoding of positions 0..n_positions-1 → [n_positions, d_model]."""
+    return sinusoidal_encoding(torch.arange(n_positions), d_model, base)
+
+
+class SinusoidalPositions(PositionalScheme):
+    name = "sinusoidal"
+    Params = SinusoidalParams
+
+    def embedding(self, positions: Tensor) -> Tensor:
+        encoding = sinusoidal_encoding(positions, self.config.d_model, self.params.base)
+        return encoding * self.params.scale

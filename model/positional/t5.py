@@ -1,0 +1,62 @@
+"""T5's relative position bias: a learned scalar per head for each bucket of query−key distance.
+
+Distances below num_buckets/2 get a bucket each; longer ones share log-spaced buckets up to
+max_distance, and everything beyond shares the last bucket (so any length is accepted). Causal:
+only distances ≥ 0 (keys at or before the query) matter. One table is shared by all layers.
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from model.positional.base import PositionalScheme
+
+
+@dataclass(frozen=True)
+class T5Params:
+    num_buckets: int = 32
+    max_distance: int = 128
+
+    def __post_init__(self) -> None:
+        if self.num_buckets < 2:
+            raise ValueError(f"positional.num_buckets must be ≥ 2, got {self.num_buckets}")
+        if self.max_distance <= self.num_buckets // 2:
+            raise ValueError(
+                f"positional.max_distance ({self.max_distance}) must exceed num_buckets/2 "
+                f"({self.num_buckets // 2})"
+            )
+
+
+def relative_position_bucket(
+    distance: Tensor, num_buckets: int = 32, max_distance: int = 128
+) -> Tensor:
+    """Bucket index for each causal ``distance`` = query position − key position ≥ 0 → same shape.
+
+    Negative distances (keys after the query, masked anyway) are treated as 0.
+    """
+    distance = distance.clamp(min=0)
+    exact = num_buckets // 2
+    # log-spaced buckets between `exact` and `max_distance`; clamp(min=1) only avoids log(0)
+    # on the small distances that the `where` below discards anyway.
+    log_ratio = torch.log(distance.clamp(min=1).float() / exact) / math.log(max_distance / exact)
+    large = exact + (log_ratio * (num_buckets - exact)).long()
+    large = large.clamp(max=num_buckets - 1)
+    return torch.where(distance < exact, distance, large)
+
+
+class T5Positions(PositionalScheme):
+    name = "t5"
+    Params = T5Params
+
+    def __init__(self, config, params: T5Params) -> None:
+        super().__init__(config, params)
+        self.bias_table = nn.Parameter(torch.randn(params.num_buckets, config.n_heads) * 0.02)
+
+    def attention_bias(self, q_positions: Tensor, k_positions: Tensor) -> Tensor:
+        distance = q_positions.unsqueeze(-1) - k_positions  # [B, Tq, Tk]
+        buckets = relative_position_bucket(
+            distance, self.params.num_buckets, self.params.max_distance
+        )
+        return self.bias_table[buckets].permute(0, 3, 1, 2)  # [B, H, Tq, Tk]

@@ -1,0 +1,210 @@
+"""The decoder-only transformer: token embedding → positional scheme → pre-norm blocks → logits.
+
+The whole model reads in one sitting. Where a positional scheme acts is decided by the scheme
+(``model.positional``), computed once per forward pass and handed to every layer:
+an additive vector on the embeddings, a rotation of queries and keys, or a bias on scores.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from model.cache import CacheWrite, KVCache
+from model.config import ModelConfig
+from model.positional import build_scheme
+from model.positional.base import Rotation
+from model.positional.rope import apply_rotation
+
+
+@dataclass(frozen=True)
+class AttentionMask:
+    """What SDPA needs: an additive/boolean mask [B, 1|H, Tq, Tk], or the built-in causal mask."""
+
+    mask: Tensor | None
+    is_causal: bool
+
+
+def make_norm(config: ModelConfig) -> nn.Module:
+    if config.norm == "rmsnorm":
+        return nn.RMSNorm(config.d_model)
+    return nn.LayerNorm(config.d_model, bias=config.bias)
+
+
+class Attention(nn.Module):
+    """Multi-head causal self-attention with a fused QKV projection."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.n_heads, self.head_dim = config.n_heads, config.head_dim
+        self.qkv = nn.Linear(config.d_model, 3 * config.d_model, bias=config.bias)
+        self.proj = nn.Linear(config.d_model, config.d_model, bias=config.bias)
+        self.dropout = config.dropout
+
+    def forward(
+        self,
+        x: Tensor,
+        rotation: Rotation | None,
+        mask: AttentionMask,
+        cache: KVCache | None,
+        plan: CacheWrite | None,
+        layer: int,
+    ) -> Tensor:
+        """``x`` [B, T, d_model] → [B, T, d_model]."""
+        batch, length, width = x.shape
+        qkv = self.qkv(x).view(batch, length, 3, self.n_heads, self.head_dim)
+        queries, keys, values = qkv.permute(2, 0, 3, 1, 4)  # each [B, H, T, hd]
+        if rotation is not None:
+            queries, keys = apply_rotation(queries, *rotation), apply_rotation(keys, *rotation)
+        if cache is not None:
+            keys, values = cache.write(layer, plan, keys, values)  # [B, H, key_length, hd]
+        out = F.scaled_dot_product_attention(
+            queries,
+            keys,
+            values,
+            attn_mask=mask.mask,
+            is_causal=mask.is_causal,
+            dropout_p=self.dropout if self.training else 0.0,
+        )
+        out = out.transpose(1, 2).reshape(batch, length, width)
+        return F.dropout(self.proj(out), self.dropout, self.training)
+
+
+class FeedForward(nn.Module):
+    """GELU MLP, or SwiGLU (gate and value projections fused into one matrix)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gated = config.mlp == "swiglu"
+        expanded = 2 * config.d_ff if self.gated else config.d_ff
+        self.up = nn.Linear(config.d_model, expanded, bias=config.bias)
+        self.down = nn.Linear(config.d_ff, config.d_model, bias=config.bias)
+        self.dropout = config.dropout
+
+    def forward(self, x: Tensor) -> Tensor:
+        """``x`` [B, T, d_model] → [B, T, d_model]."""
+        hidden = self.up(x)
+        if self.gated:
+            gate, value = hidden.chunk(2, dim=-1)
+            hidden = F.silu(gate) * value
+        else:
+            hidden = F.gelu(hidden)
+        return F.dropout(self.down(hidden), self.dropout, self.training)
+
+
+class Block(nn.Module):
+    """Pre-norm residual block: x + attention(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.attention_norm = make_norm(config)
+        self.attention = Attention(config)
+        self.mlp_norm = make_norm(config)
+        self.mlp = FeedForward(config)
+
+    def forward(self, x: Tensor, *attention_inputs) -> Tensor:
+        x = x + self.attention(self.attention_norm(x), *attention_inputs)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Transformer(nn.Module):
+    """A decoder-only language model whose positional scheme is chosen by ``config.positional``."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.token_embedding = nn.Embedding(config.vocab_size, config.d_model)
+        self.positional = build_scheme(config)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layers))
+        self.final_norm = make_norm(config)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.token_embedding.weight
+        self._initialise()
+
+    def _initialise(self) -> None:
+        # GPT-2 initialisation; residual projections shrink with depth so the residual stream's
+        # variance does not grow with the number of layers. Schemes initialise their own tables.
+        residual_std = 0.02 / math.sqrt(2 * self.config.n_layers)
+        for name, parameter in self.named_parameters():
+            if name.startswith("positional."):
+                continue
+            if name.endswith("bias"):
+                nn.init.zeros_(parameter)
+            elif "norm" in name:
+                nn.init.ones_(parameter)
+            elif name.endswith(("attention.proj.weight", "mlp.down.weight")):
+                nn.init.normal_(parameter, std=residual_std)
+            else:
+                nn.init.normal_(parameter, std=0.02)
+
+    def num_parameters(self) -> int:
+        """Trainable and stored parameters, counting tied weights once."""
+        return sum(parameter.numel() for parameter in self.parameters())
+
+    def forward(
+        self,
+        tokens: Tensor,
+        cache: KVCache | None = None,
+        *,
+        rows: slice | None = None,
+        new_counts: Tensor | None = None,
+        last_only: bool = False,
+    ) -> Tensor:
+        """Logits for ``tokens`` [B, T] → [B, T, vocab] (or [B, vocab] with ``last_only``).
+
+        Without a cache, every row starts at position 0 (training and scoring). With a cache,
+        row b continues the sequence stored in cache row ``rows.start + b``: its tokens take the
+        next positions, their keys and values are stored, and they attend to everything cached.
+        ``new_counts`` [B] marks a ragged batch: row b has only its first new_counts[b] tokens,
+        the rest is right-padding that is neither stored nor attended to.
+        """
+        batch, length = tokens.shape
+        device = tokens.device
+        if cache is None:
+            plan = None
+            positions = torch.arange(length, device=device).unsqueeze(0)  # [1, T]
+            key_positions = positions[0]
+        else:
+            plan = cache.positions(rows or slice(0, batch), length, new_counts)
+            positions = plan.positions.to(device)  # [B, T]
+            key_positions = torch.arange(plan.key_length, device=device)
+
+        x = self.token_embedding(tokens)
+        position_vectors = self.positional.embedding(positions)
+        if position_vectors is not None:
+            x = x + position_vectors.to(x.dtype)
+        x = F.dropout(x, self.config.dropout, self.training)
+        rotation = self.positional.rotation(positions)
+        mask = self._attention_mask(positions, key_positions, plan, x.dtype)
+        for layer, block in enumerate(self.blocks):
+            x = block(x, rotation, mask, cache, plan, layer)
+        if cache is not None:
+            cache.commit(plan)
+
+        x = self.final_norm(x)
+        if last_only:
+            last = torch.full((batch,), length - 1) if new_counts is None else new_counts.cpu() - 1
+            x = x[torch.arange(batch), last.to(device)]
+        return self.lm_head(x)
+
+    def _attention_mask(
+        self, positions: Tensor, key_positions: Tensor, plan: CacheWrite | None, dtype: torch.dtype
+    ) -> AttentionMask:
+        """Causality (a query sees keys at its own position or before) plus the scheme's bias."""
+        bias = self.positional.attention_bias(positions, key_positions)  # [B, H, Tq, Tk] or None
+        starts_at_zero = plan is None or (plan.uniform and int(plan.positions[0, 0]) == 0)
+        if bias is None:
+            if starts_at_zero:
+                return AttentionMask(None, is_causal=True)
+            if plan.uniform and positions.shape[1] == 1:
+                return AttentionMask(None, is_causal=False)  # one new token sees every slot
+        allowed = key_positions <= positions.unsqueeze(-1)  # [B, Tq, Tk]
+        allowed = allowed.unsqueeze(1)
+        if bias is None:
+            return AttentionMask(allowed, is_causal=False)
+        return AttentionMask(bias.to(dtype).masked_fill(~allowed, float("-inf")), is_causal=False)
