@@ -1,0 +1,1 @@
+"""Positional geometry: Hellinger statistics, classical MDS, stress and the five requirements."""

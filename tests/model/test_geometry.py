@@ -1,0 +1,265 @@
+"""Properties of the positional-geometry math (model.geometry), checked over random inputs."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from model.geometry.metrics import (
+    GeometryInputError,
+    classical_mds,
+    effective_rank,
+    hellinger_matrix,
+    min_separation,
+    monotonicity_violation_rate,
+    noise_floor,
+    pairwise_distances,
+    positional_distributions,
+    scale_free_stress,
+    split_half_noise_floor,
+    stress,
+    variance_captured,
+)
+from model.geometry.synthetic import (
+    PAPER_FIGURES,
+    empirical_hellinger,
+    rank_stress_table,
+    synthetic_corpus,
+    synthetic_figures,
+)
+from model.positional.sinusoidal import sinusoidal_table
+
+SEEDS = range(5)
+
+
+def random_distributions(rng: np.random.Generator, n: int, vocab: int) -> np.ndarray:
+    """n random distributions over `vocab` tokens, some with exact zeros."""
+    mu = rng.dirichlet(np.full(vocab, 0.5), size=n)
+    mu[rng.random((n, vocab)) < 0.2] = 0.0
+    mu[:, 0] += 1e-3  # keep every row non-empty
+    return mu / mu.sum(axis=1, keepdims=True)
+
+
+# ------------------------------------------------------------------------ positional statistics
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_hellinger_is_a_bounded_metric(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(3, 30))
+    hellinger = hellinger_matrix(random_distributions(rng, n, int(rng.integers(2, 300))))
+    assert np.allclose(hellinger, hellinger.T)
+    assert np.all(np.diag(hellinger) == 0)
+    assert np.all(hellinger <= np.sqrt(2) + 1e-12)
+    # triangle inequality over every triple: H[i, k] <= H[i, j] + H[j, k]
+    through_j = hellinger[:, :, None] + hellinger[None, :, :]
+    assert np.all(hellinger[:, None, :] <= through_j + 1e-12)
+
+
+def test_hellinger_reaches_sqrt2_for_disjoint_supports() -> None:
+    mu = np.array([[0.5, 0.5, 0.0, 0.0], [0.0, 0.0, 0.25, 0.75]])
+    assert hellinger_matrix(mu)[0, 1] == pytest.approx(np.sqrt(2))
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_positional_distributions_normalise_and_smooth(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    counts = rng.integers(0, 50, size=(8, 30))
+    counts[:, 0] += 1
+    mu = positional_distributions(counts, counts.sum(axis=1))
+    assert np.allclose(mu.sum(axis=1), 1.0)
+    assert np.allclose(mu * counts.sum(axis=1, keepdims=True), counts)
+    smoothed = positional_distributions(counts, epsilon=1e-3)
+    assert np.allclose(smoothed.sum(axis=1), 1.0)
+    assert np.all(smoothed > 0)
+
+
+def test_positional_distributions_reject_bad_input() -> None:
+    counts = np.array([[3, 1], [0, 2]])
+    with pytest.raises(GeometryInputError, match="epsilon"):
+        positional_distributions(counts, epsilon=1.0)
+    with pytest.raises(GeometryInputError, match=r"n_i\[1\]"):
+        positional_distributions(counts, [4, 5])
+    with pytest.raises(GeometryInputError, match="no tokens"):
+        positional_distributions(np.array([[3, 1], [0, 0]]))
+    with pytest.raises(GeometryInputError, match="2-D"):
+        positional_distributions(np.array([1, 2, 3]))
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_split_half_noise_floor_matches_multinomial_noise(seed: int) -> None:
+    # Uniform tokens: each half's estimate of √μ has squared error (V − 1)/(4 · N/2), so the two
+    # halves differ by E d_H² ≈ (V − 1)/N.
+    rng = np.random.default_rng(seed)
+    vocab, n_sequences, n_positions = 20, 4000, 16
+    tokens = rng.integers(0, vocab, size=(n_sequences, n_positions))
+    floor = split_half_noise_floor(tokens, n_positions, vocab, seed=seed)
+    assert floor.shape == (n_positions,)
+    assert np.mean(floor**2) == pytest.approx((vocab - 1) / n_sequences, rel=0.15)
+    assert np.array_equal(floor, split_half_noise_floor(tokens, n_positions, vocab, seed=seed))
+
+
+def test_noise_floor_is_zero_for_identical_halves() -> None:
+    counts = np.random.default_rng(0).integers(1, 9, size=(5, 7))
+    assert np.all(noise_floor(counts, 2 * counts) == 0)
+
+
+# -------------------------------------------------------------------------------- classical MDS
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_mds_recovers_points_living_in_rk(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    k = int(rng.integers(1, 7))
+    n = int(rng.integers(k + 2, 60))
+    points = rng.normal(size=(n, k)) * rng.uniform(0.1, 5.0)
+    # Place them in a random k-dimensional subspace of a wider space, shifted off the origin.
+    basis, _ = np.linalg.qr(rng.normal(size=(k + 5, k)))
+    embedded = points @ basis.T + rng.normal(size=k + 5)
+    distances = pairwise_distances(embedded)
+
+    result = classical_mds(distances)
+    assert effective_rank(result.eigenvalues) == k
+    assert result.positions.shape == (n, k)
+    assert stress(result.positions, distances) < 1e-8
+    assert variance_captured(result.eigenvalues, k) == pytest.approx(1.0)
+    assert np.all(np.diff(result.eigenvalues) <= 1e-12)  # descending
+
+
+def test_mds_caps_rank_and_fixes_signs() -> None:
+    rng = np.random.default_rng(3)
+    distances = pairwise_distances(rng.normal(size=(12, 2)))
+    positions = classical_mds(distances, rank=5).positions
+    assert positions.shape == (12, 2)
+    largest = positions[np.argmax(np.abs(positions), axis=0), [0, 1]]
+    assert np.all(largest > 0)
+
+
+def test_mds_rejects_non_distance_matrices() -> None:
+    with pytest.raises(GeometryInputError, match="square"):
+        classical_mds(np.zeros((3, 4)))
+    with pytest.raises(GeometryInputError, match="symmetric"):
+        classical_mds(np.array([[0.0, 1.0], [2.0, 0.0]]))
+    with pytest.raises(GeometryInputError, match="diagonal"):
+        classical_mds(np.array([[1.0, 1.0], [1.0, 0.0]]))
+    with pytest.raises(GeometryInputError, match="rank"):
+        classical_mds(np.zeros((3, 3)), rank=4)
+
+
+# --------------------------------------------------------------------------- diagnostics of P
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_scale_free_stress_is_at_most_stress_and_scale_invariant(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(3, 40))
+    hellinger = hellinger_matrix(random_distributions(rng, n, 50))
+    encoding = rng.normal(size=(n, int(rng.integers(1, 20)))) * rng.uniform(0.01, 10)
+    scale = rng.uniform(0.01, 100)
+    assert scale_free_stress(encoding, hellinger) <= stress(encoding, hellinger) + 1e-15
+    assert scale_free_stress(scale * encoding, hellinger) == pytest.approx(
+        scale_free_stress(encoding, hellinger), rel=1e-9
+    )
+
+
+def brute_force_violation_rate(encoding: np.ndarray) -> float:
+    distances = pairwise_distances(encoding)
+    n = len(encoding)
+    comparable = violations = 0
+    for i, j, k in itertools.permutations(range(n), 3):
+        if abs(i - j) < abs(i - k):
+            comparable += 1
+            violations += distances[i, j] > distances[i, k]
+    return violations / comparable
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_monotonicity_count_is_exact(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    encoding = rng.normal(size=(int(rng.integers(3, 20)), 3))
+    assert monotonicity_violation_rate(encoding) == pytest.approx(
+        brute_force_violation_rate(encoding), abs=1e-12
+    )
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_random_matrix_violates_monotonicity_half_the_time(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(96, 257))
+    encoding = rng.normal(0.0, 0.02, size=(n, int(rng.integers(16, 129))))
+    assert monotonicity_violation_rate(encoding) == pytest.approx(0.5, abs=0.03)
+
+
+def test_points_on_a_line_never_violate_monotonicity() -> None:
+    line = np.arange(40.0)[:, None] * np.random.default_rng(0).normal(size=(1, 5))
+    assert monotonicity_violation_rate(line) == 0.0
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_min_separation(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    encoding = rng.normal(size=(int(rng.integers(2, 30)), 4))
+    pairs = itertools.combinations(range(len(encoding)), 2)
+    expected = min(np.linalg.norm(encoding[i] - encoding[j]) for i, j in pairs)
+    assert min_separation(encoding) == pytest.approx(expected)
+    duplicated = np.vstack([encoding, encoding[:1]])
+    assert min_separation(duplicated) == 0.0
+
+
+# ---------------------------------------------------------------------------- synthetic corpus
+
+
+@pytest.fixture(scope="module", params=[0, 1])
+def corpus_hellinger(request: pytest.FixtureRequest) -> np.ndarray:
+    return empirical_hellinger(synthetic_corpus(seed=request.param))
+
+
+def test_synthetic_corpus_mds_beats_sinusoidal(corpus_hellinger: np.ndarray) -> None:
+    n = corpus_hellinger.shape[0]
+    sinusoidal = stress(sinusoidal_table(n, 16), corpus_hellinger)
+    full_rank = stress(classical_mds(corpus_hellinger).positions, corpus_hellinger)
+    rank16 = stress(classical_mds(corpus_hellinger, rank=16).positions, corpus_hellinger)
+    assert full_rank < 0.05
+    assert full_rank < sinusoidal / 50
+    assert rank16 < sinusoidal / 50  # the paper's d = 16 comparison
+
+
+def test_synthetic_corpus_has_low_intrinsic_dimension(corpus_hellinger: np.ndarray) -> None:
+    eigenvalues = classical_mds(corpus_hellinger).eigenvalues
+    assert effective_rank(eigenvalues) == corpus_hellinger.shape[0] - 1
+    # three regimes -> two dominant eigenvalues (paper: 79.9 % of the variance)
+    assert 0.7 < variance_captured(eigenvalues, 2) < 0.9
+    assert variance_captured(eigenvalues, 3) - variance_captured(eigenvalues, 2) < 0.05
+
+
+def test_rank_stress_table_trades_parameters_for_stress(corpus_hellinger: np.ndarray) -> None:
+    rows = rank_stress_table(corpus_hellinger, d_model=128)
+    mds_rows = [row for row in rows if row.encoding.startswith("mds")]
+    stresses = [row.stress for row in mds_rows]
+    assert stresses == sorted(stresses, reverse=True)
+    assert [row.parameters for row in mds_rows] == [r * (32 + 128) for r in (1, 2, 3, 4, 8, 16, 31)]
+    free, sinusoidal = rows[-2], rows[-1]
+    assert free.parameters == 32 * 128 and free.stress < 1e-20
+    assert sinusoidal.parameters == 0
+    rank3 = mds_rows[2]
+    assert rank3.parameters == 480 and rank3.stress < sinusoidal.stress / 100
+
+
+def test_synthetic_corpus_is_seeded_and_validated() -> None:
+    first = synthetic_corpus(seed=4, n_sequences=50)
+    again = synthetic_corpus(seed=4, n_sequences=50)
+    assert np.array_equal(first.tokens, again.tokens)
+    assert first.tokens.shape == (50, 32)
+    assert np.allclose(first.distributions.sum(axis=1), 1.0)
+    assert list(np.bincount(first.regimes)) == [8, 16, 8]
+    with pytest.raises(GeometryInputError, match="signature_tokens"):
+        synthetic_corpus(signature_tokens=7)
+
+
+def test_synthetic_figures_are_near_the_papers() -> None:
+    figures = synthetic_figures(synthetic_corpus(seed=0))
+    assert set(PAPER_FIGURES) <= set(figures)
+    for name in ("variance_top2", "variance_top3", "mds_stress_rank3", "sinusoidal_stress_d16"):
+        assert figures[name] == pytest.approx(PAPER_FIGURES[name], rel=0.1), name
