@@ -1,0 +1,173 @@
+"""Byte-level BPE tokenizer (Hugging Face ``tokenizers``) and the helpers built on it.
+
+Byte-level means every id stands for a run of raw UTF-8 bytes and the 256 single bytes are all
+in the vocabulary, so any text encodes and decodes back exactly. One id can hold part of a
+multi-byte character; :class:`IncrementalDecoder` deals with that when streaming text out.
+
+Special tokens (ids 0, 1, 2 in a tokenizer trained here):
+``<|bos|>`` begins every sequence, ``<|eos|>`` ends every document (speech), ``<|pad|>`` fills
+batches. Text that happens to contain the string ``"<|eos|>"`` encodes as ordinary bytes, so user
+input can never inject a control token.
+"""
+
+from __future__ import annotations
+
+import codecs
+import os
+import tempfile
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|pad|>")
+BOS, EOS, PAD = SPECIAL_TOKENS
+
+# The specials plus all 256 bytes must fit; anything above that is learned merges.
+MIN_VOCAB_SIZE = len(SPECIAL_TOKENS) + 256
+
+
+class TokenizerError(ValueError):
+    """A tokenizer file or argument is unusable (missing specials, vocabulary too small, ...)."""
+
+
+class SpecialIds(NamedTuple):
+    bos: int
+    eos: int
+    pad: int
+
+
+def train_tokenizer(texts: Iterable[str], vocab_size: int = 2048) -> Tokenizer:
+    """Train a byte-level BPE tokenizer of ``vocab_size`` ids on ``texts`` (e.g. documents).
+
+    The special tokens get ids 0, 1, 2 and every one of the 256 bytes is in the vocabulary even
+    if the texts never use it, so any string can be encoded.
+    """
+    if vocab_size < MIN_VOCAB_SIZE:
+        raise TokenizerError(
+            f"vocab_size={vocab_size} is too small: the {len(SPECIAL_TOKENS)} special tokens and "
+            f"256 bytes need at least {MIN_VOCAB_SIZE}"
+        )
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(texts, trainer=trainer)
+    # Specials are only ever inserted as ids, never recognised in text.
+    tokenizer.encode_special_tokens = True
+    return tokenizer
+
+
+def special_ids(tokenizer: Tokenizer) -> SpecialIds:
+    """The ids of ``<|bos|>``, ``<|eos|>`` and ``<|pad|>``."""
+    ids = [tokenizer.token_to_id(token) for token in SPECIAL_TOKENS]
+    missing = [token for token, id_ in zip(SPECIAL_TOKENS, ids, strict=True) if id_ is None]
+    if missing:
+        raise TokenizerError(f"tokenizer lacks the special tokens {missing}")
+    return SpecialIds(*ids)
+
+
+def _byte_of_char() -> dict[str, int]:
+    """Inverse of the byte-level alphabet: which byte each vocabulary character stands for.
+
+    This is GPT-2's ``bytes_to_unicode`` table, which ``tokenizers`` uses but does not expose:
+    printable bytes stand for themselves, the other 68 are shifted to code points 256 and up so
+    that no vocabulary entry contains whitespace or control characters.
+    """
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    shifted = [byte for byte in range(256) if byte not in printable]
+    table = {chr(byte): byte for byte in printable}
+    table.update({chr(256 + n): byte for n, byte in enumerate(shifted)})
+    return table
+
+
+_BYTE_OF_CHAR = _byte_of_char()
+
+
+def token_bytes(tokenizer: Tokenizer) -> list[bytes]:
+    """The raw bytes each id stands for, indexed by id; special tokens map to ``b""``.
+
+    Joining the bytes of a sequence of ids and decoding them as UTF-8 gives the decoded text.
+    """
+    specials = set(special_ids(tokenizer))
+    table = [b""] * tokenizer.get_vocab_size()
+    for token, id_ in tokenizer.get_vocab().items():
+        if id_ not in specials:
+            table[id_] = bytes(_BYTE_OF_CHAR[char] for char in token)
+    return table
+
+
+class IncrementalDecoder:
+    """Turns a stream of token ids into text, one piece per id, for streaming responses.
+
+    ``push`` returns only text whose characters are complete: the bytes of a multi-byte
+    character split over several ids are held back until the last one arrives. Invalid bytes
+    (which a sampled sequence can contain) come out as U+FFFD, never as broken UTF-8.
+    """
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._bytes = token_bytes(tokenizer)
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def push(self, token_id: int) -> str:
+        """Add one id; return the newly completed text (possibly ``""``)."""
+        if not 0 <= token_id < len(self._bytes):
+            raise TokenizerError(
+                f"token_id={token_id} is outside the vocabulary [0, {len(self._bytes)})"
+            )
+        return self._utf8.decode(self._bytes[token_id])
+
+    def flush(self) -> str:
+        """End of stream: return whatever is held back (an unfinished character becomes U+FFFD)."""
+        return self._utf8.decode(b"", final=True)
+
+
+def count_characters(tokenizer: Tokenizer, ids: Sequence[int] | torch.Tensor) -> int:
+    """How many characters ``ids`` stand for, the denominator of bits-per-character.
+
+    Ordinary ids count the characters (code points) they decode to. Each ``<|eos|>`` counts as
+    ONE character: it stands for the separator between two speeches, which a character-level
+    model would also have to predict. ``<|bos|>`` and ``<|pad|>`` count zero: nothing predicts
+    them. ``ids``: a list of ints or a 1-D integer tensor.
+    """
+    if isinstance(ids, torch.Tensor):
+        ids = ids.tolist()
+    table = token_bytes(tokenizer)
+    text = b"".join(table[id_] for id_ in ids).decode("utf-8", errors="replace")
+    eos = special_ids(tokenizer).eos
+    return len(text) + sum(1 for id_ in ids if id_ == eos)
+
+
+def save_tokenizer(tokenizer: Tokenizer, path: str | os.PathLike[str]) -> None:
+    """Write the tokenizer as JSON to ``path`` atomically (temp file in the same folder, rename)."""
+    path = Path(path)
+    with tempfile.NamedTemporaryFile(
+        "w", encoding="utf-8", dir=path.parent, prefix=f".{path.name}.", delete=False
+    ) as temp:
+        temp.write(tokenizer.to_str())
+    try:
+        os.replace(temp.name, path)
+    except OSError:
+        os.unlink(temp.name)
+        raise
+
+
+def load_tokenizer(path: str | os.PathLike[str]) -> Tokenizer:
+    """Read a tokenizer saved by :func:`save_tokenizer`; checks that the specials are there."""
+    path = Path(path)
+    text = path.read_text(encoding="utf-8")
+    try:
+        tokenizer = Tokenizer.from_str(text)
+    except Exception as error:  # tokenizers raises a bare Exception on malformed JSON
+        raise TokenizerError(f"{path} is not a valid tokenizer file: {error}") from error
+    special_ids(tokenizer)
+    # Not part of the saved JSON, so restore it here.
+    tokenizer.encode_special_tokens = True
+    return tokenizer
