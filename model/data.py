@@ -1,0 +1,214 @@
+"""Token sequences for training, validation and positional statistics.
+
+Every sequence starts at a document (speech) boundary, so position i always means "the i-th
+token after the start of a speech" — the premise of the positional-geometry analysis.
+
+Layout of the token stream: ``doc_0 + [eos] + doc_1 + [eos] + ...``. A training sample starting
+at document i is ``[bos] + stream[start_i : start_i + context_length]``; inputs are all but its
+last token and targets all but its first, so the model predicts every token, ``<|eos|>`` included.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from tokenizers import Tokenizer
+
+from model.tokenizer import SpecialIds, count_characters, special_ids
+
+# Targets with this value are skipped by torch.nn.functional.cross_entropy (its default).
+IGNORE_INDEX = -100
+
+# Seeds of successive epochs are spread out so that runs with nearby seeds share no epoch order.
+_EPOCH_SEED_STRIDE = 1_000_003
+
+
+class DataError(ValueError):
+    """An argument to the sequence builders is out of range (names the argument)."""
+
+
+def _require_positive(name: str, value: int) -> None:
+    if value < 1:
+        raise DataError(f"{name} must be at least 1, got {value}")
+
+
+def encode_documents(tokenizer: Tokenizer, documents: Iterable[str]) -> list[list[int]]:
+    """Token ids of each document, without special tokens (batch-encoded in Rust threads)."""
+    encodings = tokenizer.encode_batch_fast(list(documents), add_special_tokens=False)
+    return [encoding.ids for encoding in encodings]
+
+
+def _document_stream(
+    documents: Sequence[Sequence[int]], eos: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The flat stream ``doc_0 + [eos] + doc_1 + [eos] + ...`` [L] and the doc offsets [D]."""
+    if not documents:
+        raise DataError("documents is empty")
+    lengths = torch.tensor([len(document) + 1 for document in documents])
+    starts = torch.cumsum(lengths, dim=0) - lengths
+    flat = itertools.chain.from_iterable((*document, eos) for document in documents)
+    stream = torch.from_numpy(np.fromiter(flat, dtype=np.int64, count=int(lengths.sum())))
+    return stream, starts
+
+
+class TrainingSequences:
+    """Training batches of sequences that each begin at a document boundary.
+
+    The token stream is stored once, flat; a batch is gathered by index arithmetic. Which
+    documents start the sequences of a step depends only on (seed, step, batch_size): sample
+    ``k = step * batch_size + b`` of the run starts at document ``order(epoch)[k % D]`` with
+    ``epoch = k // D``, where ``order`` is a seeded permutation of the D documents. So every
+    document starts exactly one sequence per epoch, a resumed run sees the same data, and runs
+    that differ only in their positional encoding train on identical batches.
+    """
+
+    def __init__(
+        self,
+        documents: Sequence[Sequence[int]],
+        context_length: int,
+        seed: int,
+        special: SpecialIds,
+    ) -> None:
+        """``documents``: token ids of each training document (see :func:`encode_documents`)."""
+        _require_positive("context_length", context_length)
+        self.context_length = context_length
+        self.seed = seed
+        self.special = special
+        self.stream, self.starts = _document_stream(documents, special.eos)
+
+    @property
+    def num_documents(self) -> int:
+        return len(self.starts)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens in the stream, one ``<|eos|>`` per document included."""
+        return len(self.stream)
+
+    def document_order(self, epoch: int) -> torch.Tensor:
+        """The permutation [D] of document indices used as sequence starts in ``epoch``."""
+        generator = torch.Generator().manual_seed(self.seed * _EPOCH_SEED_STRIDE + epoch)
+        return torch.randperm(self.num_documents, generator=generator)
+
+    def start_documents(self, step: int, batch_size: int) -> torch.Tensor:
+        """Indices [B] of the documents that the sequences of ``step`` start at."""
+        if step < 0:
+            raise DataError(f"step must be non-negative, got {step}")
+        _require_positive("batch_size", batch_size)
+        sample = step * batch_size + torch.arange(batch_size)
+        epochs = sample // self.num_documents
+        starts = torch.empty(batch_size, dtype=torch.long)
+        # A batch spans at most a few epochs (one unless batch_size approaches D).
+        for epoch in epochs.unique().tolist():
+            in_epoch = epochs == epoch
+            starts[in_epoch] = self.document_order(epoch)[sample[in_epoch] % self.num_documents]
+        return starts
+
+    def sequences(self, document_indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inputs and targets, both [B, context_length] long, for sequences starting at documents.
+
+        Where the stream runs out, inputs hold ``<|pad|>`` and targets :data:`IGNORE_INDEX`.
+        """
+        offsets = self.starts[document_indices].unsqueeze(1) + torch.arange(self.context_length)
+        real = offsets < self.num_tokens
+        following = self.stream[offsets.clamp(max=self.num_tokens - 1)]
+        targets = following.masked_fill(~real, IGNORE_INDEX)
+        bos = torch.full((len(document_indices), 1), self.special.bos, dtype=torch.long)
+        shifted = following[:, :-1].masked_fill(~real[:, :-1], self.special.pad)
+        return torch.cat([bos, shifted], dim=1), targets
+
+    def batch(self, step: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The batch of training step ``step``: inputs [B, T] and targets [B, T], long."""
+        return self.sequences(self.start_documents(step, batch_size))
+
+
+@dataclass(frozen=True)
+class ValidationStream:
+    """All validation documents as one stream ``doc + [eos] + doc + [eos] ...`` for scoring.
+
+    ``characters`` is what the scored tokens stand for (see :func:`count_characters`), so
+    bits-per-character = total NLL in nats / (ln 2 * characters).
+    """
+
+    tokens: torch.Tensor  # [L] long
+    characters: int
+    special: SpecialIds
+
+    def windows(self, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Back-to-back windows scoring every token exactly once: inputs, targets [N, window].
+
+        Window j targets ``tokens[j*window : (j+1)*window]`` from inputs ``[bos]`` + the same
+        chunk shifted by one; the last, partial window is padded (target :data:`IGNORE_INDEX`).
+        """
+        _require_positive("window", window)
+        n_windows = -(-len(self.tokens) // window)
+        targets = torch.full((n_windows * window,), IGNORE_INDEX, dtype=torch.long)
+        targets[: len(self.tokens)] = self.tokens
+        targets = targets.view(n_windows, window)
+        bos = torch.full((n_windows, 1), self.special.bos, dtype=torch.long)
+        shifted = targets[:, :-1].masked_fill(targets[:, :-1] == IGNORE_INDEX, self.special.pad)
+        return torch.cat([bos, shifted], dim=1), targets
+
+
+def validation_stream(tokenizer: Tokenizer, documents: Sequence[str]) -> ValidationStream:
+    """Encode the validation documents into one stream and count the characters it stands for."""
+    special = special_ids(tokenizer)
+    tokens, _ = _document_stream(encode_documents(tokenizer, documents), special.eos)
+    return ValidationStream(tokens, count_characters(tokenizer, tokens), special)
+
+
+def validation_windows(
+    tokenizer: Tokenizer, documents: Sequence[str], window: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Shortcut for ``validation_stream(tokenizer, documents).windows(window)``."""
+    return validation_stream(tokenizer, documents).windows(window)
+
+
+def _padded_matrix(
+    sequences: torch.Tensor | np.ndarray | Iterable[Sequence[int]], n_positions: int
+) -> torch.Tensor:
+    """Sequences as a [N, n_positions] long matrix, cut or padded with -1."""
+    if isinstance(sequences, torch.Tensor | np.ndarray):
+        matrix = torch.as_tensor(sequences, dtype=torch.long)
+        if matrix.dim() != 2:
+            raise DataError(f"sequences must be 2-D [N, length], got shape {tuple(matrix.shape)}")
+        matrix = matrix[:, :n_positions]
+    else:
+        rows = [torch.as_tensor(row[:n_positions], dtype=torch.long) for row in sequences]
+        if not rows:
+            return torch.empty(0, n_positions, dtype=torch.long)
+        matrix = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=-1)
+    return torch.nn.functional.pad(matrix, (0, n_positions - matrix.shape[1]), value=-1)
+
+
+def positional_token_counts(
+    sequences: torch.Tensor | np.ndarray | Iterable[Sequence[int]],
+    n_positions: int,
+    vocab_size: int,
+    pad_id: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """How often each token id occurs at each position: counts [n, V] and totals N_i [n], int64.
+
+    ``sequences`` start at a document boundary: either a 2-D integer tensor/array [N, L] whose
+    negative entries (e.g. :data:`IGNORE_INDEX`) and ``pad_id`` entries are padding, or an
+    iterable of 1-D sequences of any length. Positions past ``n_positions`` are ignored;
+    ``totals[i]`` counts the sequences with a real token at position i, so the positional
+    distribution is ``mu_i = counts[i] / totals[i]``.
+    """
+    _require_positive("n_positions", n_positions)
+    _require_positive("vocab_size", vocab_size)
+    matrix = _padded_matrix(sequences, n_positions)
+    real = matrix >= 0
+    if pad_id is not None:
+        real &= matrix != pad_id
+    tokens = matrix[real]
+    if len(tokens) and tokens.max() >= vocab_size:
+        raise DataError(f"sequences hold token id {int(tokens.max())} >= vocab_size={vocab_size}")
+    positions = torch.arange(n_positions).expand_as(matrix)
+    cells = positions[real] * vocab_size + tokens
+    counts = torch.bincount(cells, minlength=n_positions * vocab_size).view(n_positions, vocab_size)
+    return counts, counts.sum(dim=1)
