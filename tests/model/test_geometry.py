@@ -6,7 +6,9 @@ import itertools
 
 import numpy as np
 import pytest
+import torch
 
+from model.config import ModelConfig
 from model.geometry.metrics import (
     GeometryInputError,
     classical_mds,
@@ -22,6 +24,14 @@ from model.geometry.metrics import (
     stress,
     variance_captured,
 )
+from model.geometry.representations import scheme_representation
+from model.geometry.requirements import (
+    RequirementRow,
+    default_schemes,
+    first_refused_position,
+    measure_requirements,
+    requirement_table,
+)
 from model.geometry.synthetic import (
     PAPER_FIGURES,
     empirical_hellinger,
@@ -29,6 +39,7 @@ from model.geometry.synthetic import (
     synthetic_corpus,
     synthetic_figures,
 )
+from model.positional import SCHEMES, TABLE_SCHEMES, PositionalScheme, build_scheme
 from model.positional.sinusoidal import sinusoidal_table
 
 SEEDS = range(5)
@@ -263,3 +274,98 @@ def test_synthetic_figures_are_near_the_papers() -> None:
     assert set(PAPER_FIGURES) <= set(figures)
     for name in ("variance_top2", "variance_top3", "mds_stress_rank3", "sinusoidal_stress_d16"):
         assert figures[name] == pytest.approx(PAPER_FIGURES[name], rel=0.1), name
+
+
+# ------------------------------------------------------------- scheme representations (part 2)
+
+SMALL = ModelConfig(
+    vocab_size=64, d_model=32, n_layers=1, n_heads=4, d_ff=64, context_length=16, max_positions=64
+)
+
+
+def build(name: str, config: ModelConfig = SMALL, **params: object) -> PositionalScheme:
+    return build_scheme(config.replace(positional={"scheme": name, **params}))
+
+
+def test_representation_shapes() -> None:
+    n = 10
+    assert scheme_representation(build("none"), n) is None
+    assert scheme_representation(build("sinusoidal"), n).shape == (n, SMALL.d_model)
+    assert scheme_representation(build("alibi"), n).shape == (n, SMALL.n_heads * n)
+    assert scheme_representation(build("t5"), n, n_keys=3).shape == (n, SMALL.n_heads * 3)
+    rotated = scheme_representation(build("rope"), n)
+    assert rotated.shape == (n, SMALL.d_model)
+    assert torch.allclose(rotated.norm(dim=1), torch.ones(n, dtype=torch.float64), atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def requirements() -> dict[str, RequirementRow]:
+    rows = requirement_table(default_schemes(SMALL), SMALL.context_length)
+    return {row.scheme: row for row in rows}
+
+
+def test_requirement_table_covers_every_scheme(requirements: dict[str, RequirementRow]) -> None:
+    assert set(requirements) == set(SCHEMES)
+
+
+def test_integer_is_unbounded(requirements: dict[str, RequirementRow]) -> None:
+    assert requirements["integer"].bounded is False
+    assert requirements["integer"].bounded_growth == pytest.approx(63 / 15, rel=1e-6)
+    for name in ("binary", "sinusoidal", "rope", "learned", "t5", "mds", "lowrank"):
+        assert requirements[name].bounded is True, name
+
+
+def test_binary_is_not_smooth(requirements: dict[str, RequirementRow]) -> None:
+    assert requirements["binary"].smooth is False
+    for name in ("sinusoidal", "rope", "integer", "alibi"):
+        assert requirements[name].smooth is True, name
+
+
+def test_sinusoidal_recovers_relative_distance(requirements: dict[str, RequirementRow]) -> None:
+    for name in ("sinusoidal", "rope"):
+        assert requirements[name].relative_recoverable is True, name
+        assert requirements[name].relative_error < 1e-6, name
+    for name in ("integer", "binary", "learned", "lowrank"):
+        assert requirements[name].relative_recoverable is False, name
+
+
+def test_tables_cannot_go_past_max_positions(requirements: dict[str, RequirementRow]) -> None:
+    for name in TABLE_SCHEMES:
+        assert requirements[name].beyond_max_positions is False, name
+        assert requirements[name].position_limit == SMALL.max_positions, name
+    for name in ("none", "integer", "sinusoidal", "rope", "alibi", "t5"):
+        assert requirements[name].position_limit is None, name
+        assert requirements[name].beyond_max_positions is True, name
+    # binary's own limit is 2**bits, measured, not looked up
+    assert requirements["binary"].position_limit == 2**16
+
+
+def test_every_scheme_but_none_is_unique(requirements: dict[str, RequirementRow]) -> None:
+    assert requirements["none"].unique is False
+    assert all(row.unique for name, row in requirements.items() if name != "none")
+    assert all(row.length_independent for row in requirements.values())
+
+
+@pytest.mark.parametrize("max_positions", [16, 37, 100])
+def test_position_limit_is_found_by_probing(max_positions: int) -> None:
+    config = SMALL.replace(context_length=16, max_positions=max_positions)
+    for name in TABLE_SCHEMES:
+        assert first_refused_position(build(name, config)) == max_positions
+    assert first_refused_position(build("binary", config, bits=5)) == 32
+
+
+class LengthNormalisedInteger(PositionalScheme):
+    """Seed 000's normalised integer encoding, p / T: bounded but length-dependent."""
+
+    name = "normalised-integer"
+
+    def embedding(self, positions: torch.Tensor) -> torch.Tensor:
+        value = positions.float() / positions.shape[-1]
+        return value.unsqueeze(-1).expand(*positions.shape, self.config.d_model)
+
+
+def test_length_dependence_is_detected() -> None:
+    row = measure_requirements(LengthNormalisedInteger(SMALL, None), 16)
+    assert row.length_independent is False
+    assert row.length_drift == pytest.approx(0.5 * 15 / 15, rel=1e-6)
+    assert row.bounded is True
