@@ -54,6 +54,12 @@ class KVCache:
         offsets = torch.arange(n_new)
         positions = start.unsqueeze(1) + offsets  # [B, T]
         counts = torch.full_like(start, n_new) if new_counts is None else new_counts.cpu()
+        # A count above n_new would advance the row's length over slots that were never written.
+        if counts.shape != start.shape or bool(((counts < 0) | (counts > n_new)).any()):
+            raise ValueError(
+                f"new_counts must give each of the {len(start)} rows a count in 0..{n_new}, "
+                f"got {counts.tolist()}"
+            )
         if new_counts is not None:
             last_real = start + (counts - 1).clamp(min=0)
             positions = torch.minimum(positions, last_real.unsqueeze(1))

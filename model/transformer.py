@@ -171,6 +171,11 @@ class Transformer(nn.Module):
             key_positions = positions[0]
         else:
             plan = cache.positions(rows or slice(0, batch), length, new_counts)
+            if plan.positions.shape[0] != batch:
+                raise ValueError(
+                    f"rows={rows} selects {plan.positions.shape[0]} cache rows for a batch of "
+                    f"{batch} rows"
+                )
             positions = plan.positions.to(device)  # [B, T]
             key_positions = torch.arange(plan.key_length, device=device)
 
