@@ -1,0 +1,193 @@
+"""Generating text with the KV cache: prefill once, then one cached step per new token.
+
+``SequenceState`` is the per-sequence bookkeeping shared by offline ``generate()`` and the
+service's continuous-batching engine: it appends sampled tokens, turns them into text that never
+splits a UTF-8 character, and stops on EOS, a stop string (never partly emitted) or the token
+budget.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from tokenizers import Tokenizer
+
+from model.cache import KVCache
+from model.sampling import RowSampler, SamplingBatch, SamplingParams
+from model.tokenizer import IncrementalDecoder, special_ids
+from model.transformer import Transformer
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+class StopMatcher:
+    """Finds stop strings in streamed text, holding back any tail that could start one."""
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.stops = [stop for stop in stops if stop]
+        self.pending = ""
+
+    def push(self, text: str) -> tuple[str, bool]:
+        """Add ``text``; return (text safe to emit now, whether a stop string was reached)."""
+        self.pending += text
+        hits = [index for stop in self.stops if (index := self.pending.find(stop)) >= 0]
+        if hits:
+            emitted, self.pending = self.pending[: min(hits)], ""
+            return emitted, True
+        held = self._longest_partial_stop()
+        cut = len(self.pending) - held
+        emitted, self.pending = self.pending[:cut], self.pending[cut:]
+        return emitted, False
+
+    def flush(self) -> str:
+        """Release held-back text once the sequence ends for another reason."""
+        emitted, self.pending = self.pending, ""
+        return emitted
+
+    def _longest_partial_stop(self) -> int:
+        longest = 0
+        for stop in self.stops:
+            for size in range(min(len(stop) - 1, len(self.pending)), longest, -1):
+                if self.pending.endswith(stop[:size]):
+                    longest = size
+                    break
+        return longest
+
+
+@dataclass
+class SequenceState:
+    """One sequence being generated: its tokens, its text so far and why it stopped."""
+
+    prompt_ids: list[int]
+    max_new_tokens: int
+    decoder: IncrementalDecoder
+    stop: StopMatcher
+    eos_id: int
+    generated_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None  # "stop" | "length" once finished
+
+    @classmethod
+    def start(
+        cls,
+        tokenizer: Tokenizer,
+        prompt_ids: list[int],
+        max_new_tokens: int,
+        stop: Sequence[str] = (),
+    ) -> SequenceState:
+        return cls(
+            prompt_ids=list(prompt_ids),
+            max_new_tokens=max_new_tokens,
+            decoder=IncrementalDecoder(tokenizer),
+            stop=StopMatcher(stop),
+            eos_id=special_ids(tokenizer).eos,
+        )
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def append(self, token_id: int) -> str:
+        """Record a sampled token; return the text it completes (may be empty)."""
+        self.generated_ids.append(token_id)
+        if token_id == self.eos_id:
+            text, reason = self.decoder.flush(), "stop"
+        else:
+            text, reason = self.decoder.push(token_id), None
+            if len(self.generated_ids) >= self.max_new_tokens:
+                text, reason = text + self.decoder.flush(), "length"
+        emitted, hit_stop = self.stop.push(text)
+        if hit_stop:
+            reason = "stop"
+        elif reason is not None:
+            emitted += self.stop.flush()  # nothing more can complete a stop string
+        self.text += emitted
+        self.finish_reason = reason
+        return emitted
+
+
+@dataclass(frozen=True)
+class Completion:
+    prompt_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+
+
+def encode_prompt(tokenizer: Tokenizer, prompt: str | Sequence[int]) -> list[int]:
+    """Token ids for a prompt, starting with <|bos|> as every training sequence does."""
+    bos = special_ids(tokenizer).bos
+    ids = tokenizer.encode(prompt).ids if isinstance(prompt, str) else list(prompt)
+    return ids if ids[:1] == [bos] else [bos, *ids]
+
+
+@torch.inference_mode()
+def generate(
+    model: Transformer,
+    tokenizer: Tokenizer,
+    prompts: Sequence[str | Sequence[int]],
+    *,
+    max_new_tokens: int = 64,
+    sampling: SamplingParams | Sequence[SamplingParams] = GREEDY,
+    stop: Sequence[str] = (),
+) -> list[Completion]:
+    """Generate a completion for each prompt, all rows decoded together with one KV cache.
+
+    Prompts of different lengths are prefilled in one ragged pass; then each step runs one cached
+    forward for the whole batch. A row stops on <|eos|>, a stop string or ``max_new_tokens``.
+    ``sampling`` is one SamplingParams for all rows or one per row.
+    """
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be ≥ 1, got {max_new_tokens}")
+    params = [sampling] * len(prompts) if isinstance(sampling, SamplingParams) else list(sampling)
+    if len(params) != len(prompts):
+        raise ValueError(f"got {len(params)} sampling settings for {len(prompts)} prompts")
+    states = [
+        SequenceState.start(tokenizer, encode_prompt(tokenizer, p), max_new_tokens, stop)
+        for p in prompts
+    ]
+    longest = max(len(state.prompt_ids) for state in states)
+    limit = model.positional.max_positions
+    if limit is not None and longest + max_new_tokens > limit:
+        raise ValueError(
+            f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
+            f"'{model.config.scheme}' scheme's max_positions ({limit})"
+        )
+
+    device = model.token_embedding.weight.device
+    cache = KVCache(
+        model.config,
+        len(states),
+        longest + max_new_tokens,
+        device,
+        model.token_embedding.weight.dtype,
+    )
+    pad = special_ids(tokenizer).pad
+    prompt_batch = torch.full((len(states), longest), pad, dtype=torch.long)
+    for row, state in enumerate(states):
+        prompt_batch[row, : len(state.prompt_ids)] = torch.tensor(state.prompt_ids)
+    counts = torch.tensor([len(state.prompt_ids) for state in states])
+    logits = model(prompt_batch.to(device), cache, new_counts=counts, last_only=True)
+
+    sampler = SamplingBatch([RowSampler(p) for p in params], device)
+    seen = None
+    if sampler.uses_penalty:
+        seen = torch.zeros(len(states), model.config.vocab_size, dtype=torch.bool, device=device)
+        seen.scatter_(1, prompt_batch.to(device), True)
+    for _ in range(max_new_tokens):
+        next_ids = sampler.sample(logits, seen)
+        for state, token in zip(states, next_ids.tolist(), strict=True):
+            if not state.finished:
+                state.append(token)
+        if all(state.finished for state in states):
+            break
+        if seen is not None:
+            seen.scatter_(1, next_ids.unsqueeze(1), True)
+        logits = model(next_ids.unsqueeze(1), cache, last_only=True)
+
+    return [
+        Completion(s.prompt_ids, s.generated_ids, s.text, s.finish_reason or "length")
+        for s in states
+    ]
