@@ -84,7 +84,9 @@ class RotaryPositions(PositionalScheme):
         self.position_divisor = 1.0
         if params.scaling == "linear":  # position interpolation: squeeze positions into range
             self.position_divisor = params.scaling_factor
-        elif params.scaling == "ntk":  # NTK-aware: stretch the low frequencies, keep the high
+        elif params.scaling == "ntk" and rotary_dim > 2:
+            # NTK-aware: stretch the low frequencies, keep the highest. A single pair has only
+            # the highest frequency (base**0 = 1), so there is nothing to stretch.
             self.base = params.base * params.scaling_factor ** (rotary_dim / (rotary_dim - 2))
 
     def rotation(self, positions: Tensor) -> Rotation:
