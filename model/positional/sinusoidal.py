@@ -39,6 +39,11 @@ class SinusoidalPositions(PositionalScheme):
     name = "sinusoidal"
     Params = SinusoidalParams
 
+    def __init__(self, config, params: SinusoidalParams) -> None:
+        super().__init__(config, params)
+        if config.d_model % 2:  # refuse at build time, not at the first forward pass
+            raise ValueError(f"the sinusoidal scheme needs an even d_model, got {config.d_model}")
+
     def embedding(self, positions: Tensor) -> Tensor:
         encoding = sinusoidal_encoding(positions, self.config.d_model, self.params.base)
         return encoding * self.params.scale
