@@ -8,7 +8,7 @@ budget.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -124,6 +124,53 @@ def encode_prompt(tokenizer: Tokenizer, prompt: str | Sequence[int]) -> list[int
 
 
 @torch.inference_mode()
+def decode_tokens(
+    model: Transformer,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    sampler: SamplingBatch,
+    pad_id: int = 0,
+) -> Iterator[torch.Tensor]:
+    """Prefill ``prompts`` in one ragged pass, then yield the next token ids [B] at every step.
+
+    Each step is one cached forward for the whole batch; at most ``max_new_tokens`` steps.
+    Stop iterating to stop decoding (rows that finished early simply have their tokens ignored).
+    """
+    longest = max(len(prompt) for prompt in prompts)
+    limit = model.positional.max_positions
+    if limit is not None and longest + max_new_tokens > limit:
+        raise ValueError(
+            f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
+            f"'{model.config.scheme}' scheme's max_positions ({limit})"
+        )
+    weight = model.token_embedding.weight
+    cache = KVCache(
+        model.config, len(prompts), longest + max_new_tokens, weight.device, weight.dtype
+    )
+    prompt_batch = torch.full((len(prompts), longest), pad_id, dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        prompt_batch[row, : len(prompt)] = torch.as_tensor(prompt)
+    counts = torch.tensor([len(prompt) for prompt in prompts])
+    prompt_batch = prompt_batch.to(weight.device)
+    logits = model(prompt_batch, cache, new_counts=counts, last_only=True)
+
+    seen = None
+    if sampler.uses_penalty:
+        seen = torch.zeros(len(prompts), model.config.vocab_size, dtype=torch.bool)
+        for row, prompt in enumerate(prompts):
+            seen[row, torch.as_tensor(prompt)] = True
+        seen = seen.to(weight.device)
+    for step in range(max_new_tokens):
+        next_ids = sampler.sample(logits, seen)
+        yield next_ids
+        if step + 1 == max_new_tokens:
+            return
+        if seen is not None:
+            seen.scatter_(1, next_ids.unsqueeze(1), True)
+        logits = model(next_ids.unsqueeze(1), cache, last_only=True)
+
+
+@torch.inference_mode()
 def generate(
     model: Transformer,
     tokenizer: Tokenizer,
@@ -148,45 +195,16 @@ def generate(
         SequenceState.start(tokenizer, encode_prompt(tokenizer, p), max_new_tokens, stop)
         for p in prompts
     ]
-    longest = max(len(state.prompt_ids) for state in states)
-    limit = model.positional.max_positions
-    if limit is not None and longest + max_new_tokens > limit:
-        raise ValueError(
-            f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
-            f"'{model.config.scheme}' scheme's max_positions ({limit})"
-        )
-
-    device = model.token_embedding.weight.device
-    cache = KVCache(
-        model.config,
-        len(states),
-        longest + max_new_tokens,
-        device,
-        model.token_embedding.weight.dtype,
+    sampler = SamplingBatch([RowSampler(p) for p in params], model.token_embedding.weight.device)
+    steps = decode_tokens(
+        model, [s.prompt_ids for s in states], max_new_tokens, sampler, special_ids(tokenizer).pad
     )
-    pad = special_ids(tokenizer).pad
-    prompt_batch = torch.full((len(states), longest), pad, dtype=torch.long)
-    for row, state in enumerate(states):
-        prompt_batch[row, : len(state.prompt_ids)] = torch.tensor(state.prompt_ids)
-    counts = torch.tensor([len(state.prompt_ids) for state in states])
-    logits = model(prompt_batch.to(device), cache, new_counts=counts, last_only=True)
-
-    sampler = SamplingBatch([RowSampler(p) for p in params], device)
-    seen = None
-    if sampler.uses_penalty:
-        seen = torch.zeros(len(states), model.config.vocab_size, dtype=torch.bool, device=device)
-        seen.scatter_(1, prompt_batch.to(device), True)
-    for _ in range(max_new_tokens):
-        next_ids = sampler.sample(logits, seen)
+    for next_ids in steps:
         for state, token in zip(states, next_ids.tolist(), strict=True):
             if not state.finished:
                 state.append(token)
         if all(state.finished for state in states):
             break
-        if seen is not None:
-            seen.scatter_(1, next_ids.unsqueeze(1), True)
-        logits = model(next_ids.unsqueeze(1), cache, last_only=True)
-
     return [
         Completion(s.prompt_ids, s.generated_ids, s.text, s.finish_reason or "length")
         for s in states
