@@ -1,0 +1,145 @@
+"""In-process decode speed: tokens/s for every scheme, and against Hugging Face ``generate``.
+
+For each model size (the shipped checkpoints' config, and 4 layers / 256 dims / 4 heads / vocab
+4096) and batch size (1 and 32): a 32-token prompt, 256 new tokens, greedy, EOS ignored, timed
+after a warm-up run. Hugging Face transformers' ``GPT2LMHeadModel.generate`` runs at identical
+dimensions (random weights, built from a config, nothing downloaded) against our ``learned``
+scheme, which is GPT-2's architecture, and the ratio is reported from the same run.
+
+    python -m bench.decode --out bench/results/decode.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from model.config import ModelConfig
+from model.generate import decode_tokens
+from model.positional import SCHEMES
+from model.sampling import RowSampler, SamplingBatch, SamplingParams
+from model.transformer import Transformer
+
+PROMPT_TOKENS = 32
+NEW_TOKENS = 256
+BATCHES = (1, 32)
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def model_sizes(checkpoints: Path) -> dict[str, dict[str, Any]]:
+    """The architectures to time: the shipped one (from a checkpoint's config) and a larger one."""
+    shipped = json.loads((checkpoints / "rope" / "config.json").read_text())
+    shipped.pop("positional")
+    shipped.pop("dtype")
+    larger = {
+        **shipped,
+        "vocab_size": 4096,
+        "d_model": 256,
+        "n_layers": 4,
+        "n_heads": 4,
+        "d_ff": 1024,
+    }
+    for size in (shipped, larger):
+        size["max_positions"] = max(size["max_positions"], PROMPT_TOKENS + NEW_TOKENS)
+    return {"shipped": shipped, "4L-256d-v4096": larger}
+
+
+def time_ours(config: ModelConfig, batch: int, repeats: int) -> float:
+    """Best-of-``repeats`` tokens/s of our cached greedy decode."""
+    torch.manual_seed(0)
+    model = Transformer(config).eval()
+    prompts = torch.randint(3, config.vocab_size, (batch, PROMPT_TOKENS)).tolist()
+
+    def once() -> float:
+        sampler = SamplingBatch([RowSampler(GREEDY) for _ in range(batch)])
+        start = time.perf_counter()
+        for _ in decode_tokens(model, prompts, NEW_TOKENS, sampler):
+            pass
+        return time.perf_counter() - start
+
+    once()  # warm-up: allocator, kernels
+    return batch * NEW_TOKENS / min(once() for _ in range(repeats))
+
+
+def time_transformers(config: ModelConfig, batch: int, repeats: int) -> float | None:
+    """Best-of-``repeats`` tokens/s of transformers' GPT-2 ``generate`` at the same dimensions."""
+    try:
+        from transformers import GPT2Config, GPT2LMHeadModel
+    except ImportError:
+        return None
+    torch.manual_seed(0)
+    gpt2 = GPT2LMHeadModel(
+        GPT2Config(
+            vocab_size=config.vocab_size,
+            n_positions=config.max_positions,
+            n_embd=config.d_model,
+            n_layer=config.n_layers,
+            n_head=config.n_heads,
+            n_inner=config.d_ff,
+            attn_pdrop=0.0,
+            embd_pdrop=0.0,
+            resid_pdrop=0.0,
+        )
+    ).eval()
+    prompts = torch.randint(3, config.vocab_size, (batch, PROMPT_TOKENS))
+
+    def once() -> float:
+        start = time.perf_counter()
+        with torch.inference_mode():
+            gpt2.generate(
+                prompts,
+                attention_mask=torch.ones_like(prompts),
+                do_sample=False,
+                max_new_tokens=NEW_TOKENS,
+                min_new_tokens=NEW_TOKENS,
+                pad_token_id=0,
+            )
+        return time.perf_counter() - start
+
+    once()
+    return batch * NEW_TOKENS / min(once() for _ in range(repeats))
+
+
+def run(checkpoints: Path, repeats: int, schemes: list[str]) -> dict[str, Any]:
+    results: dict[str, Any] = {
+        "threads": torch.get_num_threads(),
+        "prompt_tokens": PROMPT_TOKENS,
+        "new_tokens": NEW_TOKENS,
+        "sizes": {},
+    }
+    for size_name, fields in model_sizes(checkpoints).items():
+        rows: dict[str, Any] = {}
+        for scheme in schemes:
+            config = ModelConfig.from_dict({**fields, "positional": {"scheme": scheme}})
+            rows[scheme] = {f"batch_{b}": time_ours(config, b, repeats) for b in BATCHES}
+            print(size_name, scheme, {k: round(v) for k, v in rows[scheme].items()}, flush=True)
+        # GPT-2's exact layout (learned positions, biases everywhere) for the reference ratio.
+        gpt2_layout = ModelConfig.from_dict(
+            {**fields, "positional": {"scheme": "learned"}, "bias": True}
+        )
+        rows["learned+bias"] = {f"batch_{b}": time_ours(gpt2_layout, b, repeats) for b in BATCHES}
+        reference = {f"batch_{b}": time_transformers(gpt2_layout, b, repeats) for b in BATCHES}
+        print(size_name, "transformers", reference, flush=True)
+        results["sizes"][size_name] = {"config": fields, "ours": rows, "transformers": reference}
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--checkpoints", type=Path, default=Path("checkpoints"))
+    parser.add_argument("--out", type=Path, default=Path("bench/results/decode.json"))
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--schemes", nargs="+", default=list(SCHEMES))
+    args = parser.parse_args()
+    results = run(args.checkpoints, args.repeats, args.schemes)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
