@@ -30,5 +30,19 @@ format: $(STAMP)
 serve: $(STAMP)
 	$(VENV)/bin/ordinal serve
 
+# Rebuilds every shipped checkpoint (about 9 minutes each on 2 CPU cores), then scores them.
+SCHEMES := none integer binary sinusoidal learned rope alibi t5 mds lowrank
+checkpoints: $(STAMP)
+	for scheme in $(SCHEMES); do \
+		$(VENV)/bin/ordinal train --scheme $$scheme --out checkpoints/$$scheme || exit 1; \
+	done
+	$(VENV)/bin/ordinal eval $(addprefix checkpoints/,$(SCHEMES)) \
+		--plot checkpoints/loss_by_position.png
+
+# Speed figures into docs/benchmarks.md (transformers is a bench-only extra).
+bench: $(STAMP)
+	$(PY) -m pip install --quiet -e '.[bench]'
+	$(PY) -m bench.run
+
 clean:
 	rm -rf $(VENV) .pytest_cache

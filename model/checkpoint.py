@@ -20,6 +20,7 @@ from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 
 from model.config import ConfigError, ModelConfig
+from model.tokenizer import load_tokenizer
 from model.transformer import Transformer
 
 CONFIG_FILE = "config.json"
@@ -85,6 +86,8 @@ def save_checkpoint(
                 if extra.name not in CHECKPOINT_FILES and extra.is_file():
                     shutil.copy2(extra, staging / extra.name)
         _fsync_folder(staging)
+        for file in staging.iterdir():
+            file.chmod(0o644)
         _swap_in(staging, path)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -135,7 +138,7 @@ def load_checkpoint(
     if config.tie_embeddings:
         tensors["lm_head.weight"] = tensors["token_embedding.weight"]
 
-    tokenizer = Tokenizer.from_file(str(path / TOKENIZER_FILE))
+    tokenizer = load_tokenizer(path / TOKENIZER_FILE)
     if tokenizer.get_vocab_size() > config.vocab_size:
         raise CheckpointError(
             f"{path / TOKENIZER_FILE} has {tokenizer.get_vocab_size()} tokens but the model's "

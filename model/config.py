@@ -125,6 +125,7 @@ def write_json_atomic(path: str | Path, data: Any) -> None:
         with os.fdopen(fd, "w") as handle:
             json.dump(data, handle, indent=2)
             handle.write("\n")
+        os.chmod(tmp, 0o644)  # mkstemp makes it private; checkpoints are shared read-only
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
