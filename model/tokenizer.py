@@ -112,8 +112,10 @@ class IncrementalDecoder:
     (which a sampled sequence can contain) come out as U+FFFD, never as broken UTF-8.
     """
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
-        self._bytes = token_bytes(tokenizer)
+    def __init__(self, tokenizer: Tokenizer, table: Sequence[bytes] | None = None) -> None:
+        # ``table`` is token_bytes(tokenizer) computed once and shared: building it walks the
+        # whole vocabulary (~0.1 s for 2048 ids), too slow to repeat for every request served.
+        self._bytes = token_bytes(tokenizer) if table is None else table
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def push(self, token_id: int) -> str:
