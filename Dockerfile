@@ -1,0 +1,41 @@
+# The ordinal server, CPU build by default. Checkpoints are not baked in: mount them at
+# /app/checkpoints (docker-compose.yml does, read-only).
+#
+#   docker build -t ordinal .
+#   docker run -p 8000:8000 -v "$PWD/checkpoints:/app/checkpoints:ro" ordinal
+#
+# For a CUDA build take torch from PyPI, whose Linux wheels bundle the CUDA runtime:
+#   docker build --build-arg TORCH_INDEX_URL=https://pypi.org/simple -t ordinal:cuda .
+FROM python:3.11-slim
+
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+
+WORKDIR /app
+
+# torch on its own layer, before the code: it is by far the largest download, and the default
+# PyPI wheel would bring several GB of CUDA libraries that a CPU image never uses.
+RUN pip install torch==2.13.0 --index-url "${TORCH_INDEX_URL}"
+
+# Only what `pip install .` needs; tests, runs and checkpoints stay out of the image.
+COPY pyproject.toml README.md ./
+COPY model ./model
+COPY server ./server
+COPY clients ./clients
+RUN pip install .
+
+RUN useradd --create-home --uid 10001 ordinal
+USER ordinal
+
+ENV ORDINAL_CHECKPOINTS=/app/checkpoints
+EXPOSE 8000
+
+# The slim image has no curl; urlopen raises (so python exits non-zero) on any non-2xx answer.
+HEALTHCHECK --interval=30s --timeout=5s --start-period=60s --retries=3 \
+    CMD python -c "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:' + os.environ.get('ORDINAL_PORT', '8000') + '/health', timeout=4)"
+
+CMD ["ordinal", "serve", "--host", "0.0.0.0"]

@@ -1,0 +1,299 @@
+"""The deployment files: Dockerfile, .dockerignore and docker-compose.yml.
+
+No Docker engine runs here, so the files are checked for what the project relies on: the compose
+file against a JSON schema of those parts (and by ``docker compose config`` when a compose tool is
+installed), its settings against the server's real ones, and both health checks by running them
+against a small local HTTP server.
+"""
+
+from __future__ import annotations
+
+import http.server
+import json
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+CPU_TORCH_INDEX = "https://download.pytorch.org/whl/cpu"
+SERVE_COMMAND = ["ordinal", "serve", "--host", "0.0.0.0"]
+CHECKPOINTS_MOUNT = "./checkpoints:/app/checkpoints:ro"
+DURATION = {"type": "string", "pattern": r"^\d+(ms|s|m|h)$"}
+
+HEALTHCHECK_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": ["test", "interval", "timeout", "retries", "start_period"],
+    "properties": {
+        "test": {
+            "type": "array",
+            "items": {"type": "string"},
+            "prefixItems": [{"enum": ["CMD", "CMD-SHELL"]}],
+            "contains": {"pattern": "/health"},
+        },
+        "interval": DURATION,
+        "timeout": DURATION,
+        "start_period": DURATION,
+        "retries": {"type": "integer", "minimum": 1},
+    },
+}
+SERVICE_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": ["build", "ports", "volumes", "environment", "healthcheck", "restart"],
+    "properties": {
+        "build": {
+            "type": "object",
+            "required": ["context"],
+            "properties": {"context": {"const": "."}, "dockerfile": {"const": "Dockerfile"}},
+        },
+        "ports": {"type": "array", "minItems": 1, "items": {"pattern": r"^\d+:\d+$"}},
+        # Every mount read-only, the checkpoints among them.
+        "volumes": {
+            "type": "array",
+            "items": {"type": "string", "pattern": ":ro$"},
+            "contains": {"const": CHECKPOINTS_MOUNT},
+        },
+        "environment": {
+            "type": "object",
+            "propertyNames": {"pattern": "^ORDINAL_[A-Z0-9_]+$"},
+            "additionalProperties": {"type": ["string", "null"]},
+        },
+        "healthcheck": HEALTHCHECK_SCHEMA,
+        "restart": {"const": "unless-stopped"},
+    },
+}
+
+
+def at(path: str, schema: dict[str, Any]) -> dict[str, Any]:
+    """A schema requiring ``schema`` at the dotted ``path`` of nested objects."""
+    for key in reversed(path.split(".")):
+        schema = {"type": "object", "required": [key], "properties": {key: schema}}
+    return schema
+
+
+NVIDIA_GPU = {
+    "required": ["driver", "count", "capabilities"],
+    "properties": {
+        "driver": {"const": "nvidia"},
+        "count": {"const": 1},
+        "capabilities": {"contains": {"const": "gpu"}},
+    },
+}
+GPU_SCHEMA: dict[str, Any] = {
+    "allOf": [
+        at("profiles", {"const": ["gpu"]}),
+        at("environment.ORDINAL_DEVICE", {"const": "cuda"}),
+        at("environment.ORDINAL_DTYPE", {"const": "bfloat16"}),
+        at("deploy.resources.reservations.devices", {"type": "array", "contains": NVIDIA_GPU}),
+    ]
+}
+COMPOSE_SCHEMA: dict[str, Any] = {
+    "$schema": "https://json-schema.org/draft/2020-12/schema",
+    "type": "object",
+    "required": ["services"],
+    "properties": {
+        "services": {
+            "type": "object",
+            "required": ["ordinal", "ordinal-gpu"],
+            "properties": {
+                "ordinal": {
+                    "allOf": [SERVICE_SCHEMA],
+                    "properties": {"ports": {"contains": {"const": "8000:8000"}}},
+                    "not": {"required": ["profiles"]},  # `docker compose up` must start it
+                },
+                "ordinal-gpu": {"allOf": [SERVICE_SCHEMA, GPU_SCHEMA]},
+            },
+        }
+    },
+}
+
+
+def load_compose() -> dict[str, Any]:
+    return yaml.safe_load((REPO / "docker-compose.yml").read_text())
+
+
+def interpolate(value: str | None) -> str | None:
+    """The value compose gives ``${NAME:-default}`` when NAME is unset (tests run unset)."""
+    if value is None:
+        return None
+    return re.sub(r"\$\{[A-Z0-9_]+:-([^}]*)\}", r"\1", value)
+
+
+def dockerfile_instructions() -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) in order, with continuation lines joined and comments dropped."""
+    text = (REPO / "Dockerfile").read_text()
+    lines = [line for line in text.splitlines() if not line.lstrip().startswith("#")]
+    joined = re.sub(r"\\\n\s*", " ", "\n".join(lines))
+    pairs = [line.strip().split(maxsplit=1) for line in joined.splitlines() if line.strip()]
+    return [(pair[0].upper(), pair[1] if len(pair) > 1 else "") for pair in pairs]
+
+
+def expand_build_args(instructions: list[tuple[str, str]], text: str) -> str:
+    """``text`` with ``${ARG}`` replaced by the ARG defaults declared in the Dockerfile."""
+    defaults = dict(arg.split("=", 1) for name, arg in instructions if name == "ARG" and "=" in arg)
+    return re.sub(r"\$\{(\w+)\}", lambda match: defaults.get(match[1], match[0]), text)
+
+
+def test_compose_file_has_the_parts_we_rely_on() -> None:
+    jsonschema.validate(load_compose(), COMPOSE_SCHEMA)
+
+
+MISTAKES = {
+    "writable checkpoints": ("ordinal", "volumes", ["./checkpoints:/app/checkpoints"]),
+    "healthcheck off /health": ("ordinal", "healthcheck", {"test": ["CMD", "true"]}),
+    "unprefixed setting": ("ordinal", "environment", {"PORT": "8000"}),
+    "gpu always on": ("ordinal-gpu", "profiles", []),
+    "gpu without device": ("ordinal-gpu", "deploy", {"resources": {}}),
+}
+
+
+@pytest.mark.parametrize("mistake", MISTAKES)
+def test_compose_schema_rejects_mistakes(mistake: str) -> None:
+    service, key, value = MISTAKES[mistake]
+    compose = load_compose()
+    compose["services"][service][key] = value
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(compose, COMPOSE_SCHEMA)
+
+
+@pytest.mark.parametrize("service", ["ordinal", "ordinal-gpu"])
+def test_compose_environment_is_valid_settings(
+    service: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from server.settings import Settings
+
+    environment = load_compose()["services"][service]["environment"]
+    # pydantic-settings ignores unknown ORDINAL_* variables, so names are checked by hand.
+    prefix = Settings.model_config["env_prefix"]
+    known = {prefix + name.upper() for name in Settings.model_fields}
+    assert set(environment) <= known, f"not settings: {sorted(set(environment) - known)}"
+    for name in known:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in environment.items():
+        if value is not None:  # no value: passed through from the host shell
+            monkeypatch.setenv(name, interpolate(value))
+    settings = Settings()  # raises, naming the field, on a value the server would refuse
+    assert str(settings.checkpoints) == CHECKPOINTS_MOUNT.split(":")[1]
+
+
+def test_containers_listen_where_ports_and_healthcheck_point() -> None:
+    exposed = {arg for name, arg in dockerfile_instructions() if name == "EXPOSE"}
+    for service in load_compose()["services"].values():
+        container_ports = {mapping.split(":")[-1] for mapping in service["ports"]}
+        assert container_ports == {interpolate(service["environment"]["ORDINAL_PORT"])}
+        assert container_ports <= exposed
+
+
+def compose_tool() -> list[str] | None:
+    """The installed compose command: the docker plugin, else the standalone docker-compose."""
+    if shutil.which("docker"):
+        plugin = subprocess.run(["docker", "compose", "version"], capture_output=True)
+        if plugin.returncode == 0:
+            return ["docker", "compose"]
+    return ["docker-compose"] if shutil.which("docker-compose") else None
+
+
+@pytest.mark.skipif(compose_tool() is None, reason="no compose tool; the schema test covers it")
+def test_compose_tool_accepts_the_file() -> None:
+    compose = compose_tool() or []
+    result = subprocess.run(
+        [*compose, "--profile", "gpu", "config", "-q"], cwd=REPO, capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr
+
+
+def test_dockerfile_installs_cpu_torch_before_the_project() -> None:
+    instructions = dockerfile_instructions()
+    assert instructions[0] == ("FROM", "python:3.11-slim")
+    runs = [expand_build_args(instructions, arg) for name, arg in instructions if name == "RUN"]
+    torch_at = next(i for i, run in enumerate(runs) if "torch==" in run)
+    assert "pip install torch==2.13.0" in runs[torch_at]
+    assert f"--index-url {CPU_TORCH_INDEX}" in re.sub("[\"']", "", runs[torch_at])
+    # Installed later, the project would pull the multi-GB CUDA torch from PyPI first.
+    project_at = next(i for i, run in enumerate(runs) if re.search(r"pip install \.(\s|$)", run))
+    assert torch_at < project_at
+
+
+def test_dockerfile_serves_as_a_non_root_user() -> None:
+    instructions = dockerfile_instructions()
+    users = [arg for name, arg in instructions if name == "USER"]
+    assert users and users[-1] not in {"root", "0"}
+    assert ("EXPOSE", "8000") in instructions
+    cmd = [arg for name, arg in instructions if name == "CMD"]
+    assert cmd and json.loads(cmd[-1]) == SERVE_COMMAND  # exec form is a JSON list
+
+
+def test_image_leaves_out_checkpoints_and_local_state() -> None:
+    copied = [arg.split()[:-1] for name, arg in dockerfile_instructions() if name == "COPY"]
+    sources = {Path(source).parts[0] for sources in copied for source in sources}
+    assert not sources & {".", "checkpoints", "runs", ".venv"}
+    ignored = {line.strip() for line in (REPO / ".dockerignore").read_text().splitlines()}
+    assert {".venv", "runs", ".git", "checkpoints", "**/__pycache__"} <= ignored
+
+
+def test_serve_command_is_accepted_by_the_cli() -> None:
+    from server.cli import build_parser
+
+    args = build_parser().parse_args(SERVE_COMMAND[1:])
+    assert (args.command, args.host) == ("serve", "0.0.0.0")
+
+
+class HealthHandler(http.server.BaseHTTPRequestHandler):
+    status = 200
+
+    def do_GET(self) -> None:
+        self.send_response(self.status if self.path == "/health" else 404)
+        self.end_headers()
+
+    def log_message(self, *args: object) -> None:
+        pass  # keep pytest output clean
+
+
+@pytest.fixture
+def health_server() -> Iterator[http.server.HTTPServer]:
+    # A subclass per test, so setting the status never leaks into another test.
+    handler = type("Handler", (HealthHandler,), {"status": 200})
+    server = http.server.HTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server
+    server.shutdown()
+    server.server_close()
+
+
+def healthcheck_commands() -> dict[str, list[str]]:
+    dockerfile = next(arg for name, arg in dockerfile_instructions() if name == "HEALTHCHECK")
+    dockerfile_command = shlex.split(dockerfile.split(" CMD ", 1)[1])
+    compose = load_compose()["services"]["ordinal"]["healthcheck"]["test"]
+    return {"Dockerfile": dockerfile_command, "docker-compose.yml": compose[1:]}
+
+
+@pytest.mark.parametrize("source", ["Dockerfile", "docker-compose.yml"])
+@pytest.mark.parametrize(("status", "healthy"), [(200, True), (503, False), (None, False)])
+def test_healthcheck_passes_only_when_health_answers_ok(
+    health_server: http.server.HTTPServer, source: str, status: int | None, healthy: bool
+) -> None:
+    command = healthcheck_commands()[source]
+    assert command[0] == "python"  # the slim image has no curl
+    port = health_server.server_address[1]
+    if status is None:  # nothing listening: free the port first
+        health_server.shutdown()
+        health_server.server_close()
+    else:
+        health_server.RequestHandlerClass.status = status  # type: ignore[attr-defined]
+    result = subprocess.run(
+        [sys.executable, *command[1:]],
+        env={"ORDINAL_PORT": str(port)},  # and no proxy variables that could divert urllib
+        capture_output=True,
+        timeout=30,
+    )
+    assert (result.returncode == 0) == healthy, result.stderr
