@@ -135,21 +135,36 @@ class ValidationStream:
     """
 
     tokens: torch.Tensor  # [L] long
+    starts: torch.Tensor  # [D] offset of each document in ``tokens``
     characters: int
     special: SpecialIds
 
     def windows(self, window: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Back-to-back windows scoring every token exactly once: inputs, targets [N, window].
+        """Windows scoring every token exactly once, each starting at a document boundary.
 
-        Window j targets ``tokens[j*window : (j+1)*window]`` from inputs ``[bos]`` + the same
-        chunk shifted by one; the last, partial window is padded (target :data:`IGNORE_INDEX`).
+        Returns inputs, targets [N, window]. Whole documents (each with its <|eos|>) are packed
+        into a window while they fit, as training sequences are laid out; a document longer than
+        a window continues in the next one. Inputs are ``[bos]`` + the targets shifted by one;
+        unused room is padding (target :data:`IGNORE_INDEX`).
         """
         _require_positive("window", window)
-        n_windows = -(-len(self.tokens) // window)
-        targets = torch.full((n_windows * window,), IGNORE_INDEX, dtype=torch.long)
-        targets[: len(self.tokens)] = self.tokens
-        targets = targets.view(n_windows, window)
-        bos = torch.full((n_windows, 1), self.special.bos, dtype=torch.long)
+        ends = torch.cat([self.starts[1:], torch.tensor([len(self.tokens)])])
+        chunks: list[tuple[int, int]] = []  # [start, end) of each window's targets
+        chunk_start = 0
+        for start, end in zip(self.starts.tolist(), ends.tolist(), strict=True):
+            if end - chunk_start <= window:
+                continue  # this document still fits in the current window
+            if start > chunk_start:
+                chunks.append((chunk_start, start))
+                chunk_start = start
+            while end - chunk_start > window:  # a document longer than a window
+                chunks.append((chunk_start, chunk_start + window))
+                chunk_start += window
+        chunks.append((chunk_start, len(self.tokens)))
+        targets = torch.full((len(chunks), window), IGNORE_INDEX, dtype=torch.long)
+        for row, (start, end) in enumerate(chunks):
+            targets[row, : end - start] = self.tokens[start:end]
+        bos = torch.full((len(chunks), 1), self.special.bos, dtype=torch.long)
         shifted = targets[:, :-1].masked_fill(targets[:, :-1] == IGNORE_INDEX, self.special.pad)
         return torch.cat([bos, shifted], dim=1), targets
 
@@ -157,8 +172,8 @@ class ValidationStream:
 def validation_stream(tokenizer: Tokenizer, documents: Sequence[str]) -> ValidationStream:
     """Encode the validation documents into one stream and count the characters it stands for."""
     special = special_ids(tokenizer)
-    tokens, _ = _document_stream(encode_documents(tokenizer, documents), special.eos)
-    return ValidationStream(tokens, count_characters(tokenizer, tokens), special)
+    tokens, starts = _document_stream(encode_documents(tokenizer, documents), special.eos)
+    return ValidationStream(tokens, starts, count_characters(tokenizer, tokens), special)
 
 
 def validation_windows(

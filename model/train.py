@@ -57,7 +57,7 @@ DEFAULT_MODEL = {
     "d_ff": 512,
     "context_length": 128,
     "max_positions": 128,
-    "dropout": 0.0,
+    "dropout": 0.1,
     "norm": "layernorm",
     "mlp": "gelu",
     "bias": False,
@@ -78,7 +78,7 @@ DEFAULT_POSITIONAL: dict[str, dict[str, Any]] = {
 class TrainConfig:
     """Optimisation settings; the defaults are the shipped recipe."""
 
-    steps: int = 2200
+    steps: int = 2000
     batch_size: int = 32
     grad_accum: int = 1
     lr: float = 3e-3

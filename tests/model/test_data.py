@@ -126,8 +126,16 @@ def test_validation_windows_score_every_token_exactly_once(tokenizer, corpus, wi
     scored = targets[targets != IGNORE_INDEX]
     assert torch.equal(scored, stream.tokens)
     assert len(stream.tokens) == sum(len(d) + 1 for d in encode_documents(tokenizer, documents))
-    assert inputs.shape == targets.shape == (-(-len(stream.tokens) // window), window)
+    assert inputs.shape == targets.shape and inputs.shape[1] == window
     assert (inputs[:, 0] == stream.special.bos).all()
+    # Windows start at a document boundary, unless they continue a document longer than a window.
+    window_starts = torch.cumsum((targets != IGNORE_INDEX).sum(1), 0) - (
+        targets != IGNORE_INDEX
+    ).sum(1)
+    boundaries = set(stream.starts.tolist())
+    for start in window_starts.tolist():
+        previous_boundary = max(b for b in boundaries if b <= start)
+        assert start in boundaries or start - previous_boundary >= window
     real = targets[:, :-1] != IGNORE_INDEX
     assert torch.equal(inputs[:, 1:][real], targets[:, :-1][real])
     assert (inputs[:, 1:][~real] == stream.special.pad).all()
