@@ -1,0 +1,236 @@
+"""The cached paths of Transformer.forward compute exactly what one full forward pass computes.
+
+For every positional scheme (with randomised parameters, so that a wrong position shows), the
+logits of incremental decoding equal those of a full forward over the same tokens: ragged
+prefill, one-token steps with rows at different positions, ragged and uniform multi-token chunks,
+writes into a slice of a bigger cache, and rows moved inside the cache.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from model.cache import CacheFull, KVCache
+from model.positional import SCHEMES
+from model.transformer import Transformer
+from tests.model.conftest import ALL_SCHEMES, random_model, random_tokens
+
+ATOL = 1e-4
+SEQUENCE_LENGTH = 24
+
+
+def assert_rows_match(
+    logits: torch.Tensor, full: torch.Tensor, starts: torch.Tensor, counts: torch.Tensor
+) -> None:
+    """Row b of ``logits`` [B, T, V] holds positions starts[b] .. starts[b]+counts[b]-1 of
+    ``full`` [B, L, V]; compare those, ignore the padding after them."""
+    for row, (start, count) in enumerate(zip(starts.tolist(), counts.tolist(), strict=True)):
+        expected = full[row, start : start + count]
+        torch.testing.assert_close(logits[row, :count], expected, atol=ATOL, rtol=0)
+
+
+def feed_ragged(
+    model: Transformer,
+    cache: KVCache,
+    tokens: torch.Tensor,
+    counts: torch.Tensor,
+    rows: slice | None = None,
+    pad_token: int = 0,
+) -> torch.Tensor:
+    """Feed row b its next counts[b] tokens of ``tokens`` [B, L] as one right-padded chunk."""
+    row_slice = rows or slice(0, tokens.shape[0])
+    starts = cache.lengths[row_slice].clone()
+    width = int(counts.max())
+    chunk = torch.full((tokens.shape[0], width), pad_token)
+    for row, (start, count) in enumerate(zip(starts.tolist(), counts.tolist(), strict=True)):
+        chunk[row, :count] = tokens[row, start : start + count]
+    return model(chunk, cache, rows=rows, new_counts=counts)
+
+
+def decode_and_compare(
+    model: Transformer, tokens: torch.Tensor, full: torch.Tensor, seed: int
+) -> None:
+    """Ragged prefill, one-token steps at different positions, ragged chunks, then equal-width
+    chunks from different positions; every step's logits must equal ``full``'s."""
+    batch = tokens.shape[0]
+    generator = torch.Generator().manual_seed(seed)
+    cache = KVCache(model.config, batch, SEQUENCE_LENGTH)
+
+    def step(counts: torch.Tensor, ragged: bool) -> None:
+        starts = cache.lengths.clone()
+        if ragged:
+            logits = feed_ragged(model, cache, tokens, counts)
+        else:  # every row writes the same number of tokens, from its own position
+            width = int(counts[0])
+            index = starts.unsqueeze(1) + torch.arange(width)
+            logits = model(tokens.gather(1, index), cache)
+        assert_rows_match(logits, full, starts, counts)
+        assert torch.equal(cache.lengths, starts + counts)
+
+    step(torch.randint(1, 11, (batch,), generator=generator), ragged=True)  # prefill
+    for _ in range(3):
+        step(torch.ones(batch, dtype=torch.long), ragged=False)
+    step(torch.randint(1, 5, (batch,), generator=generator), ragged=True)
+    step(torch.full((batch,), 2), ragged=False)
+
+
+@pytest.mark.parametrize("batch", [1, 32])
+@pytest.mark.parametrize("scheme", ALL_SCHEMES)
+def test_incremental_decoding_equals_full_forward(scheme: str, batch: int) -> None:
+    model = random_model(scheme, seed=1)
+    tokens = random_tokens(batch, SEQUENCE_LENGTH, seed=2)
+    with torch.no_grad():
+        decode_and_compare(model, tokens, model(tokens), seed=3)
+
+
+@pytest.mark.parametrize("scheme", ALL_SCHEMES)
+def test_uniform_rows_take_the_fast_paths_and_agree(scheme: str) -> None:
+    """All rows at one position: causal prefill from 0, a chunk from position 6, single steps."""
+    model = random_model(scheme, seed=4)
+    tokens = random_tokens(3, 12, seed=5)
+    cache = KVCache(model.config, 3, 12)
+    with torch.no_grad():
+        full = model(tokens)
+        pieces = [model(tokens[:, :6], cache), model(tokens[:, 6:9], cache)]
+        pieces += [model(tokens[:, p : p + 1], cache) for p in range(9, 12)]
+    torch.testing.assert_close(torch.cat(pieces, dim=1), full, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("scheme", ALL_SCHEMES)
+def test_last_only_picks_each_rows_last_real_token(scheme: str) -> None:
+    model = random_model(scheme, seed=6)
+    tokens = random_tokens(4, 10, seed=7)
+    counts = torch.tensor([10, 3, 1, 7])
+    cache = KVCache(model.config, 4, 10)
+    with torch.no_grad():
+        full = model(tokens)
+        last = model(tokens, cache, new_counts=counts, last_only=True)
+        uniform_last = model(tokens, last_only=True)
+    torch.testing.assert_close(last, full[torch.arange(4), counts - 1], atol=ATOL, rtol=0)
+    torch.testing.assert_close(uniform_last, full[:, -1], atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("scheme", ALL_SCHEMES)
+def test_writing_into_a_slice_of_a_bigger_cache(scheme: str) -> None:
+    """Rows 2..4 of a 7-row cache serve a batch of 3; the other rows are left untouched."""
+    model = random_model(scheme, seed=8)
+    tokens = random_tokens(3, SEQUENCE_LENGTH, seed=9)
+    neighbours = random_tokens(7, 5, seed=10)
+    cache = KVCache(model.config, 7, SEQUENCE_LENGTH)
+    rows = slice(2, 5)
+    with torch.no_grad():
+        full = model(tokens)
+        model(neighbours, cache)  # fill every row, so a stray write would show
+        cache.lengths[rows] = 0
+        keys_before, lengths_before = cache.keys.clone(), cache.lengths.clone()
+
+        prompt = torch.tensor([4, 9, 1])
+        assert_rows_match(feed_ragged(model, cache, tokens, prompt, rows), full, 0 * prompt, prompt)
+        for _ in range(2):
+            starts = cache.lengths[rows].clone()
+            step = tokens.gather(1, starts.unsqueeze(1))
+            assert_rows_match(model(step, cache, rows=rows), full, starts, torch.ones(3).long())
+
+    outside = [0, 1, 5, 6]
+    assert torch.equal(cache.keys[:, outside], keys_before[:, outside])
+    assert torch.equal(cache.lengths[outside], lengths_before[outside])
+    assert torch.equal(cache.lengths[rows], prompt + 2)
+
+
+@pytest.mark.parametrize("scheme", ALL_SCHEMES)
+def test_move_row_keeps_the_sequence(scheme: str) -> None:
+    """Row 3's (short) sequence moves into row 1, over a longer one whose stale slots remain."""
+    model = random_model(scheme, seed=11)
+    tokens = random_tokens(4, SEQUENCE_LENGTH, seed=12)
+    cache = KVCache(model.config, 4, SEQUENCE_LENGTH)
+    with torch.no_grad():
+        full = model(tokens)
+        feed_ragged(model, cache, tokens, torch.tensor([6, 15, 2, 4]))
+        cache.move_row(3, 1)
+        cache.reset(3)
+        survivors = tokens[[0, 3, 2]]  # cache rows 0, 1, 2 now hold sequences 0, 3, 2
+        expected = full[[0, 3, 2]]
+        for _ in range(3):
+            starts = cache.lengths[:3].clone()
+            logits = model(survivors.gather(1, starts.unsqueeze(1)), cache, rows=slice(0, 3))
+            assert_rows_match(logits, expected, starts, torch.ones(3).long())
+        # a two-token chunk from different positions (non-uniform, no new_counts)
+        starts = cache.lengths[:3].clone()
+        chunk = survivors.gather(1, starts.unsqueeze(1) + torch.arange(2))
+        logits = model(chunk, cache, rows=slice(0, 3))
+    assert_rows_match(logits, expected, starts, torch.full((3,), 2))
+
+
+def test_cache_full_is_raised_before_anything_is_written() -> None:
+    model = random_model("rope", seed=13)
+    tokens = random_tokens(2, 8, seed=14)
+    cache = KVCache(model.config, 2, 8)
+    with torch.no_grad():
+        model(tokens[:, :6], cache)
+        keys = cache.keys.clone()
+        with pytest.raises(CacheFull, match="holds 8 positions"):
+            model(tokens[:, :3], cache)
+        with pytest.raises(CacheFull):  # only row 1's count goes past the end
+            model(tokens[:, :3], cache, new_counts=torch.tensor([2, 3]))
+        assert torch.equal(cache.lengths, torch.tensor([6, 6]))
+        assert torch.equal(cache.keys, keys)
+        model(tokens[:, 6:8], cache)  # exactly filling the cache is fine
+    assert torch.equal(cache.lengths, torch.tensor([8, 8]))
+
+
+def test_cache_rejects_rows_and_counts_that_do_not_fit_the_batch() -> None:
+    model = random_model("rope", seed=15)
+    cache = KVCache(model.config, 6, 16)
+    tokens = random_tokens(2, 3, seed=16)
+    with pytest.raises(ValueError, match="rows"):
+        model(tokens, cache, rows=slice(2, 5))
+    with pytest.raises(ValueError, match="new_counts"):
+        model(tokens, cache, new_counts=torch.tensor([1, 4]))  # more than the 3 tokens given
+    with pytest.raises(ValueError, match="new_counts"):
+        model(tokens, cache, new_counts=torch.tensor([1, 2, 3]))
+    assert torch.equal(cache.lengths, torch.zeros(6, dtype=torch.long))
+
+
+@pytest.mark.parametrize("scheme", [s for s in ALL_SCHEMES if s != "none"])
+def test_randomised_positions_move_the_logits(scheme: str) -> None:
+    """The equality tests above would be vacuous if positions hardly mattered: removing the
+    scheme from the randomised model must change its logits far beyond the tolerance."""
+    model = random_model(scheme, seed=17)
+    tokens = random_tokens(2, 16, seed=18)
+    with torch.no_grad():
+        with_positions = model(tokens)
+        model.positional = SCHEMES["none"](model.config, None)
+        without = model(tokens)
+    assert (with_positions - without).abs().max() > 1000 * ATOL
+
+
+@pytest.mark.parametrize("scheme", ALL_SCHEMES)
+def test_training_mode_forward_equals_cached_path(scheme: str) -> None:
+    """With dropout 0, train mode changes nothing: the no-cache forward equals cached decoding."""
+    model = random_model(scheme, seed=19)
+    tokens = random_tokens(3, SEQUENCE_LENGTH, seed=20)
+    model.train()
+    with torch.no_grad():
+        full = model(tokens)
+    model.eval()
+    with torch.no_grad():
+        decode_and_compare(model, tokens, full, seed=21)
+
+
+@pytest.mark.parametrize("scheme", ALL_SCHEMES)
+def test_gradient_reaches_every_trainable_parameter(scheme: str) -> None:
+    # 30 tokens touch every t5 bucket of the tiny config (distances up to its max_distance 24).
+    model = random_model(scheme, seed=22).train()
+    tokens = random_tokens(2, 31, seed=23)
+    logits = model(tokens[:, :-1])
+    F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
+    for name, parameter in model.named_parameters():
+        assert parameter.grad is not None, name
+        assert torch.isfinite(parameter.grad).all(), name
+        assert parameter.grad.abs().sum() > 0, name
+    if scheme == "mds":  # the MDS coordinates are fixed: a buffer, never a parameter
+        coordinates = dict(model.named_buffers())["positional.coordinates"]
+        assert not coordinates.requires_grad and coordinates.grad is None
+        assert "positional.coordinates" not in dict(model.named_parameters())
