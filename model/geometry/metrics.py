@@ -132,13 +132,15 @@ def split_half_noise_floor(
     n_positions: int,
     vocab_size: int,
     seed: int = 0,
+    pad_id: int | None = None,
 ) -> np.ndarray:
     """Split-half sampling-noise floor: shuffle the sequences with `seed`, split them into two
     halves, and return the Hellinger distance between each position's two estimates, [n].
 
     sequences: N sequences starting at document boundaries, in any form
         ``model.data.positional_token_counts`` accepts (a padded [N, L] matrix whose negative
-        entries are padding, or a list of 1-D sequences of any lengths).
+        entries are padding, or a list of 1-D sequences of any lengths); `pad_id` entries are
+        padding too.
 
     Each half holds N/2 sequences, so this floor is about √2 times the noise between two
     full-corpus estimates: a deliberately conservative yardstick.
@@ -152,8 +154,8 @@ def split_half_noise_floor(
     else:
         first = [sequences[i] for i in order[:half]]
         second = [sequences[i] for i in order[half:]]
-    counts_a, _ = positional_token_counts(first, n_positions, vocab_size)
-    counts_b, _ = positional_token_counts(second, n_positions, vocab_size)
+    counts_a, _ = positional_token_counts(first, n_positions, vocab_size, pad_id)
+    counts_b, _ = positional_token_counts(second, n_positions, vocab_size, pad_id)
     return noise_floor(counts_a, counts_b)
 
 

@@ -73,3 +73,12 @@ def scheme_representation(
         raise ValueError(f"n_positions must be >= 1, got {n_positions}")
     keys = torch.arange(n_positions if n_keys is None else n_keys)
     return encode_positions(scheme, torch.arange(n_positions), keys)
+
+
+def position_vectors(
+    scheme: PositionalScheme, n_positions: int, n_keys: int | None = None
+) -> Tensor:
+    """scheme_representation, with a scheme that contributes nothing (``none``) placing every
+    position at the same point, the origin: [n_positions, 1] zeros."""
+    vectors = scheme_representation(scheme, n_positions, n_keys)
+    return torch.zeros(n_positions, 1, dtype=torch.float64) if vectors is None else vectors

@@ -21,7 +21,7 @@ from torch import Tensor
 
 from model.config import ModelConfig
 from model.geometry.metrics import min_separation, pairwise_distances
-from model.geometry.representations import encode_positions, scheme_representation
+from model.geometry.representations import encode_positions, position_vectors
 from model.positional import SCHEMES, PositionalScheme, PositionOutOfRange, build_scheme
 
 # bounded: the largest position vector (Euclidean norm; REFERENCE.md's "max |PE|") over positions
@@ -82,14 +82,6 @@ class RequirementRow:
         }
 
 
-def _representation_or_zeros(
-    scheme: PositionalScheme, n_positions: int, n_keys: int | None = None
-) -> Tensor:
-    """A scheme with no positional signal puts every position at the same point (zero)."""
-    vectors = scheme_representation(scheme, n_positions, n_keys)
-    return torch.zeros(n_positions, 1, dtype=torch.float64) if vectors is None else vectors
-
-
 def first_refused_position(scheme: PositionalScheme, ceiling: int = PROBE_CEILING) -> int | None:
     """Smallest position the scheme refuses with PositionOutOfRange, or None up to `ceiling`.
 
@@ -126,10 +118,10 @@ def bounded_growth(scheme: PositionalScheme, n_positions: int) -> float | None:
     4n−1 is refused).  About 1 for a bounded scheme, about 4 for one growing linearly in p.
     Bias rows are always taken against keys 0..n−1, so every vector has the same width."""
     try:
-        long_peak = _largest_norm(_representation_or_zeros(scheme, 4 * n_positions, n_positions))
+        long_peak = _largest_norm(position_vectors(scheme, 4 * n_positions, n_positions))
     except PositionOutOfRange:
         return None
-    short_peak = _largest_norm(_representation_or_zeros(scheme, n_positions))
+    short_peak = _largest_norm(position_vectors(scheme, n_positions))
     if short_peak == 0:
         return 1.0 if long_peak == 0 else math.inf
     return long_peak / short_peak
@@ -177,7 +169,7 @@ def measure_requirements(scheme: PositionalScheme, n_positions: int) -> Requirem
     """Measure the five requirements (and the position limit) of one scheme over 0..n−1."""
     if n_positions < 3:
         raise ValueError(f"n_positions must be >= 3, got {n_positions}")
-    vectors = _representation_or_zeros(scheme, n_positions)
+    vectors = position_vectors(scheme, n_positions)
     growth = bounded_growth(scheme, n_positions)
     separation = min_separation(vectors)
     widest = float(pairwise_distances(vectors).max())

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import argparse
 import itertools
+import json
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from tokenizers import Tokenizer
 
+from model.checkpoint import save_checkpoint
 from model.config import ModelConfig
 from model.geometry.metrics import (
     GeometryInputError,
@@ -24,6 +29,7 @@ from model.geometry.metrics import (
     stress,
     variance_captured,
 )
+from model.geometry.report import REPORT_FILE, add_arguments, run, write_report
 from model.geometry.representations import scheme_representation
 from model.geometry.requirements import (
     RequirementRow,
@@ -41,6 +47,8 @@ from model.geometry.synthetic import (
 )
 from model.positional import SCHEMES, TABLE_SCHEMES, PositionalScheme, build_scheme
 from model.positional.sinusoidal import sinusoidal_table
+from model.transformer import Transformer
+from tests.model.conftest import tiny_config
 
 SEEDS = range(5)
 
@@ -369,3 +377,53 @@ def test_length_dependence_is_detected() -> None:
     assert row.length_independent is False
     assert row.length_drift == pytest.approx(0.5 * 15 / 15, rel=1e-6)
     assert row.bounded is True
+
+
+# ----------------------------------------------------------------------------------- report
+
+
+def test_geometry_report_writes_json_and_figures(tmp_path: Path) -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--out", str(tmp_path), "--n-positions", "12", "--d-model", "32"])
+    report = run(args)
+
+    on_disk = json.loads((tmp_path / REPORT_FILE).read_text())
+    assert on_disk == report
+    for name in report["figures"]:
+        assert (tmp_path / name).read_bytes().startswith(b"\x89PNG"), name
+    assert len(report["hellinger"]["matrix"]) == 12
+    assert len(report["hellinger"]["noise_floor"]) == 12
+    assert {entry["scheme"] for entry in report["schemes"]} == set(SCHEMES)
+    assert {row["scheme"] for row in report["requirements"]} == set(SCHEMES)
+    by_scheme = {entry["scheme"]: entry for entry in report["schemes"]}
+    # the installed P_MDS (rank 11 = n - 1 here) reproduces the corpus geometry exactly
+    assert by_scheme["mds"]["stress"] < 1e-10
+    assert by_scheme["sinusoidal"]["stress"] > 1.0
+    assert "paper_comparison" not in report  # only at the paper's n = 32
+
+
+def test_geometry_report_rejects_unknown_corpus(tmp_path: Path) -> None:
+    with pytest.raises(GeometryInputError, match="corpus"):
+        write_report(tmp_path, corpus="wikipedia", n_positions=8)
+
+
+def test_geometry_report_measures_trained_checkpoints(
+    tmp_path: Path, tiny_tokenizer: Tokenizer
+) -> None:
+    folders = []
+    for name in ("learned", "rope"):
+        folder = tmp_path / f"tiny-{name}"
+        save_checkpoint(folder, Transformer(tiny_config(name)), tiny_tokenizer)
+        folders.append(folder)
+    report = write_report(tmp_path / "report", "synthetic", folders, d_model=999)
+
+    context = tiny_config().context_length
+    assert report["corpus"]["n_positions"] == min(32, context)
+    labels = [entry["label"] for entry in report["schemes"]]
+    assert labels == ["tiny-learned (learned)", "tiny-rope (rope)"]
+    learned, rope = report["requirements"]
+    assert learned["position_limit"] == tiny_config().max_positions
+    assert rope["relative_recoverable"] is True
+    # the table width follows the checkpoints, not the unused d_model argument
+    assert report["rank_stress_table"][-1]["encoding"] == f"sinusoidal d={tiny_config().d_model}"

@@ -1,0 +1,436 @@
+"""``ordinal geometry``: the positional-geometry report of a corpus and a set of schemes.
+
+``write_report`` measures a corpus (the paper's synthetic one, or the Shakespeare training split as
+the model sees it) and a set of positional schemes (every scheme untrained, or the schemes of
+given checkpoints), and writes report.json plus six figures into one folder:
+
+- hellinger.png: the Hellinger matrix, and neighbour distances beside the sampling-noise floor;
+- eigenspectrum.png: eigenvalues of the MDS Gram matrix and the variance they capture;
+- mds_scatter.png: the positions in the top two MDS coordinates, coloured by position;
+- stress.png: raw and scale-free stress of every scheme against the corpus geometry;
+- dot_products.png: mean PE_i·PE_j against the offset j − i, per scheme;
+- requirements.png: the five requirements, measured, per scheme.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from matplotlib.figure import Figure
+
+from model.config import ModelConfig, write_json_atomic
+from model.data import TrainingSequences, encode_documents, positional_token_counts
+from model.geometry.metrics import (
+    GeometryInputError,
+    MDSResult,
+    classical_mds,
+    effective_rank,
+    hellinger_matrix,
+    min_separation,
+    monotonicity_violation_rate,
+    positional_distributions,
+    scale_free_stress,
+    split_half_noise_floor,
+    stress,
+    variance_captured,
+)
+from model.geometry.representations import position_vectors
+from model.geometry.requirements import RequirementRow, default_schemes, requirement_table
+from model.geometry.synthetic import (
+    PAPER_FIGURES,
+    TABLE_RANKS,
+    rank_stress_table,
+    synthetic_corpus,
+    synthetic_figures,
+)
+from model.positional import PositionalScheme, PositionOutOfRange
+
+CORPORA = ("synthetic", "shakespeare")
+REPORT_FILE = "report.json"
+DEFAULT_N_POSITIONS = {"synthetic": 32, "shakespeare": 128}
+REQUIREMENTS = ("bounded", "unique", "length_independent", "smooth", "relative_recoverable")
+
+
+@dataclass(frozen=True)
+class CorpusGeometry:
+    """A corpus's positional statistics.
+
+    sequences: [N, n] token ids, each row starting at a document boundary; entries < 0 or equal
+    to pad_id are padding.  hellinger: [n, n].  noise_floor: [n] split-half floor per position.
+    """
+
+    name: str
+    sequences: torch.Tensor
+    vocab_size: int
+    pad_id: int | None
+    hellinger: np.ndarray
+    noise_floor: np.ndarray
+
+    @property
+    def n_positions(self) -> int:
+        return self.hellinger.shape[0]
+
+
+def measure_corpus(
+    name: str, sequences: torch.Tensor, vocab_size: int, pad_id: int | None, seed: int
+) -> CorpusGeometry:
+    """Hellinger matrix and noise floor of sequences [N, n] (see CorpusGeometry)."""
+    n_positions = sequences.shape[1]
+    counts, totals = positional_token_counts(sequences, n_positions, vocab_size, pad_id)
+    hellinger = hellinger_matrix(positional_distributions(counts, totals))
+    floor = split_half_noise_floor(sequences, n_positions, vocab_size, seed, pad_id)
+    return CorpusGeometry(name, sequences, vocab_size, pad_id, hellinger, floor)
+
+
+def load_corpus_geometry(
+    corpus: str, n_positions: int, seed: int = 0, tokenizer_path: str | Path | None = None
+) -> CorpusGeometry:
+    """The synthetic corpus (seeded), or the Shakespeare training split tokenised with the
+    tokenizer at `tokenizer_path` and cut into one training sequence per speech, exactly as
+    training sees it (``<|bos|>`` first, running on past the speech's end)."""
+    if corpus == "synthetic":
+        generated = synthetic_corpus(seed=seed, n_positions=n_positions)
+        tokens = torch.from_numpy(generated.tokens)
+        return measure_corpus(corpus, tokens, generated.vocab_size, None, seed)
+    if corpus != "shakespeare":
+        raise GeometryInputError(f"corpus must be one of {list(CORPORA)}, got {corpus!r}")
+    if tokenizer_path is None:
+        raise GeometryInputError("the shakespeare corpus needs a tokenizer (tokenizer_path)")
+    from model.corpus import load_corpus
+    from model.tokenizer import load_tokenizer, special_ids
+
+    tokenizer = load_tokenizer(tokenizer_path)
+    special = special_ids(tokenizer)
+    documents = encode_documents(tokenizer, load_corpus().train)
+    everything = TrainingSequences(documents, n_positions, seed, special)
+    inputs, _ = everything.sequences(torch.arange(everything.num_documents))
+    return measure_corpus(corpus, inputs, tokenizer.get_vocab_size(), special.pad, seed)
+
+
+def untrained_schemes(
+    geometry: CorpusGeometry, d_model: int = 128, seed: int = 0
+) -> list[tuple[str, PositionalScheme]]:
+    """Every scheme with default parameters at `d_model` for n = the corpus's positions (tables
+    of exactly n rows), trainable tables at their seeded initialisation and the ``mds`` table
+    filled with the corpus's P_MDS, as training would fill it."""
+    n = geometry.n_positions
+    config = ModelConfig(
+        vocab_size=geometry.vocab_size,
+        d_model=d_model,
+        n_layers=1,
+        n_heads=4,
+        d_ff=4 * d_model,
+        context_length=n,
+        max_positions=n,
+    )
+    schemes = default_schemes(config, seed)
+    for scheme in schemes:
+        if scheme.name == "mds":
+            rank = min(scheme.params.rank, n)
+            coordinates = classical_mds(geometry.hellinger, rank=rank).positions
+            scheme.set_coordinates(torch.from_numpy(coordinates))
+    return [(scheme.name, scheme) for scheme in schemes]
+
+
+def checkpoint_schemes(checkpoints: Sequence[str | Path]) -> list[tuple[str, PositionalScheme]]:
+    """The positional module of each checkpoint, labelled "<folder> (<scheme>)"."""
+    from model.checkpoint import load_checkpoint
+
+    labelled = []
+    for path in checkpoints:
+        scheme = load_checkpoint(path, device="cpu").model.positional
+        labelled.append((f"{Path(path).name} ({scheme.name})", scheme))
+    return labelled
+
+
+def dot_product_profile(vectors: torch.Tensor) -> list[float]:
+    """Mean PE_i·PE_{i+k} for k = 0..n−1, divided by the mean squared norm.  vectors: [n, w]."""
+    gram = (vectors @ vectors.T).numpy()
+    means = [float(np.diagonal(gram, offset=k).mean()) for k in range(len(gram))]
+    return [mean / means[0] if means[0] > 0 else math.nan for mean in means]
+
+
+def scheme_diagnostics(label: str, scheme: PositionalScheme, hellinger: np.ndarray) -> dict:
+    """Stress, scale-free stress, monotonicity, separation and dot-product profile of a scheme's
+    representation of positions 0..n−1 against the corpus's Hellinger matrix [n, n]."""
+    entry: dict[str, Any] = {"label": label, "scheme": scheme.name}
+    try:
+        vectors = position_vectors(scheme, hellinger.shape[0])
+    except PositionOutOfRange as error:
+        return {**entry, "error": str(error)}
+    return {
+        **entry,
+        "width": vectors.shape[1],
+        "stress": stress(vectors, hellinger),
+        "scale_free_stress": scale_free_stress(vectors, hellinger),
+        "monotonicity_violation_rate": monotonicity_violation_rate(vectors),
+        "min_separation": min_separation(vectors),
+        "dot_product_by_offset": dot_product_profile(vectors),
+    }
+
+
+# ---------------------------------------------------------------------------------- figures
+
+
+def _save(figure: Figure, path: Path) -> None:
+    """Write a PNG atomically: a temp file in the same folder, then os.replace."""
+    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".png")
+    os.close(handle)
+    try:
+        figure.savefig(temporary, format="png", dpi=100)
+        os.chmod(temporary, 0o644)
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+
+
+def _plot_hellinger(geometry: CorpusGeometry) -> Figure:
+    figure = Figure(layout="constrained", figsize=(11, 4.5))
+    heatmap_axes, floor_axes = figure.subplots(1, 2)
+    image = heatmap_axes.imshow(geometry.hellinger, cmap="viridis", vmin=0)
+    figure.colorbar(image, ax=heatmap_axes, label="d_H")
+    heatmap_axes.set(title=f"Hellinger distance ({geometry.name})", xlabel="j", ylabel="i")
+    positions = np.arange(geometry.n_positions)
+    neighbours = np.diagonal(geometry.hellinger, offset=1)
+    floor_axes.plot(positions[:-1], neighbours, marker=".", label="d_H(μ_i, μ_i+1)")
+    floor_axes.plot(positions, geometry.noise_floor, marker=".", label="split-half noise floor")
+    floor_axes.set(title="neighbours vs sampling noise", xlabel="position i", ylabel="d_H")
+    floor_axes.legend()
+    return figure
+
+
+def _plot_eigenspectrum(eigenvalues: np.ndarray) -> Figure:
+    positive = eigenvalues[: effective_rank(eigenvalues)]
+    figure = Figure(layout="constrained", figsize=(7, 4))
+    axes = figure.subplots()
+    ranks = np.arange(1, len(positive) + 1)
+    axes.bar(ranks, positive / positive.sum(), label="share of variance")
+    axes.plot(ranks, np.cumsum(positive) / positive.sum(), "k.-", label="cumulative")
+    axes.set(title="eigenvalues of B = −½ J D² J", xlabel="k", ylabel="fraction of variance")
+    axes.legend()
+    return figure
+
+
+def _plot_mds_scatter(coordinates: np.ndarray) -> Figure:
+    figure = Figure(layout="constrained", figsize=(6, 5))
+    axes = figure.subplots()
+    points = np.pad(coordinates, ((0, 0), (0, max(0, 2 - coordinates.shape[1]))))
+    axes.plot(points[:, 0], points[:, 1], color="lightgrey", zorder=1)
+    scatter = axes.scatter(points[:, 0], points[:, 1], c=np.arange(len(points)), cmap="viridis")
+    figure.colorbar(scatter, ax=axes, label="position")
+    axes.set(title="positions in the top two MDS coordinates", xlabel="MDS 1", ylabel="MDS 2")
+    return figure
+
+
+def _plot_stress(schemes: list[dict]) -> Figure:
+    measured = [entry for entry in schemes if "stress" in entry]
+    labels = [entry["label"] for entry in measured]
+    x = np.arange(len(measured))
+    figure = Figure(layout="constrained", figsize=(max(6, 0.8 * len(measured) + 2), 4.5))
+    axes = figure.subplots()
+    floor = 1e-12  # log axes cannot show an exact zero
+    raw = [max(entry["stress"], floor) for entry in measured]
+    free = [max(entry["scale_free_stress"], floor) for entry in measured]
+    axes.bar(x - 0.2, raw, width=0.4, label="stress")
+    axes.bar(x + 0.2, free, width=0.4, label="scale-free stress")
+    axes.set_yscale("log")
+    axes.set_xticks(x, labels, rotation=45, ha="right")
+    axes.set(title="stress against the corpus Hellinger geometry", ylabel="mean squared error")
+    axes.legend()
+    return figure
+
+
+def _plot_dot_products(schemes: list[dict]) -> Figure:
+    figure = Figure(layout="constrained", figsize=(7, 4.5))
+    axes = figure.subplots()
+    for entry in schemes:
+        profile = entry.get("dot_product_by_offset")
+        if profile and not math.isnan(profile[0]):
+            axes.plot(profile, label=entry["label"])
+    axes.set(
+        title="mean PE_i·PE_i+k / mean ‖PE_i‖²", xlabel="offset k = j − i", ylabel="dot product"
+    )
+    axes.legend(fontsize="small", ncol=2)
+    return figure
+
+
+def _plot_requirements(rows: list[RequirementRow], labels: list[str]) -> Figure:
+    symbols = {True: "yes", False: "NO", None: "n/a"}
+    colours = {True: "#c8e6c9", False: "#ffcdd2", None: "#eeeeee"}
+    columns = [*REQUIREMENTS, "beyond_max_positions"]
+    cells = [[symbols[getattr(row, name)] for name in columns] for row in rows]
+    figure = Figure(layout="constrained", figsize=(11, 0.4 * len(rows) + 1))
+    axes = figure.subplots()
+    axes.axis("off")
+    table = axes.table(
+        cellText=cells,
+        cellColours=[[colours[getattr(row, name)] for name in columns] for row in rows],
+        rowLabels=labels,
+        colLabels=[name.replace("_", " ") for name in columns],
+        cellLoc="center",
+        loc="center",
+    )
+    table.scale(1, 1.4)
+    return figure
+
+
+# ----------------------------------------------------------------------------------- report
+
+
+def _json_ready(value: Any) -> Any:
+    """numpy → Python, NaN/inf → None, recursively."""
+    if isinstance(value, dict):
+        return {str(key): _json_ready(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_json_ready(item) for item in value]
+    if isinstance(value, np.ndarray):
+        return _json_ready(value.tolist())
+    if isinstance(value, np.generic):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def _corpus_sections(geometry: CorpusGeometry, mds: MDSResult, seed: int) -> dict[str, Any]:
+    """The corpus, Hellinger and MDS parts of report.json."""
+    n = geometry.n_positions
+    return {
+        "corpus": {
+            "name": geometry.name,
+            "n_positions": n,
+            "vocab_size": geometry.vocab_size,
+            "n_sequences": len(geometry.sequences),
+            "seed": seed,
+        },
+        "hellinger": {
+            "matrix": geometry.hellinger,
+            "neighbour_distance": np.diagonal(geometry.hellinger, offset=1),
+            "noise_floor": geometry.noise_floor,
+        },
+        "mds": {
+            "eigenvalues": mds.eigenvalues,
+            "effective_rank": effective_rank(mds.eigenvalues),
+            "variance_captured": {
+                k: variance_captured(mds.eigenvalues, k) for k in (1, 2, 3, 4, 8, 16) if k < n
+            },
+        },
+    }
+
+
+def write_report(
+    out_dir: str | Path,
+    corpus: str = "synthetic",
+    checkpoints: Sequence[str | Path] = (),
+    *,
+    n_positions: int | None = None,
+    d_model: int = 128,
+    seed: int = 0,
+    tokenizer_path: str | Path | None = None,
+) -> dict[str, Any]:
+    """Measure `corpus` and the schemes, write report.json and the PNGs into `out_dir`.
+
+    corpus: "synthetic" or "shakespeare" (which needs `tokenizer_path`, or takes the tokenizer
+        of the first checkpoint).
+    checkpoints: checkpoint folders whose trained schemes are measured; when empty, every scheme
+        is measured untrained at `d_model` (see untrained_schemes).
+    n_positions: positions analysed (default 32 for synthetic, 128 for shakespeare, and never
+        past the smallest context_length of the checkpoints).
+    Returns the report (the content of report.json).
+    """
+    if corpus not in CORPORA:
+        raise GeometryInputError(f"corpus must be one of {list(CORPORA)}, got {corpus!r}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    trained = checkpoint_schemes(checkpoints)
+    # Trained tables end at their context; analyse no further than every checkpoint reaches.
+    reach = [scheme.config.context_length for _, scheme in trained]
+    n = n_positions or min([DEFAULT_N_POSITIONS[corpus], *reach])
+    if n < 3:
+        raise GeometryInputError(f"n_positions must be at least 3, got {n}")
+    if corpus == "shakespeare" and tokenizer_path is None and checkpoints:
+        tokenizer_path = Path(checkpoints[0]) / "tokenizer.json"
+    geometry = load_corpus_geometry(corpus, n, seed, tokenizer_path)
+
+    mds = classical_mds(geometry.hellinger)
+    labelled = trained or untrained_schemes(geometry, d_model, seed)
+    diagnostics = [scheme_diagnostics(label, s, geometry.hellinger) for label, s in labelled]
+    requirements = requirement_table([scheme for _, scheme in labelled], n)
+    table_width = trained[0][1].config.d_model if trained else d_model
+    ranks = sorted({rank for rank in TABLE_RANKS if rank < n} | {n - 1})
+
+    report: dict[str, Any] = {
+        **_corpus_sections(geometry, mds, seed),
+        "rank_stress_table": [
+            row.to_dict() for row in rank_stress_table(geometry.hellinger, table_width, ranks)
+        ],
+        "schemes": diagnostics,
+        "requirements": [
+            {"label": label, **row.to_dict()}
+            for (label, _), row in zip(labelled, requirements, strict=True)
+        ],
+    }
+    if corpus == "synthetic" and n == DEFAULT_N_POSITIONS["synthetic"]:
+        measured = synthetic_figures(synthetic_corpus(seed=seed), noise_seed=seed)
+        report["paper_comparison"] = {
+            name: {"paper": paper, "measured": measured[name]}
+            for name, paper in PAPER_FIGURES.items()
+        }
+
+    figures = {
+        "hellinger.png": _plot_hellinger(geometry),
+        "eigenspectrum.png": _plot_eigenspectrum(mds.eigenvalues),
+        "mds_scatter.png": _plot_mds_scatter(mds.positions[:, :2]),
+        "stress.png": _plot_stress(diagnostics),
+        "dot_products.png": _plot_dot_products(diagnostics),
+        "requirements.png": _plot_requirements(requirements, [label for label, _ in labelled]),
+    }
+    for name, figure in figures.items():
+        _save(figure, out / name)
+    report["figures"] = sorted(figures)
+    report = _json_ready(report)
+    write_json_atomic(out / REPORT_FILE, report)
+    return report
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``ordinal geometry``."""
+    parser.add_argument("--out", required=True, type=Path, help="folder for report.json and PNGs")
+    parser.add_argument("--corpus", choices=CORPORA, default="synthetic")
+    parser.add_argument(
+        "--checkpoint",
+        dest="checkpoints",
+        action="append",
+        type=Path,
+        default=[],
+        help="checkpoint folder whose scheme to measure (repeatable); default: all schemes",
+    )
+    parser.add_argument("--n-positions", type=int, help="positions analysed")
+    parser.add_argument("--d-model", type=int, default=128, help="width of untrained schemes")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tokenizer", type=Path, help="tokenizer.json for the shakespeare corpus")
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Write the report per ``args`` (see add_arguments) and print where it went."""
+    report = write_report(
+        args.out,
+        args.corpus,
+        args.checkpoints,
+        n_positions=args.n_positions,
+        d_model=args.d_model,
+        seed=args.seed,
+        tokenizer_path=args.tokenizer,
+    )
+    print(f"wrote {args.out / REPORT_FILE} and {len(report['figures'])} figures")
+    return report
