@@ -112,7 +112,7 @@ def test_split_half_noise_floor_matches_multinomial_noise(seed: int) -> None:
     # Uniform tokens: each half's estimate of √μ has squared error (V − 1)/(4 · N/2), so the two
     # halves differ by E d_H² ≈ (V − 1)/N.
     rng = np.random.default_rng(seed)
-    vocab, n_sequences, n_positions = 20, 4000, 16
+    vocab, n_sequences, n_positions = 20, 4000, 64
     tokens = rng.integers(0, vocab, size=(n_sequences, n_positions))
     floor = split_half_noise_floor(tokens, n_positions, vocab, seed=seed)
     assert floor.shape == (n_positions,)
