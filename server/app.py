@@ -1,0 +1,79 @@
+"""The FastAPI app (``create_app``) and ``ordinal serve`` (``add_arguments``, ``run``)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import uvicorn
+from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
+
+from server.errors import install_error_handlers
+from server.middleware import CountRequests, LimitBody, RequireApiKey
+from server.routes import router
+from server.service import Service, check_settings
+from server.settings import Settings
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    """An app serving ``settings``' checkpoints. Models load in the background once it starts:
+    ``/health`` is 503 until they are all loaded, 200 after."""
+    settings = settings or Settings()
+    service = Service(settings)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        loading = asyncio.create_task(service.load())
+        try:
+            yield
+        finally:
+            loading.cancel()
+            await service.close()
+
+    app = FastAPI(title="ordinal", version="0.1.0", lifespan=lifespan)
+    app.state.service = service
+    install_error_handlers(app)
+    app.include_router(router)
+    # add_middleware wraps: the last added runs first.
+    app.add_middleware(LimitBody, max_bytes=settings.max_body_bytes)
+    if settings.api_key is not None:
+        app.add_middleware(RequireApiKey, key=settings.api_key.get_secret_value())
+    if settings.cors_origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=settings.cors_origins,
+            allow_methods=["GET", "POST"],
+            allow_headers=["Authorization", "Content-Type"],
+        )
+    app.add_middleware(CountRequests, counter=service.metrics.requests)
+    return app
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """One flag per setting (``--max-batch-size``); an unset flag leaves the env var or default."""
+    for name, field in Settings.model_fields.items():
+        env = f"ORDINAL_{name.upper()}"
+        default = field.get_default(call_default_factory=True)
+        parser.add_argument(
+            f"--{name.replace('_', '-')}",
+            dest=name,
+            default=argparse.SUPPRESS,
+            metavar=name.upper(),
+            help=f"{field.description} [env {env}; default {default!r}]",
+        )
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    """Flags given on the command line, over the environment, over the defaults."""
+    given = {name: value for name, value in vars(args).items() if name in Settings.model_fields}
+    return Settings(**given)
+
+
+def run(args: argparse.Namespace) -> None:
+    """``ordinal serve``: check the settings, then serve until interrupted."""
+    settings = settings_from_args(args)
+    check_settings(settings)
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port)

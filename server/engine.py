@@ -1,0 +1,237 @@
+"""Continuous batching: one thread per model runs decode steps for every active request.
+
+Each step of the engine thread:
+
+1. reads its inbox (new jobs, cancellations) — a cancelled job leaves before the next forward;
+2. runs one cached decode step for the rows already decoding;
+3. admits waiting jobs into free rows and prefills their prompts in one ragged pass;
+4. samples every row's next token in one call, hands the text to each job's ``SequenceState``
+   (stop strings, UTF-8-safe decoding), and sends all of the step's events to the event loop
+   with ONE ``call_soon_threadsafe``; finished jobs leave at once.
+
+The event loop never waits on the model: it only puts jobs in the inbox and reads events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import queue
+import threading
+import time
+from collections import deque
+
+import torch
+
+from model.transformer import Transformer
+from server.batch import DecodeBatch, StepLogprobs
+from server.errors import APIError, busy
+from server.job import Event, Failure, Job, PromptScores, TokenEvent
+from server.metrics import ModelMetrics
+
+logger = logging.getLogger("ordinal.server")
+
+Delivery = list[tuple[asyncio.Queue, Event]]
+
+
+def _put_all(deliveries: Delivery) -> None:
+    """Runs on the event loop: hand each event to its job's queue."""
+    for events, event in deliveries:
+        events.put_nowait(event)
+
+
+class Engine:
+    """The scheduler of one model. ``submit``/``cancel`` are called from the event loop."""
+
+    def __init__(
+        self,
+        name: str,
+        model: Transformer,
+        *,
+        vocab: int,
+        filler: int,
+        max_batch_size: int,
+        max_context: int,
+        max_queue: int,
+        metrics: ModelMetrics,
+    ) -> None:
+        self.name = name
+        self.batch = DecodeBatch(model, max_batch_size, max_context, vocab, filler)
+        self.capacity = max_batch_size + max_queue  # jobs in the engine: decoding or waiting
+        self.metrics = metrics
+        self._inbox: queue.SimpleQueue[tuple[str, Job | None]] = queue.SimpleQueue()
+        self._waiting: deque[Job] = deque()  # engine thread only
+        self._submitted = 0  # written by the event loop only
+        self._released = 0  # written by the engine thread only
+        self._stopping = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._last_step = 0.0
+        self._admitted: list[Job] = []  # taken from the queue this step (failed with it)
+
+    # ---- event-loop side -------------------------------------------------------------------
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._thread = threading.Thread(target=self._run, name=f"engine-{self.name}", daemon=True)
+        self._thread.start()
+
+    async def close(self) -> None:
+        """Stop the thread; jobs still running or waiting get a 503 Failure."""
+        self._stopping = True
+        self._inbox.put(("stop", None))
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, 30)
+
+    @property
+    def in_flight(self) -> int:
+        """Jobs submitted and not yet finished (decoding, waiting, or still in the inbox)."""
+        return self._submitted - self._released
+
+    def submit(self, job: Job) -> None:
+        """Queue ``job``; raises a 429 APIError (Retry-After) when the engine is full."""
+        if self._stopping:
+            raise busy("the server is shutting down", status=503)
+        if self.in_flight >= self.capacity:
+            raise busy(
+                f"model '{self.name}' is at capacity ({self.capacity} requests running or "
+                "queued); retry shortly"
+            )
+        self._submitted += 1
+        self.metrics.queue_depth.inc()
+        self._inbox.put(("submit", job))
+
+    def cancel(self, job: Job) -> None:
+        """Stop ``job`` and free its row before the next step (no-op once it has finished)."""
+        if not job.closed:
+            job.closed = True
+            self._inbox.put(("cancel", job))
+
+    # ---- engine thread ---------------------------------------------------------------------
+
+    def _run(self) -> None:
+        with torch.inference_mode():
+            while self._read_inbox():
+                try:
+                    self._step()
+                except Exception:  # a failed step fails its jobs, never the thread
+                    logger.exception("model '%s': decode step failed", self.name)
+                    decoding = self.batch.clear()
+                    admitted = [job for job in self._admitted if job.stage != "done"]
+                    jobs = decoding + [job for job in admitted if job not in decoding]
+                    self._fail(jobs, APIError(500, "the model failed on this batch"))
+        leftover = [*self.batch.clear(), *self._waiting]
+        self._waiting.clear()
+        self._fail(leftover, busy("the server is shutting down", status=503))
+
+    def _read_inbox(self) -> bool:
+        """Take new jobs and cancellations; block while there is nothing to do. False = stop."""
+        idle = not self.batch.members and not self._waiting
+        while idle or not self._inbox.empty():
+            kind, job = self._inbox.get()
+            idle = False
+            if kind == "stop":
+                return False
+            assert job is not None
+            if kind == "submit":
+                job.stage = "queued"
+                self._waiting.append(job)
+            else:
+                self._drop(job)
+        return True
+
+    def _drop(self, job: Job) -> None:
+        """A cancelled job leaves wherever it is."""
+        if job.stage == "queued":
+            self._waiting.remove(job)
+            self.metrics.queue_depth.dec()
+        elif job.stage == "running":
+            self.batch.remove([job])
+            self.metrics.running_batch_size.set(len(self.batch))
+        else:
+            return
+        self._release(job)
+
+    def _release(self, job: Job) -> None:
+        job.stage = "done"
+        self._released += 1
+
+    def _step(self) -> None:
+        decoding = bool(self.batch.members)
+        logits = self.batch.decode() if decoding else None
+        joining = self._admit()
+        if joining:
+            new_logits = self.batch.prefill(joining)
+            logits = new_logits if logits is None else torch.cat([logits, new_logits])
+            self.metrics.running_batch_size.set(len(self.batch))
+        if logits is None:
+            return
+        tokens = self.batch.sample(logits)
+        self._emit(tokens.tolist(), self.batch.logprobs(logits, tokens))
+
+        now = time.perf_counter()
+        for job in joining:
+            self.metrics.time_to_first_token.observe(now - job.submitted_at)
+        if decoding:
+            self.metrics.inter_token_latency.observe(now - self._last_step)
+        self._last_step = now
+
+    def _admit(self) -> list[Job]:
+        """Move waiting jobs into free rows; score prompts that asked for it."""
+        joining: list[Job] = []
+        self._admitted = []
+        while self._waiting and len(joining) < self.batch.free:
+            job = self._waiting.popleft()
+            job.stage = "running"
+            self._admitted.append(job)
+            self.metrics.queue_depth.dec()
+            if job.score_prompt:
+                chosen, values, ids = self.batch.score(job.prompt_ids, job.logprobs or 0)
+                scores = PromptScores(chosen.tolist(), ids.tolist(), values.tolist())
+                self._deliver([(job.events, scores)])
+            if job.state is None:  # nothing to generate
+                self._release(job)
+            else:
+                joining.append(job)
+        return joining
+
+    def _emit(self, tokens: list[int], logprobs: StepLogprobs | None) -> None:
+        """Hand each row's token to its job; send the events; let finished jobs leave."""
+        members = self.batch.members
+        deliveries: Delivery = []
+        finished: list[Job] = []
+        for job, token in zip(members, tokens, strict=True):
+            state = job.state
+            assert state is not None
+            text = state.append(token)
+            deliveries.append((job.events, TokenEvent(token, text, state.finish_reason)))
+            if state.finish_reason is not None:
+                finished.append(job)
+        if logprobs is not None:
+            for row, chosen, values, ids in zip(*logprobs, strict=True):
+                events, event = deliveries[row]
+                top = members[row].logprobs
+                event = event._replace(logprob=chosen, top_ids=ids[:top], top_values=values[:top])
+                deliveries[row] = (events, event)
+        self._deliver(deliveries)
+        self.metrics.generated_tokens.inc(len(tokens))
+        if finished:
+            self.batch.remove(finished)
+            self.metrics.running_batch_size.set(len(self.batch))
+            for job in finished:
+                self._release(job)
+
+    def _fail(self, jobs: list[Job], error: APIError) -> None:
+        for job in jobs:
+            if job.stage == "queued":
+                self.metrics.queue_depth.dec()
+            self._release(job)
+        self.metrics.running_batch_size.set(len(self.batch))
+        self._deliver([(job.events, Failure(error)) for job in jobs])
+
+    def _deliver(self, deliveries: Delivery) -> None:
+        if not deliveries or self._loop is None:
+            return
+        with contextlib.suppress(RuntimeError):  # a closed loop: nobody is listening any more
+            self._loop.call_soon_threadsafe(_put_all, deliveries)

@@ -1,0 +1,121 @@
+"""The one place errors are shaped: OpenAI's ``{"error": {"message", "type", "param", "code"}}``.
+
+Routes raise :class:`APIError`; the handlers installed by :func:`install_error_handlers` turn it,
+FastAPI's validation errors (400, not FastAPI's 422) and Starlette's HTTP errors into that
+shape. A stream that fails after its headers went out ends with :func:`error_event` instead.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException
+from starlette.responses import Response
+
+logger = logging.getLogger("ordinal.server")
+
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+}
+
+
+class APIError(Exception):
+    """An error answered to the client: HTTP status, message and the request field at fault."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = headers
+
+    def body(self) -> dict[str, dict[str, str | None]]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": ERROR_TYPES.get(self.status, "server_error"),
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+    def response(self) -> Response:
+        return Response(
+            orjson.dumps(self.body()),
+            status_code=self.status,
+            headers=self.headers,
+            media_type="application/json",
+        )
+
+
+def busy(message: str, status: int = 429) -> APIError:
+    """Queue full (429) or not ready (503): the client should retry after a second."""
+    code = "queue_full" if status == 429 else "unavailable"
+    return APIError(status, message, code=code, headers={"Retry-After": "1"})
+
+
+def error_event(error: APIError) -> bytes:
+    """The SSE event that ends a stream which fails after it started."""
+    return b"data: " + orjson.dumps(error.body()) + b"\n\n"
+
+
+def validation_error(errors: list[dict]) -> APIError:
+    """A 400 naming the first bad top-level field of the body, with every complaint about it.
+
+    A union field (``prompt``) fails once per alternative; those messages are joined with "or".
+    """
+    first = errors[0]
+    location = first.get("loc", ())
+    if first["type"] == "json_invalid":
+        reason = first.get("ctx", {}).get("error", "malformed JSON")
+        return APIError(400, f"the request body is not valid JSON: {reason}", code="invalid_json")
+    if len(location) < 2:  # the body itself: missing, or not an object
+        return APIError(400, "the request body must be a JSON object", code="invalid_body")
+    param = str(location[1])
+    reasons = [_reason(e) for e in errors if tuple(e.get("loc", ()))[1:2] == (param,)]
+    message = f"{param}: " + " or ".join(dict.fromkeys(reasons))
+    return APIError(400, message, param=param, code="invalid_value")
+
+
+def _reason(error: dict) -> str:
+    return str(error["msg"]).removeprefix("Value error, ")
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Answer every error raised while handling a request in OpenAI's shape."""
+
+    async def on_api_error(request: Request, error: APIError) -> Response:
+        return error.response()
+
+    async def on_validation_error(request: Request, error: RequestValidationError) -> Response:
+        return validation_error(list(error.errors())).response()
+
+    async def on_http_error(request: Request, error: HTTPException) -> Response:
+        message = str(error.detail) if error.status_code != 404 else f"no route {request.url.path}"
+        return APIError(error.status_code, message, headers=error.headers).response()
+
+    async def on_unexpected(request: Request, error: Exception) -> Response:
+        logger.exception("unhandled error on %s", request.url.path)
+        return APIError(500, "internal server error").response()
+
+    app.add_exception_handler(APIError, on_api_error)
+    app.add_exception_handler(RequestValidationError, on_validation_error)
+    app.add_exception_handler(HTTPException, on_http_error)
+    app.add_exception_handler(Exception, on_unexpected)

@@ -1,0 +1,69 @@
+"""Service settings: a flag of ``ordinal serve`` beats an ``ORDINAL_*`` variable beats the default.
+
+Every field is both a flag (``--max-batch-size 8``) and an environment variable
+(``ORDINAL_MAX_BATCH_SIZE=8``); list fields take comma-separated values in either place
+(``ORDINAL_MODELS=rope,alibi``). Keep the API key in the environment: flags show up in ``ps``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, SecretStr, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+CommaList = Annotated[list[str], NoDecode]  # NoDecode: parsed by _split_commas, not as JSON
+
+
+class Settings(BaseSettings):
+    """Everything ``create_app`` needs. Invalid values raise pydantic's ValidationError
+    (a ValueError) naming the field."""
+
+    model_config = SettingsConfigDict(env_prefix="ORDINAL_", extra="forbid")
+
+    host: str = Field("127.0.0.1", description="address to listen on")
+    port: int = Field(8000, ge=0, le=65535, description="port to listen on")
+    checkpoints: Path = Field(Path("checkpoints"), description="folder of checkpoint folders")
+    models: CommaList = Field(
+        default_factory=list,
+        description="models to load, by folder name (default: every checkpoint in the folder)",
+    )
+    default_model: str | None = Field(
+        None, description="model used when a request names none (default: rope, else the first)"
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda if present")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="dtype the models run in"
+    )
+    threads: int | None = Field(None, ge=1, description="torch CPU threads (default: torch's)")
+    max_batch_size: int = Field(16, ge=1, description="sequences decoded together per model")
+    max_queue: int = Field(
+        64, ge=0, description="requests that may wait for a free batch row, per model"
+    )
+    max_context: int | None = Field(
+        None,
+        ge=2,
+        description=(
+            "most tokens (prompt + completion) per sequence; default per model: max_positions "
+            "for learned/mds/lowrank, 4 × context_length for the others; never more than a "
+            "scheme's table of positions"
+        ),
+    )
+    request_timeout: float = Field(
+        300.0, gt=0, description="seconds a request may take, queueing included"
+    )
+    api_key: SecretStr | None = Field(
+        None, description="require 'Authorization: Bearer KEY' on /v1/* (prefer the env var)"
+    )
+    cors_origins: CommaList = Field(
+        default_factory=list, description="origins allowed by CORS (default: none)"
+    )
+    max_body_bytes: int = Field(1_000_000, ge=1, description="largest request body accepted")
+
+    @field_validator("models", "cors_origins", mode="before")
+    @classmethod
+    def _split_commas(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return [part.strip() for part in value.split(",") if part.strip()]
+        return value

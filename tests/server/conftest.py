@@ -1,0 +1,226 @@
+"""A real server for the service tests: tiny random checkpoints of every scheme in a tmp folder,
+served by uvicorn on a free loopback port from a background thread (session-scoped: it starts
+once). ``running_server`` starts extra servers with other settings (API key, tiny queue, ...)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+import torch
+import uvicorn
+from tokenizers import Tokenizer
+
+from model.checkpoint import save_checkpoint
+from model.config import ModelConfig
+from model.positional import SCHEMES
+from model.tokenizer import train_tokenizer
+from model.transformer import Transformer
+from server.app import create_app
+from server.engine import Engine
+from server.service import Service
+from server.settings import Settings
+
+# Parameters that fit d_model=32 with 4 heads of 8 dims.
+SCHEME_SETTINGS: dict[str, dict[str, Any]] = {
+    "none": {},
+    "integer": {"scale": 0.05},
+    "binary": {"bits": 8, "scale": 1.0},
+    "sinusoidal": {},
+    "learned": {},
+    "rope": {},
+    "alibi": {},
+    "t5": {"num_buckets": 8, "max_distance": 24},
+    "mds": {"rank": 8, "scale": 1.0},
+    "lowrank": {"rank": 4},
+}
+assert set(SCHEME_SETTINGS) == set(SCHEMES)
+
+TEXT = [
+    "Now is the winter of our discontent made glorious summer by this sun of York.",
+    "To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer.",
+    "All the world's a stage, and all the men and women merely players.",
+    "If music be the food of love, play on; give me excess of it. Ça va, naïve café — ¿sí?",
+]
+CONTEXT_LENGTH, MAX_POSITIONS = 32, 64
+
+# Tiny models: a second torch thread only adds synchronisation on a shared, busy machine.
+torch.set_num_threads(1)
+
+
+def tiny_tokenizer() -> Tokenizer:
+    return train_tokenizer(TEXT, vocab_size=300)
+
+
+def tiny_model(scheme: str, vocab_size: int, seed: int) -> Transformer:
+    """A random 2-layer, 32-dim model. Weights are redrawn with a large spread so that logits
+    (and so logprobs) depend visibly on content and position."""
+    config = ModelConfig(
+        vocab_size=vocab_size,
+        d_model=32,
+        n_layers=2,
+        n_heads=4,
+        d_ff=64,
+        context_length=CONTEXT_LENGTH,
+        max_positions=MAX_POSITIONS,
+        # LayerNorm would remove integer's position (it adds the same to every dimension).
+        norm="rmsnorm" if scheme == "integer" else "layernorm",
+        positional={"scheme": scheme, **SCHEME_SETTINGS[scheme]},
+    )
+    torch.manual_seed(seed)
+    model = Transformer(config)
+    with torch.no_grad():
+        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+            if tensor.is_floating_point() and "norm" not in name:
+                tensor.normal_(0, 0.3 if name.startswith("positional.") else 0.15)
+    return model.eval()
+
+
+def build_checkpoints(folder: Path) -> None:
+    """One tiny checkpoint per scheme in ``folder``, all sharing one tokenizer."""
+    tokenizer = tiny_tokenizer()
+    for seed, scheme in enumerate(SCHEME_SETTINGS):
+        model = tiny_model(scheme, tokenizer.get_vocab_size(), seed)
+        save_checkpoint(folder / scheme, model, tokenizer)
+
+
+@dataclass
+class Running:
+    url: str
+    service: Service
+
+    def engine(self, model: str) -> Engine:
+        return self.service.models[model].engine
+
+
+def free_socket() -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    return sock
+
+
+@contextmanager
+def running_server(settings: Settings, wait_ready: bool = True) -> Iterator[Running]:
+    """Serve ``settings`` with uvicorn in a background thread until the block ends."""
+    app = create_app(settings)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    sock = free_socket()
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    running = Running(f"http://127.0.0.1:{sock.getsockname()[1]}", app.state.service)
+    try:
+        wait_for(lambda: server.started, "uvicorn to start")
+        if wait_ready:
+            wait_for(lambda: running.service.ready, "the models to load")
+        yield running
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        sock.close()
+
+
+def wait_for(condition: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out waiting for {what}")
+        time.sleep(0.005)
+
+
+def test_settings(folder: Path, **changes: Any) -> Settings:
+    fields: dict[str, Any] = {"checkpoints": folder, "device": "cpu", "threads": 1}
+    return Settings(**{**fields, **changes})
+
+
+test_settings.__test__ = False  # type: ignore[attr-defined]  # a helper, not a test
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("checkpoints")
+    build_checkpoints(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def server(checkpoints: Path) -> Iterator[Running]:
+    with running_server(test_settings(checkpoints, max_batch_size=8, max_queue=32)) as running:
+        yield running
+
+
+@pytest.fixture
+def client(server: Running) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=server.url, timeout=30) as client:
+        yield client
+
+
+def sse_events(lines: Iterator[str]) -> Iterator[dict[str, Any] | str]:
+    """Parsed ``data:`` payloads of an SSE stream: dicts, then the final "[DONE]"."""
+    for line in lines:
+        if line.startswith("data: "):
+            payload = line.removeprefix("data: ")
+            yield payload if payload == "[DONE]" else orjson.loads(payload)
+
+
+class Gate:
+    """Holds a model's forward passes until released, to make a stream's timing observable.
+
+    While installed, each forward pass of the model waits for one permit.
+    """
+
+    def __init__(self, engine: Engine) -> None:
+        self.model = engine.batch.model
+        self.permits = threading.Semaphore(0)
+        self.given = 0  # permits released so far
+        self.passed = 0  # forwards that went through
+        self.opened = False
+        original = self.model.forward
+
+        def gated(*args: Any, **kwargs: Any) -> torch.Tensor:
+            if not self.opened:
+                self.permits.acquire()
+            self.passed += 1
+            return original(*args, **kwargs)
+
+        self.model.forward = gated
+
+    def allow(self, steps: int = 1) -> None:
+        self.given += steps
+        self.permits.release(steps)
+
+    @property
+    def settled(self) -> bool:
+        """Every permit given has been used: the model is held before its next forward."""
+        return self.passed == self.given
+
+    def open(self) -> None:
+        """Let every forward through from now on, and remove the gate."""
+        if self.opened:
+            return
+        self.opened = True
+        self.permits.release(1000)
+        del self.model.forward  # the class's forward again
+
+
+@pytest.fixture
+def gate(server: Running) -> Iterator[Callable[[str], Gate]]:
+    """``gate(model_name)`` installs a Gate on that model; it is opened after the test."""
+    gates: list[Gate] = []
+
+    def install(model: str) -> Gate:
+        gates.append(Gate(server.engine(model)))
+        return gates[-1]
+
+    yield install
+    for installed in gates:
+        installed.open()
