@@ -126,6 +126,18 @@ class TrainingSequences:
         return self.sequences(self.start_documents(step, batch_size))
 
 
+def boundary_sequences(
+    documents: Sequence[Sequence[int]], length: int, special: SpecialIds
+) -> torch.Tensor:
+    """One training-style input sequence starting at every document → [D, length] long.
+
+    ``<|bos|>`` first, then the document and those after it (padding where the stream ends):
+    the sequences whose position-by-position statistics the geometry analysis measures.
+    """
+    everything = TrainingSequences(documents, length, seed=0, special=special)
+    return everything.sequences(torch.arange(everything.num_documents))[0]
+
+
 @dataclass(frozen=True)
 class ValidationStream:
     """All validation documents as one stream ``doc + [eos] + doc + [eos] ...`` for scoring.

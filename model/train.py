@@ -31,11 +31,12 @@ from model.corpus import load_corpus
 from model.data import (
     IGNORE_INDEX,
     TrainingSequences,
+    boundary_sequences,
     encode_documents,
-    positional_token_counts,
     validation_stream,
 )
-from model.geometry.metrics import classical_mds, hellinger_matrix, positional_distributions
+from model.geometry.corpus import measure_corpus
+from model.geometry.metrics import classical_mds
 from model.tokenizer import (
     SpecialIds,
     load_tokenizer,
@@ -203,11 +204,9 @@ def install_corpus_geometry(
     if model.config.scheme != "mds":
         return
     n = model.config.max_positions
-    everything = TrainingSequences(documents, n, seed, special)
-    inputs, _ = everything.sequences(torch.arange(everything.num_documents))
-    counts, totals = positional_token_counts(inputs, n, model.config.vocab_size, special.pad)
-    hellinger = hellinger_matrix(positional_distributions(counts.numpy(), totals.numpy()))
-    coordinates = classical_mds(hellinger, rank=model.positional.params.rank).positions
+    inputs = boundary_sequences(documents, n, special)
+    geometry = measure_corpus("shakespeare", inputs, model.config.vocab_size, special.pad, seed)
+    coordinates = classical_mds(geometry.hellinger, rank=model.positional.params.rank).positions
     model.positional.set_coordinates(torch.from_numpy(coordinates).float())
 
 

@@ -19,7 +19,6 @@ import math
 import os
 import tempfile
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,18 +27,16 @@ import torch
 from matplotlib.figure import Figure
 
 from model.config import ModelConfig, write_json_atomic
-from model.data import TrainingSequences, encode_documents, positional_token_counts
+from model.data import boundary_sequences, encode_documents
+from model.geometry.corpus import CorpusGeometry, measure_corpus
 from model.geometry.metrics import (
     GeometryInputError,
     MDSResult,
     classical_mds,
     effective_rank,
-    hellinger_matrix,
     min_separation,
     monotonicity_violation_rate,
-    positional_distributions,
     scale_free_stress,
-    split_half_noise_floor,
     stress,
     variance_captured,
 )
@@ -58,37 +55,6 @@ CORPORA = ("synthetic", "shakespeare")
 REPORT_FILE = "report.json"
 DEFAULT_N_POSITIONS = {"synthetic": 32, "shakespeare": 128}
 REQUIREMENTS = ("bounded", "unique", "length_independent", "smooth", "relative_recoverable")
-
-
-@dataclass(frozen=True)
-class CorpusGeometry:
-    """A corpus's positional statistics.
-
-    sequences: [N, n] token ids, each row starting at a document boundary; entries < 0 or equal
-    to pad_id are padding.  hellinger: [n, n].  noise_floor: [n] split-half floor per position.
-    """
-
-    name: str
-    sequences: torch.Tensor
-    vocab_size: int
-    pad_id: int | None
-    hellinger: np.ndarray
-    noise_floor: np.ndarray
-
-    @property
-    def n_positions(self) -> int:
-        return self.hellinger.shape[0]
-
-
-def measure_corpus(
-    name: str, sequences: torch.Tensor, vocab_size: int, pad_id: int | None, seed: int
-) -> CorpusGeometry:
-    """Hellinger matrix and noise floor of sequences [N, n] (see CorpusGeometry)."""
-    n_positions = sequences.shape[1]
-    counts, totals = positional_token_counts(sequences, n_positions, vocab_size, pad_id)
-    hellinger = hellinger_matrix(positional_distributions(counts, totals))
-    floor = split_half_noise_floor(sequences, n_positions, vocab_size, seed, pad_id)
-    return CorpusGeometry(name, sequences, vocab_size, pad_id, hellinger, floor)
 
 
 def load_corpus_geometry(
@@ -111,8 +77,7 @@ def load_corpus_geometry(
     tokenizer = load_tokenizer(tokenizer_path)
     special = special_ids(tokenizer)
     documents = encode_documents(tokenizer, load_corpus().train)
-    everything = TrainingSequences(documents, n_positions, seed, special)
-    inputs, _ = everything.sequences(torch.arange(everything.num_documents))
+    inputs = boundary_sequences(documents, n_positions, special)
     return measure_corpus(corpus, inputs, tokenizer.get_vocab_size(), special.pad, seed)
 
 
