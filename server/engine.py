@@ -6,8 +6,8 @@ Each step of the engine thread:
 2. runs one cached decode step for the rows already decoding;
 3. admits waiting jobs into free rows and prefills their prompts in one ragged pass;
 4. samples every row's next token in one call, hands the text to each job's ``SequenceState``
-   (stop strings, UTF-8-safe decoding), and sends all of the step's events to the event loop
-   with ONE ``call_soon_threadsafe``; finished jobs leave at once.
+   (stop strings, UTF-8-safe decoding), lets finished jobs leave at once, and sends all of the
+   step's events to the event loop with ONE ``call_soon_threadsafe``.
 
 The event loop never waits on the model: it only puts jobs in the inbox and reads events.
 """
@@ -168,7 +168,7 @@ class Engine:
         if logits is None:
             return
         tokens = self.batch.sample(logits)
-        self._emit(tokens.tolist(), self.batch.logprobs(logits, tokens))
+        deliveries = self._advance(tokens.tolist(), self.batch.logprobs(logits, tokens))
 
         now = time.perf_counter()
         for job in joining:
@@ -176,6 +176,9 @@ class Engine:
         if decoding:
             self.metrics.inter_token_latency.observe(now - self._last_step)
         self._last_step = now
+        # Last, so that a client which has its final token also sees the metrics and the row
+        # freed.
+        self._deliver(deliveries)
 
     def _admit(self) -> list[Job]:
         """Move waiting jobs into free rows; score prompts that asked for it."""
@@ -186,18 +189,22 @@ class Engine:
             job.stage = "running"
             self._admitted.append(job)
             self.metrics.queue_depth.dec()
-            if job.score_prompt:
-                chosen, values, ids = self.batch.score(job.prompt_ids, job.logprobs or 0)
-                scores = PromptScores(chosen.tolist(), ids.tolist(), values.tolist())
+            if job.state is None:  # only the prompt to score
+                scores = self._score(job)
+                self._release(job)  # before the reply, so its reader finds the engine done
                 self._deliver([(job.events, scores)])
-            if job.state is None:  # nothing to generate
-                self._release(job)
-            else:
-                joining.append(job)
+                continue
+            if job.score_prompt:
+                self._deliver([(job.events, self._score(job))])
+            joining.append(job)
         return joining
 
-    def _emit(self, tokens: list[int], logprobs: StepLogprobs | None) -> None:
-        """Hand each row's token to its job; send the events; let finished jobs leave."""
+    def _score(self, job: Job) -> PromptScores:
+        chosen, values, ids = self.batch.score(job.prompt_ids, job.logprobs or 0)
+        return PromptScores(chosen.tolist(), ids.tolist(), values.tolist())
+
+    def _advance(self, tokens: list[int], logprobs: StepLogprobs | None) -> Delivery:
+        """Hand each row's token to its job; let finished jobs leave; return the events."""
         members = self.batch.members
         deliveries: Delivery = []
         finished: list[Job] = []
@@ -214,13 +221,13 @@ class Engine:
                 top = members[row].logprobs
                 event = event._replace(logprob=chosen, top_ids=ids[:top], top_values=values[:top])
                 deliveries[row] = (events, event)
-        self._deliver(deliveries)
         self.metrics.generated_tokens.inc(len(tokens))
         if finished:
             self.batch.remove(finished)
             self.metrics.running_batch_size.set(len(self.batch))
             for job in finished:
                 self._release(job)
+        return deliveries
 
     def _fail(self, jobs: list[Job], error: APIError) -> None:
         for job in jobs:
