@@ -55,14 +55,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """One flag per setting (``--max-batch-size``); an unset flag leaves the env var or default."""
     for name, field in Settings.model_fields.items():
-        env = f"ORDINAL_{name.upper()}"
         default = field.get_default(call_default_factory=True)
+        shown = f"; default {default}" if default not in (None, []) else ""
         parser.add_argument(
             f"--{name.replace('_', '-')}",
             dest=name,
             default=argparse.SUPPRESS,
             metavar=name.upper(),
-            help=f"{field.description} [env {env}; default {default!r}]",
+            help=f"{field.description} [env ORDINAL_{name.upper()}{shown}]",
         )
 
 

@@ -17,7 +17,9 @@ from tests.server.conftest import (
     Gate,
     Running,
     running_server,
+    sse_events,
     test_settings,
+    wait_for,
 )
 
 OK = {"prompt": "To be"}
@@ -126,6 +128,7 @@ def test_unknown_route_is_404_in_openai_shape(client: httpx.Client) -> None:
 # ---- a server with an API key, one row, a queue of one and a small body limit ---------------
 
 KEY = "sesame"
+ORIGIN = "http://example.org"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
@@ -133,7 +136,7 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 def small_server(checkpoints: Path) -> Iterator[Running]:
     settings = test_settings(
         checkpoints, models=["rope"], max_batch_size=1, max_queue=1, api_key=KEY,
-        max_body_bytes=2000,
+        max_body_bytes=2000, cors_origins=[ORIGIN],
     )  # fmt: skip
     with running_server(settings) as running:
         yield running
@@ -207,3 +210,32 @@ def test_a_full_queue_is_429_with_retry_after(small_server: Running) -> None:
     finally:
         held.open()
     assert engine.in_flight == 0
+
+
+def test_cors_preflight_needs_no_key(small_server: Running) -> None:
+    headers = {"Origin": ORIGIN, "Access-Control-Request-Method": "POST"}
+    with httpx.Client(base_url=small_server.url, timeout=30) as client:
+        allowed = client.options("/v1/completions", headers=headers)
+        assert allowed.status_code == 200
+        assert allowed.headers["access-control-allow-origin"] == ORIGIN
+        refused = client.options("/v1/completions", headers={**headers, "Origin": "http://x.y"})
+        assert refused.status_code == 400
+
+
+def test_a_request_past_the_timeout_is_504_and_frees_its_row(
+    small_server: Running, small_client: httpx.Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = small_server.engine("rope")
+    monkeypatch.setattr(small_server.service.settings, "request_timeout", 0.2)
+    held = Gate(engine)  # the model never gets to run
+    try:
+        body = {**OK, "max_tokens": 5}
+        assert_error(small_client.post("/v1/completions", json=body), 504, None)
+        with small_client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+            events = list(sse_events(r.iter_lines()))
+        assert r.status_code == 200  # the headers went out before the deadline
+        assert events[-1] == "[DONE]"
+        assert "timeout" in events[-2]["error"]["message"]
+    finally:
+        held.open()
+    wait_for(lambda: engine.in_flight == 0, "the expired jobs to leave")

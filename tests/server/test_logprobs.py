@@ -4,6 +4,7 @@ scoring the prompt plus the completion in one full forward pass (``echo`` with m
 from __future__ import annotations
 
 import httpx
+import orjson
 import pytest
 
 from model.positional import SCHEMES
@@ -43,3 +44,18 @@ def test_decoding_logprobs_equal_full_forward_scores(client: httpx.Client, schem
         assert len(cached) == TOP
         assert list(full.values()) == pytest.approx(list(cached.values()), abs=1e-3)
         assert set(full) == set(cached)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_alone_returns_the_prompt(client: httpx.Client, stream: bool) -> None:
+    body = {"prompt": PROMPT, "max_tokens": 0, "echo": True, "stream": stream}
+    response = client.post("/v1/completions", json=body)
+    assert response.status_code == 200
+    if stream:
+        lines = [line for line in response.text.splitlines() if line.startswith("data: ")]
+        assert lines[-1] == "data: [DONE]" and len(lines) == 2
+        choice = orjson.loads(lines[0].removeprefix("data: "))["choices"][0]
+    else:
+        choice = response.json()["choices"][0]
+        assert response.json()["usage"]["completion_tokens"] == 0
+    assert (choice["text"], choice["finish_reason"], choice["logprobs"]) == (PROMPT, "length", None)

@@ -161,6 +161,26 @@ def test_a_client_that_leaves_frees_its_row_within_one_step(
     assert gauge(metrics, "ordinal_running_batch_size", model) == 0
 
 
+def test_a_non_stream_client_that_leaves_frees_its_row(
+    server: Running, client: httpx.Client, gate: Any
+) -> None:
+    model = "integer"
+    engine = server.engine(model)
+    before = gauge(client.get("/metrics").text, "ordinal_generated_tokens_total", model)
+    held: Gate = gate(model)
+    body = {"model": model, "prompt": "a", "max_tokens": 50}
+    with (
+        httpx.Client(base_url=server.url, timeout=0.3) as impatient,
+        pytest.raises(httpx.ReadTimeout),
+    ):
+        impatient.post("/v1/completions", json=body)
+    wait_for(lambda: not engine._inbox.empty(), "the server to notice the client left")
+    held.open()
+    wait_for(lambda: engine.in_flight == 0, "the row to be freed")
+    after = gauge(client.get("/metrics").text, "ordinal_generated_tokens_total", model)
+    assert after - before == 1  # the step that was running; none after it
+
+
 MULTIBYTE_PROMPT = "🎭 Ça va, naïve café? 你好 — ¿sí? 🤖"
 
 

@@ -1,0 +1,153 @@
+"""Turning a job's events into OpenAI's completion JSON.
+
+The response is a sequence of *pieces* (text, logprobs, finish_reason): the echoed prompt
+first if asked for, then one piece per generated token. A stream sends each piece as one
+``data: {chunk}`` SSE event; the non-stream answer joins them.
+"""
+
+from __future__ import annotations
+
+import codecs
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import orjson
+
+from server.job import Failure, Job, PromptScores, TokenEvent
+from server.schemas import CompletionRequest
+from server.service import ServedModel
+
+Logprobs = dict[str, list[Any]]
+Piece = tuple[str, Logprobs | None, str | None]  # text, logprobs, finish_reason
+
+
+def decode_with_offsets(table: list[bytes], ids: list[int]) -> tuple[str, list[int]]:
+    """The text ``ids`` decode to, and the character offset at which each id's text starts."""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    pieces, offsets, length = [], [], 0
+    for token in ids:
+        offsets.append(length)
+        piece = decoder.decode(table[token])
+        pieces.append(piece)
+        length += len(piece)
+    pieces.append(decoder.decode(b"", final=True))
+    return "".join(pieces), offsets
+
+
+class CompletionWriter:
+    """Turns one job's events into pieces and pieces into OpenAI JSON."""
+
+    def __init__(self, body: CompletionRequest, served: ServedModel, prompt_ids: list[int]):
+        self.body = body
+        self.prompt_ids = prompt_ids
+        self.name: Callable[[int], str] = (
+            (lambda token: f"token_id:{token}")
+            if body.return_tokens_as_token_ids
+            else served.token_strings.__getitem__
+        )
+        self.prompt_text, self.prompt_offsets = "", []
+        if body.echo:
+            self.prompt_text, self.prompt_offsets = decode_with_offsets(
+                served.token_bytes, prompt_ids
+            )
+        self.offset = len(self.prompt_text)  # text_offset of the next generated token
+        self.completion_tokens = 0
+        self.id, self.created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        self.model = served.name
+        # One chunk dict reused for every event: only the choice's fields change.
+        self._choice: dict[str, Any] = {"index": 0, "text": "", "logprobs": None}
+        self._choice["finish_reason"] = None
+        self._chunk = self._envelope([self._choice])
+        if body.include_usage:
+            self._chunk["usage"] = None
+
+    async def read(self, job: Job | None) -> AsyncIterator[list[Piece]]:
+        """The response's pieces, in batches as they arrive. Raises a Failure's APIError."""
+        if job is None:
+            yield [(self.prompt_text, None, "length")]
+            return
+        if self.body.echo and not job.score_prompt:
+            yield [(self.prompt_text, None, None)]
+        while True:
+            pieces: list[Piece] = []
+            for event in await job.next_events():
+                if isinstance(event, Failure):
+                    raise event.error
+                if isinstance(event, TokenEvent):
+                    piece = self._token_piece(event)
+                else:
+                    piece = self._prompt_piece(event, final=job.state is None)
+                pieces.append(piece)
+                if piece[2] is not None:  # the job's last event
+                    job.closed = True
+                    yield pieces
+                    return
+            yield pieces
+
+    def _token_piece(self, event: TokenEvent) -> Piece:
+        self.completion_tokens += 1
+        logprobs = None
+        if event.logprob is not None:
+            logprobs = {
+                "tokens": [self.name(event.token)],
+                "token_logprobs": [event.logprob],
+                "top_logprobs": [self._top(event.top_ids or [], event.top_values or [])],
+                "text_offset": [self.offset],
+            }
+        self.offset += len(event.text)
+        return event.text, logprobs, event.finish_reason
+
+    def _prompt_piece(self, scores: PromptScores, final: bool) -> Piece:
+        """The echoed prompt with its logprobs; its first token has none (nothing precedes it)."""
+        tops = map(self._top, scores.top_ids, scores.top_values)
+        logprobs = {
+            "tokens": [self.name(token) for token in self.prompt_ids],
+            "token_logprobs": [None, *scores.logprobs],
+            "top_logprobs": [None, *tops],
+            "text_offset": self.prompt_offsets,
+        }
+        return self.prompt_text, logprobs, "length" if final else None
+
+    def _top(self, ids: list[int], values: list[float]) -> dict[str, float]:
+        return dict(zip(map(self.name, ids), values, strict=True))
+
+    def _envelope(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+
+    def usage(self) -> dict[str, int]:
+        prompt = len(self.prompt_ids)
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": prompt + self.completion_tokens,
+        }
+
+    def chunk(self, piece: Piece) -> bytes:
+        """One SSE event for ``piece``."""
+        choice = self._choice
+        choice["text"], choice["logprobs"], choice["finish_reason"] = piece
+        return b"data: " + orjson.dumps(self._chunk) + b"\n\n"
+
+    def usage_chunk(self) -> bytes:
+        chunk = {**self._envelope([]), "usage": self.usage()}
+        return b"data: " + orjson.dumps(chunk) + b"\n\n"
+
+    def result(self, pieces: list[Piece]) -> dict[str, Any]:
+        """The non-stream response: every piece joined."""
+        logprobs: Logprobs | None = None
+        for _, part, _ in pieces:
+            if part is not None:
+                logprobs = logprobs or {key: [] for key in part}
+                for key, values in part.items():
+                    logprobs[key].extend(values)
+        text = "".join(text for text, _, _ in pieces)
+        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": pieces[-1][2]}
+        return {**self._envelope([choice]), "usage": self.usage()}
