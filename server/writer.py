@@ -57,8 +57,12 @@ class CompletionWriter:
         self.id, self.created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         self.model = served.name
         # One chunk dict reused for every event: only the choice's fields change.
-        self._choice: dict[str, Any] = {"index": 0, "text": "", "logprobs": None}
-        self._choice["finish_reason"] = None
+        self._choice: dict[str, Any] = {
+            "index": 0,
+            "text": "",
+            "logprobs": None,
+            "finish_reason": None,
+        }
         self._chunk = self._envelope([self._choice])
         if body.include_usage:
             self._chunk["usage"] = None

@@ -239,3 +239,21 @@ def test_a_request_past_the_timeout_is_504_and_frees_its_row(
     finally:
         held.open()
     wait_for(lambda: engine.in_flight == 0, "the expired jobs to leave")
+
+
+def test_a_failing_step_fails_its_requests_not_the_engine(
+    server: Running, client: httpx.Client
+) -> None:
+    model = server.engine("lowrank").batch.model
+    body = {"model": "lowrank", "prompt": "a", "max_tokens": 3}
+
+    def broken(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("a device error")
+
+    model.forward = broken
+    try:
+        assert_error(client.post("/v1/completions", json=body), 500, None)
+    finally:
+        del model.forward
+    assert client.post("/v1/completions", json=body).status_code == 200
+    assert server.engine("lowrank").in_flight == 0
