@@ -75,6 +75,18 @@ DEFAULT_POSITIONAL: dict[str, dict[str, Any]] = {
 }
 
 
+# ModelConfig fields that `ordinal train` also takes as flags (--d-model 192, ...).
+MODEL_SIZE_FLAGS = (
+    "d_model",
+    "n_layers",
+    "n_heads",
+    "d_ff",
+    "context_length",
+    "max_positions",
+    "vocab_size",
+)
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     """Optimisation settings; the defaults are the shipped recipe."""
@@ -130,15 +142,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     for field in dataclasses.fields(TrainConfig):
         parser.add_argument(f"--{field.name.replace('_', '-')}", type=type(field.default))
-    for name in (
-        "d_model",
-        "n_layers",
-        "n_heads",
-        "d_ff",
-        "context_length",
-        "max_positions",
-        "vocab_size",
-    ):
+    for name in MODEL_SIZE_FLAGS:
         parser.add_argument(f"--{name.replace('_', '-')}", type=int)
 
 
@@ -157,15 +161,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[ModelConfig, TrainConfi
         **positional,
         "scheme": args.scheme,
     }
-    for name in (
-        "d_model",
-        "n_layers",
-        "n_heads",
-        "d_ff",
-        "context_length",
-        "max_positions",
-        "vocab_size",
-    ):
+    for name in MODEL_SIZE_FLAGS:
         if getattr(args, name) is not None:
             model_fields[name] = getattr(args, name)
     model_fields["max_positions"] = max(

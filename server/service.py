@@ -122,8 +122,6 @@ class ServedModel:
 def load_model(name: str, folder: Path, settings: Settings, metrics: Metrics) -> ServedModel:
     device = resolve_device(settings.device)
     model, tokenizer = load_checkpoint(folder, device, settings.dtype)
-    # load_tokenizer's semantics: specials are only ever ids, never recognised in user text.
-    tokenizer.encode_special_tokens = True
     specials = special_ids(tokenizer)
     table = token_bytes(tokenizer)
     strings = [piece.decode("utf-8", errors="backslashreplace") for piece in table]

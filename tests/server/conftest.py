@@ -29,20 +29,8 @@ from server.app import create_app
 from server.engine import Engine
 from server.service import Service
 from server.settings import Settings
+from tests.model.conftest import SCHEME_SETTINGS
 
-# Parameters that fit d_model=32 with 4 heads of 8 dims.
-SCHEME_SETTINGS: dict[str, dict[str, Any]] = {
-    "none": {},
-    "integer": {"scale": 0.05},
-    "binary": {"bits": 8, "scale": 1.0},
-    "sinusoidal": {},
-    "learned": {},
-    "rope": {},
-    "alibi": {},
-    "t5": {"num_buckets": 8, "max_distance": 24},
-    "mds": {"rank": 8, "scale": 1.0},
-    "lowrank": {"rank": 4},
-}
 assert set(SCHEME_SETTINGS) == set(SCHEMES)
 
 TEXT = [
