@@ -130,6 +130,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="where resumable training state goes (default runs/<out name>)",
     )
     parser.add_argument("--resume", action="store_true", help="continue from the saved state")
+    parser.add_argument(
+        "--stop-at",
+        type=int,
+        help="save and stop after this step (the schedule still runs to --steps; resume later)",
+    )
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     parser.add_argument(
         "--storage-dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"]
@@ -301,6 +306,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         metrics, start_step = state["metrics"], state["step"]
+        torch.set_rng_state(state["rng"])  # dropout masks continue as in an uninterrupted run
 
     tokens_per_step = (
         train_config.batch_size * train_config.grad_accum * model_config.context_length
@@ -345,7 +351,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             tok_s=f"{metrics['tokens_seen'] / max(metrics['wall_seconds'], 1e-9):.0f}",
             refresh=False,
         )
-        last = step + 1 == train_config.steps
+        last = step + 1 in (train_config.steps, args.stop_at)
         if (step + 1) % train_config.eval_every == 0 or last:
             val = validation_loss(model, val_inputs, val_targets, device)
             metrics["val_loss"].append([step + 1, round(val, 4)])
@@ -356,6 +362,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             save_checkpoint(args.out, model, tokenizer, dtype=args.storage_dtype)
             write_json_atomic(args.out / METRICS_FILE, metrics)
             _save_state(state_path, model, optimizer, metrics, step + 1)
+        if step + 1 == args.stop_at:
+            break
     if distributed:
         dist.destroy_process_group()
     return metrics
@@ -377,6 +385,7 @@ def _save_state(
             "optimizer": optimizer.state_dict(),
             "metrics": metrics,
             "step": step,
+            "rng": torch.get_rng_state(),
         },
         tmp,
     )
