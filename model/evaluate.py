@@ -10,6 +10,7 @@ as unsupported at that length, with the reason, rather than crashed.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import tempfile
@@ -40,6 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=list(MULTIPLES),
         help="window lengths as multiples of the training context (default 1 2 4)",
     )
+    parser.add_argument("--table", type=Path, help="write a markdown table of the results here")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--batch-size", type=int, default=16)
 
@@ -100,6 +102,7 @@ def evaluate_checkpoint(
     report = {
         "checkpoint": str(path),
         "scheme": model.config.scheme,
+        "parameters": model.num_parameters(),
         "context_length": context,
         "validation_tokens": len(stream.tokens),
         "validation_characters": stream.characters,
@@ -147,6 +150,28 @@ def plot_loss_by_position(reports: list[dict[str, Any]], path: Path) -> None:
     os.replace(tmp, path)
 
 
+def results_table(reports: list[dict[str, Any]]) -> str:
+    """Markdown: scheme, parameters, training tokens and wall time (from metrics.json), bpc."""
+    multiples = list(reports[0]["results"])
+    header = ["scheme", "parameters", "training tokens", "train wall time"]
+    header += [f"bpc at {m} ({reports[0]['results'][m]['window']} tokens)" for m in multiples]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for report in reports:
+        folder = Path(report["checkpoint"])
+        metrics_path = folder / "metrics.json"
+        metrics = json.loads(metrics_path.read_text()) if metrics_path.exists() else {}
+        cells = [
+            report["scheme"],
+            f"{report['parameters']:,}",
+            f"{metrics.get('tokens_seen', 0) / 1e6:.1f} M",
+            f"{metrics.get('wall_seconds', 0) / 60:.1f} min",
+        ]
+        for result in report["results"].values():
+            cells.append(f"{result['bpc']:.3f}" if result["supported"] else "past its table")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     reports = []
     for path in args.checkpoints:
@@ -159,4 +184,6 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         reports.append(report)
     if args.plot:
         plot_loss_by_position(reports, args.plot)
+    if args.table:
+        args.table.write_text(results_table(reports))
     return reports
