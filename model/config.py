@@ -118,13 +118,17 @@ def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
 
 def write_json_atomic(path: str | Path, data: Any) -> None:
     """Write JSON to ``path`` via a temp file in the same folder and os.replace."""
+    write_text_atomic(path, json.dumps(data, indent=2) + "\n")
+
+
+def write_text_atomic(path: str | Path, text: str) -> None:
+    """Write ``text`` to ``path`` via a temp file in the same folder and os.replace."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w") as handle:
-            json.dump(data, handle, indent=2)
-            handle.write("\n")
+            handle.write(text)
         os.chmod(tmp, 0o644)  # mkstemp makes it private; checkpoints are shared read-only
         os.replace(tmp, path)
     except BaseException:

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from matplotlib.figure import Figure
 
-from model.config import ModelConfig, write_json_atomic
+from model.config import ModelConfig, write_json_atomic, write_text_atomic
 from model.data import boundary_sequences, encode_documents
 from model.geometry.corpus import CorpusGeometry, measure_corpus
 from model.geometry.metrics import (
@@ -365,7 +365,105 @@ def write_report(
     report["figures"] = sorted(figures)
     report = _json_ready(report)
     write_json_atomic(out / REPORT_FILE, report)
+    write_text_atomic(out / "report.md", report_markdown(report))
     return report
+
+
+def _number(value: Any, digits: int = 3) -> str:
+    if value is None:
+        return "n/a"
+    if isinstance(value, bool):
+        return "yes" if value else "**no**"
+    if isinstance(value, int):
+        return f"{value:,}"
+    return f"{value:.{digits}g}"
+
+
+def _table(header: list[str], rows: list[list[Any]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += [
+        "| "
+        + " | ".join(_number(cell) if not isinstance(cell, str) else cell for cell in row)
+        + " |"
+        for row in rows
+    ]
+    return [*lines, ""]
+
+
+def report_markdown(report: dict[str, Any]) -> str:
+    """The tables of report.json as markdown (written beside it as report.md)."""
+    corpus, mds, hellinger = report["corpus"], report["mds"], report["hellinger"]
+    floor, neighbour = hellinger["noise_floor"], hellinger["neighbour_distance"]
+    noisy = [i for i, (f, d) in enumerate(zip(floor[1:], neighbour, strict=False), 1) if f >= d]
+    lines = [
+        f"### Corpus: {corpus['name']}",
+        "",
+        f"{corpus['n_sequences']:,} sequences, {corpus['n_positions']} positions, vocabulary "
+        f"{corpus['vocab_size']:,}. Effective rank of the MDS Gram matrix: "
+        f"{mds['effective_rank']}. Variance captured by the top k eigenvalues: "
+        + ", ".join(f"k={k}: {v:.1%}" for k, v in mds["variance_captured"].items())
+        + ". Split-half noise floor: median "
+        f"{float(np.median(floor)):.3f}; it reaches the distance between neighbouring positions "
+        + (f"from position {noisy[0]} on." if noisy else "nowhere."),
+        "",
+        "#### Encodings against the corpus geometry",
+        "",
+    ]
+    lines += _table(
+        ["encoding", "stress", "scale-free stress", "monotonicity violations", "min separation"],
+        [
+            [
+                row["label"],
+                row["stress"],
+                row["scale_free_stress"],
+                row["monotonicity_violation_rate"],
+                row["min_separation"],
+            ]
+            for row in report["schemes"]
+        ],
+    )
+    lines += ["#### The five requirements, measured", ""]
+    lines += _table(
+        [
+            "encoding",
+            "bounded (growth 4n/n)",
+            "unique (min sep.)",
+            "length-independent (drift)",
+            "smooth (max step / median)",
+            "relative (diag. spread)",
+            "past max_positions",
+        ],
+        [
+            [
+                row["label"],
+                f"{_number(row['bounded'])} ({_number(row['bounded_growth'])})",
+                f"{_number(row['unique'])} ({_number(row['min_separation'])})",
+                f"{_number(row['length_independent'])} ({_number(row['length_drift'])})",
+                f"{_number(row['smooth'])} ({_number(row['smoothness'])})",
+                f"{_number(row['relative_recoverable'])} ({_number(row['relative_error'])})",
+                _number(row["beyond_max_positions"]),
+            ]
+            for row in report["requirements"]
+        ],
+    )
+    lines += ["#### Rank, stress and parameters (P = A·Bᵀ from MDS)", ""]
+    lines += _table(
+        ["encoding", "parameters", "stress", "scale-free stress"],
+        [
+            [row["encoding"], row["parameters"], row["stress"], row["scale_free_stress"]]
+            for row in report["rank_stress_table"]
+        ],
+    )
+    if "paper_comparison" in report:
+        lines += ["#### Against the paper's synthetic-corpus figures", ""]
+        lines += _table(
+            ["figure", "paper", "measured"],
+            [
+                [name, pair["paper"], pair["measured"]]
+                for name, pair in report["paper_comparison"].items()
+            ],
+        )
+    return "\n".join(lines)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
