@@ -149,10 +149,10 @@ def test_ctrl_c_exits_130_without_a_traceback() -> None:
             stderr=subprocess.PIPE,
             text=True,
         )
-        sock.settimeout(30)
+        sock.settimeout(120)
         connection, _ = sock.accept()  # the client is now waiting for the answer
         client.send_signal(signal.SIGINT)
-        _, err = client.communicate(timeout=30)
+        _, err = client.communicate(timeout=120)
         connection.close()
     assert client.returncode == 130
     assert "Traceback" not in err
