@@ -87,6 +87,17 @@ MODEL_SIZE_FLAGS = (
 )
 
 
+# Smallest valid value of the TrainConfig counts that must be positive (all others: 0).
+_TRAIN_MINIMUM = {
+    "steps": 1,
+    "batch_size": 1,
+    "grad_accum": 1,
+    "eval_every": 1,
+    "eval_windows": 1,
+    "save_every": 1,
+}
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     """Optimisation settings; the defaults are the shipped recipe."""
@@ -104,6 +115,21 @@ class TrainConfig:
     save_every: int = 500
     seed: int = 1337
     threads: int = 0  # 0 = torch's default
+
+    def __post_init__(self) -> None:
+        # A wrong type or range would otherwise surface as a TypeError or ZeroDivisionError
+        # only after the corpus has been encoded.
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            integer = field.type == "int"
+            if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)):
+                kind = "an integer" if integer else "a number"
+                raise ConfigError(f"train.{field.name} must be {kind}, got {value!r}")
+            smallest = _TRAIN_MINIMUM.get(field.name, 0)
+            if field.name != "seed" and value < smallest:
+                raise ConfigError(f"train.{field.name} must be ≥ {smallest}, got {value!r}")
+        if self.lr <= 0:
+            raise ConfigError(f"train.lr must be positive, got {self.lr!r}")
 
     def lr_at(self, step: int) -> float:
         """Linear warmup to ``lr``, then cosine decay to ``min_lr`` at the last step."""
@@ -151,15 +177,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(f"--{name.replace('_', '-')}", type=int)
 
 
-def configs_from_args(args: argparse.Namespace) -> tuple[ModelConfig, TrainConfig]:
-    """Defaults, then the --config file, then individual flags."""
-    file = json.loads(args.config.read_text()) if args.config else {}
+def read_config_file(path: Path) -> dict[str, dict[str, Any]]:
+    """The --config file: a JSON object whose only keys are "model" and "train", each an object."""
+    try:
+        file = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise ConfigError(f"{path} is not valid JSON: {error}") from None
+    if not isinstance(file, dict):
+        raise ConfigError(f'{path} must hold a JSON object {{"model": {{...}}, "train": {{...}}}}')
     unknown = set(file) - {"model", "train"}
     if unknown:
-        raise ConfigError(
-            f"{args.config}: unknown section(s) {sorted(unknown)}; valid: model, train"
-        )
+        raise ConfigError(f"{path}: unknown section(s) {sorted(unknown)}; valid: model, train")
+    for section, value in file.items():
+        if not isinstance(value, dict):
+            raise ConfigError(f'{path}: "{section}" must be a JSON object, got {value!r}')
+    return file
+
+
+def configs_from_args(args: argparse.Namespace) -> tuple[ModelConfig, TrainConfig]:
+    """Defaults, then the --config file, then individual flags."""
+    file = read_config_file(args.config) if args.config else {}
     model_fields = {**DEFAULT_MODEL, **file.get("model", {})}
+    for source, value in [
+        ("the config file's model.positional", model_fields.get("positional", {})),
+        ("--positional", args.positional or {}),
+    ]:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{source} must be a JSON object, got {value!r}")
     positional = {**DEFAULT_POSITIONAL.get(args.scheme, {}), **(args.positional or {})}
     model_fields["positional"] = {
         **model_fields.get("positional", {}),

@@ -1,0 +1,186 @@
+"""``ordinal train``: a short run learns, a resumed run equals an uninterrupted one, the mds scheme
+gets the training corpus's geometry, and a bad config is a one-line error.
+
+Training runs on a slice of the training split (monkeypatched ``load_corpus``) so the whole file
+takes seconds; the code under test is unchanged: it trains its tokenizer, encodes, samples and
+saves exactly as it does on the full corpus.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import model.train
+from model.checkpoint import load_checkpoint
+from model.corpus import Corpus, load_corpus
+from model.data import TrainingSequences, boundary_sequences, encode_documents
+from model.geometry.corpus import measure_corpus
+from model.geometry.metrics import pairwise_distances
+from model.tokenizer import load_tokenizer, special_ids
+from model.train import METRICS_FILE, STATE_FILE, add_arguments, prepare_tokenizer
+from server.cli import main
+
+STEPS, BATCH, CONTEXT, VOCAB = 30, 8, 32, 300
+TINY_MODEL = ["--d-model", "32", "--n-layers", "1", "--n-heads", "2", "--d-ff", "64"]
+
+
+@pytest.fixture(scope="module")
+def small_corpus() -> Iterator[Corpus]:
+    """Every speech of a few training plays and a few dozen validation speeches."""
+    full = load_corpus()
+    small = Corpus(train=full.train[:3000], validation=full.validation[:40])
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(model.train, "load_corpus", lambda: small)
+        yield small
+
+
+@pytest.fixture(scope="module")
+def tokenizer_path(tmp_path_factory: pytest.TempPathFactory, small_corpus: Corpus) -> Path:
+    """tokenizer.json trained once, the way the first training run would train it."""
+    path = tmp_path_factory.mktemp("tokenizer") / "tok.json"
+    prepare_tokenizer(path, VOCAB)
+    return path
+
+
+def train_args(folder: Path, tokenizer: Path, *extra: str, scheme: str = "rope") -> Any:
+    """Parsed ``ordinal train`` options for a tiny model writing into ``folder``."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    flags = [
+        *("--scheme", scheme, "--out", str(folder / "ck"), "--state-dir", str(folder / "state")),
+        *("--tokenizer", str(tokenizer), *TINY_MODEL, "--vocab-size", str(VOCAB)),
+        *("--context-length", str(CONTEXT), "--steps", str(STEPS), "--batch-size", str(BATCH)),
+        *("--eval-every", "30", "--save-every", "15", "--eval-windows", "4", "--threads", "1"),
+        *("--lr", "3e-3", "--warmup-steps", "3"),
+    ]
+    return parser.parse_args([*flags, *extra])
+
+
+def losses(metrics: dict[str, Any]) -> list[float]:
+    return [loss for _, loss in metrics["train_loss"]]
+
+
+@pytest.fixture(scope="module")
+def full_run(
+    tmp_path_factory: pytest.TempPathFactory, tokenizer_path: Path
+) -> tuple[dict[str, Any], Path]:
+    """An uninterrupted 30-step run: its returned metrics and its folder."""
+    folder = tmp_path_factory.mktemp("full")
+    return model.train.run(train_args(folder, tokenizer_path)), folder
+
+
+def test_short_run_lowers_the_loss_and_writes_metrics(
+    full_run: tuple[dict[str, Any], Path], tokenizer_path: Path
+) -> None:
+    metrics, folder = full_run
+    curve = losses(metrics)
+    assert [step for step, _ in metrics["train_loss"]] == list(range(1, STEPS + 1))
+    assert np.mean(curve[-5:]) < np.mean(curve[:5])
+
+    on_disk = json.loads((folder / "ck" / METRICS_FILE).read_text())
+    assert on_disk == json.loads(json.dumps(metrics))
+    assert on_disk["tokens_seen"] == STEPS * BATCH * CONTEXT
+    assert [step for step, _ in on_disk["val_loss"]] == [STEPS]
+    assert all(math.isfinite(loss) for _, loss in on_disk["val_loss"])
+    assert on_disk["wall_seconds"] > 0
+    assert on_disk["tokens_per_second"] == pytest.approx(
+        on_disk["tokens_seen"] / on_disk["wall_seconds"]
+    )
+
+    loaded, tokenizer = load_checkpoint(folder / "ck", device="cpu")
+    assert loaded.config.scheme == "rope"
+    assert loaded.config.context_length == CONTEXT
+    assert loaded.config.dtype == "bfloat16"  # the default storage dtype
+    assert tokenizer.get_vocab() == load_tokenizer(tokenizer_path).get_vocab()
+
+
+def test_resumed_run_equals_an_uninterrupted_one(
+    tmp_path: Path,
+    tokenizer_path: Path,
+    full_run: tuple[dict[str, Any], Path],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    requested_steps: list[int] = []
+
+    class RecordingSequences(TrainingSequences):
+        def batch(self, step: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+            requested_steps.append(step)
+            return super().batch(step, batch_size)
+
+    monkeypatch.setattr(model.train, "TrainingSequences", RecordingSequences)
+    first = model.train.run(train_args(tmp_path, tokenizer_path, "--stop-at", "15"))
+    assert first["step"] == 15 and len(first["train_loss"]) == 15
+    assert json.loads((tmp_path / "ck" / METRICS_FILE).read_text())["step"] == 15
+
+    requested_steps.clear()
+    resumed = model.train.run(train_args(tmp_path, tokenizer_path, "--resume"))
+    assert requested_steps == list(range(15, STEPS))  # continued, not restarted
+
+    uninterrupted, folder = full_run
+    assert [s for s, _ in resumed["train_loss"]] == [s for s, _ in uninterrupted["train_loss"]]
+    np.testing.assert_allclose(losses(resumed), losses(uninterrupted), rtol=1e-4)
+    assert resumed["tokens_seen"] == uninterrupted["tokens_seen"]
+
+    expected = torch.load(folder / "state" / STATE_FILE, weights_only=False)
+    actual = torch.load(tmp_path / "state" / STATE_FILE, weights_only=False)
+    assert actual["step"] == expected["step"] == STEPS
+    torch.testing.assert_close(actual["model"], expected["model"])
+
+
+def test_mds_table_is_the_training_corpus_geometry_and_is_not_trained(
+    tmp_path: Path, tokenizer_path: Path, small_corpus: Corpus
+) -> None:
+    # A table of n = 32 positions with rank 32 ≥ n - 1 keeps every MDS dimension, so distances
+    # must reproduce the Hellinger matrix exactly (Hellinger distance is Euclidean).
+    flags = ["--max-positions", str(CONTEXT), "--positional", '{"rank": 32}', "--steps", "3"]
+    flags += ["--storage-dtype", "float32"]
+    model.train.run(train_args(tmp_path, tokenizer_path, *flags, scheme="mds"))
+    trained, tokenizer = load_checkpoint(tmp_path / "ck", device="cpu")
+
+    assert "positional.coordinates" in dict(trained.named_buffers())
+    assert not any("positional" in name for name, _ in trained.named_parameters())
+
+    special = special_ids(tokenizer)
+    documents = encode_documents(tokenizer, small_corpus.train)
+    sequences = boundary_sequences(documents, CONTEXT, special)
+    geometry = measure_corpus("train", sequences, VOCAB, special.pad, seed=0)
+    coordinates = trained.positional.coordinates.double().numpy()
+    # float32 storage: distances agree to ~1e-6 of the largest (≤ √2) distance
+    np.testing.assert_allclose(pairwise_distances(coordinates), geometry.hellinger, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("text", "named"),
+    [
+        ('{"optimizer": {}}', "optimizer"),
+        ('{"model": {"d_modle": 64}}', "d_modle"),
+        ('{"train": {"stepz": 5}}', "stepz"),
+        ('{"train": {"steps": "ten"}}', "train.steps"),
+        ('{"train": {"eval_every": 0}}', "train.eval_every"),
+        ('{"model": {"positional": {"scheme": "rope", "bass": 5}}}', "bass"),
+        ('{"model": [64]}', "model"),
+        ('{"model": {"positional": "rope"}}', "positional"),
+        ("[1, 2]", "config.json"),
+        ('{"train": {"steps": 5,}}', "config.json"),  # not JSON
+    ],
+)
+def test_bad_config_file_is_a_one_line_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str, named: str
+) -> None:
+    path = tmp_path / "config.json"
+    path.write_text(text)
+    argv = ["train", "--scheme", "rope", "--out", str(tmp_path / "ck"), "--config", str(path)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("ordinal train: error:") and named in err
+    assert "Traceback" not in err
+    assert not (tmp_path / "ck").exists()
