@@ -37,7 +37,7 @@ checkpoints: $(STAMP)
 		$(VENV)/bin/ordinal train --scheme $$scheme --out checkpoints/$$scheme || exit 1; \
 	done
 	$(VENV)/bin/ordinal eval $(addprefix checkpoints/,$(SCHEMES)) \
-		--plot checkpoints/loss_by_position.png
+		--plot checkpoints/loss_by_position.png --table checkpoints/results.md
 
 # Speed figures into docs/benchmarks.md (transformers is a bench-only extra).
 bench: $(STAMP)
