@@ -1,0 +1,349 @@
+"""``make bench``: run every speed benchmark, keep the results, write docs/benchmarks.md.
+
+Stages: ``decode`` (in-process, bench.decode; the long one), ``http`` (the real server,
+bench.http) and ``bound`` (matmul bound, bench.bound). Each writes bench/results/<stage>.json; a
+stage left out of ``--stages`` is read back from there, so one figure can be redone alone.
+
+    python -m bench.run                      # everything, several minutes
+    python -m bench.run --quick              # one repeat, rope only, short HTTP levels
+    python -m bench.run --stages http        # redo the HTTP figures, reuse the rest
+    python -m bench.run --stages             # only re-render the report from the results
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+
+from bench import bound, decode, http
+from model.config import write_json_atomic, write_text_atomic
+from model.positional import SCHEMES
+
+STAGES = ("decode", "http", "bound")
+GPT2_LAYOUT = "learned+bias"  # bench.decode's row with GPT-2's exact layout
+Results = dict[str, Any]
+
+
+def cpu_model() -> str:
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def machine() -> dict[str, Any]:
+    """What the figures were measured on."""
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    return {
+        "cpu": cpu_model(),
+        "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "gpu": gpu,
+        "load_average_at_start": os.getloadavg()[0],
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+    }
+
+
+def run_stage(stage: str, args: argparse.Namespace) -> Results:
+    if stage == "decode":
+        return decode.run(args.checkpoints, 1 if args.quick else 3, args.schemes)
+    if stage == "http":
+        levels = (2.0, 1) if args.quick else (10.0, 2)
+        return http.run(args.checkpoints, *levels)
+    return bound.run(args.checkpoints, 0.05 if args.quick else 0.5)
+
+
+# ----------------------------------------------------------------------------- rendering
+
+
+def table(header: list[str], rows: list[list[str]]) -> str:
+    lines = [header, ["---"] * len(header), *rows]
+    return "\n".join("| " + " | ".join(line) + " |" for line in lines) + "\n"
+
+
+def rate(value: float | None) -> str:
+    return "—" if value is None else f"{value:,.0f}"
+
+
+def ratio(value: float | None) -> str:
+    return "—" if value is None else f"{value:.2f}×"
+
+
+def target(value: float | None, goal: float, text: str, at_most: bool = False) -> str:
+    """The target beside a figure, with whether this run met it (shown, never asserted)."""
+    if value is None:
+        return text
+    met = value <= goal if at_most else value >= goal
+    return f"{text} {'✓' if met else '✗'}"
+
+
+def divide(a: float | None, b: float | None) -> float | None:
+    return None if a is None or not b else a / b
+
+
+def machine_section(info: Results) -> str:
+    device = f"GPU {info['gpu']} (server and GPU bound in bfloat16)" if info["gpu"] else "CPU"
+    return (
+        f"Measured {info['date']} on {info['cpu']}, {info['cores']} cores "
+        f"(torch {info['torch']}, {info['torch_threads']} threads), device: {device}; "
+        f"load average at start {info['load_average_at_start']:.2f}. In-process decode runs on "
+        "the CPU in float32 with random weights, greedy, EOS ignored.\n"
+    )
+
+
+def decode_section(results: Results) -> str:
+    parts = [
+        f"## In-process decode\n\nPrompt {results['prompt_tokens']} tokens, "
+        f"{results['new_tokens']} new tokens, tokens/s best of the repeats.\n"
+    ]
+    for size, data in results["sizes"].items():
+        schemes = {k: v for k, v in data["ours"].items() if k != GPT2_LAYOUT}
+        fastest = max(row["batch_1"] for row in schemes.values())
+        rows = [
+            [
+                name,
+                rate(row["batch_1"]),
+                rate(row["batch_32"]),
+                target(row["batch_1"] / fastest, 0.7, ratio(row["batch_1"] / fastest)),
+            ]
+            for name, row in schemes.items()
+        ]
+        header = ["scheme", "batch 1", "batch 32", "batch 1 ÷ fastest (≥ 0.7×)"]
+        parts.append(f"### {size}\n\n" + table(header, rows))
+    return "\n".join(parts)
+
+
+def transformers_section(results: Results) -> str:
+    rows = []
+    for size, data in results["sizes"].items():
+        ours, theirs = data["ours"][GPT2_LAYOUT], data["transformers"]
+        for batch, goal in (("batch_1", 2.0), ("batch_32", 1.5)):
+            speedup = divide(ours[batch], theirs[batch])
+            shown = target(speedup, goal, f"{ratio(speedup)} (≥ {goal:g}×)")
+            label = batch.replace("_", " ")
+            rows.append([size, label, rate(ours[batch]), rate(theirs[batch]), shown])
+    header = ["size", "batch", "ours: learned, GPT-2 layout", "transformers generate", "ratio"]
+    return (
+        "## Against Hugging Face transformers\n\nGPT-2's layout (learned positions, biases) "
+        "in both, same dimensions, same run; tokens/s.\n\n" + table(header, rows)
+    )
+
+
+def http_section(results: Results, in_process: float | None) -> str:
+    single = results["single_stream"]
+    share = divide(single["tokens_per_s"], in_process)
+    singles = table(
+        ["in-process rope, batch 1", "HTTP, 1 client", "ratio", "HTTP decode only", "TTFT p50"],
+        [
+            [
+                rate(in_process),
+                rate(single["tokens_per_s"]),
+                target(share, 0.8, f"{ratio(share)} (≥ 0.8×)"),
+                rate(single["decode_tokens_per_s"]),
+                f"{single['ttft_ms_p50']:.1f} ms",
+            ]
+        ],
+    )
+    levels = {level["streams"]: level for level in results["concurrency"]}
+    base = levels.get(1, {}).get("tokens_per_s")
+    rows = [
+        [
+            str(n),
+            str(level["requests"]),
+            rate(level["tokens_per_s"]),
+            ratio(divide(level["tokens_per_s"], base)),
+            f"{level['ttft_ms_p50']:.0f}",
+            f"{level['ttft_ms_p99']:.0f}",
+            f"{level['itl_ms_p50']:.1f}",
+            f"{level['loadgen_cpu_cores']:.2f}",
+            f"{level['server_cpu_cores']:.2f}",
+            f"{level['server_peak_rss_mib']:.0f}",
+        ]
+        for n, level in levels.items()
+    ]
+    header = ["clients", "requests", "tokens/s", "× 1 client", "TTFT p50 ms", "TTFT p99 ms"]
+    header += ["ITL p50 ms", "load-gen CPU cores", "server CPU cores", "server peak RSS MiB"]
+    at_32 = levels.get(32, {})
+    scaling = divide(at_32.get("tokens_per_s"), base)
+    p99 = at_32.get("ttft_ms_p99")
+    p99_text = "—" if p99 is None else f"{p99:.0f} ms (target ≤ 150 ms)"
+    return (
+        "## Through the HTTP server\n\n`ordinal serve` (the shipped rope checkpoint, "
+        f"`--max-batch-size {results['server']['max_batch_size']}`, "
+        f"{results['server']['dtype']}) in a subprocess; one asyncio httpx client process; "
+        "streaming, temperature 0.8, seeded. The server has no `ignore_eos` and completions "
+        "end on EOS after ~40 tokens, so each client sends requests back to back: the "
+        "single-client rate pays a prefill and a round trip per request, which in-process "
+        "decode pays once per 256 tokens. 'HTTP decode only' leaves out each request's time to "
+        "first token.\n\n" + singles + "\n" + table(header, rows) + "\n"
+        f"32 clients ÷ 1 client: {target(scaling, 8.0, f'{ratio(scaling)} (target ≥ 8×)')}; "
+        f"TTFT p99 at 32 clients: {target(p99, 150.0, p99_text, at_most=True)}."
+        "\n\nLoad-generator and server CPU are in cores (1.0 = one core busy the whole level): "
+        "with both on the same cores, a busy load generator caps the figures.\n"
+    )
+
+
+def memory_section(results: Results) -> str:
+    memory = results["memory"]
+    rows = [
+        [str(len(memory["models"])), ", ".join(memory["models"]), f"{memory['rss_mib']:.0f}"],
+        ["1", "rope", f"{memory['rope_only_rss_mib']:.0f}"],
+    ]
+    return "## Server memory\n\nResident set once `/health` is 200.\n\n" + table(
+        ["models", "loaded", "RSS MiB"], rows
+    )
+
+
+class Measured(NamedTuple):
+    """A measured rate to hold against the bound of ``size`` at ``batch`` on ``device``."""
+
+    label: str
+    device: str  # "cpu", "cuda"
+    size: str
+    batch: str  # "batch_1", "batch_32"
+    tokens_per_s: float | None
+
+
+def measured_rates(results: dict[str, Results]) -> list[Measured]:
+    """In-process rope (CPU) at both sizes and batches; the server at 1 and 32 clients."""
+    rates = []
+    for size, data in results.get("decode", {}).get("sizes", {}).items():
+        rope = data["ours"].get("rope", {})
+        for batch in ("batch_1", "batch_32"):
+            label = f"in-process rope, {size}, {batch.replace('_', ' ')}"
+            rates.append(Measured(label, "cpu", size, batch, rope.get(batch)))
+    if "http" in results:
+        device = "cuda" if results["machine"]["gpu"] else "cpu"
+        levels = {level["streams"]: level for level in results["http"]["concurrency"]}
+        for clients in (1, 32):
+            served = levels.get(clients, {}).get("tokens_per_s")
+            label = f"HTTP, {clients} concurrent client(s)"
+            rates.append(Measured(label, device, "shipped", f"batch_{clients}", served))
+    return rates
+
+
+def bound_section(results: Results, measured: list[Measured]) -> str:
+    parts = [
+        "## The machine's bound\n\nA decode step's matrix products timed alone at their exact "
+        f"shapes (attention at {results['context']} cached tokens, the decode benchmark's mean); "
+        "the bound is batch ÷ that time (the fastest block of repeats). FLOPs per token count 2 "
+        "per multiply-add.\n"
+    ]
+    for device, data in results["devices"].items():
+        square = data["square"]["gflops"]
+        rows = [
+            [
+                size,
+                batch.replace("_", " "),
+                f"{results['flops_per_token'][size] / 1e6:.2f}",
+                f"{step['step_ms']:.3f}",
+                rate(step["bound_tokens_per_s"]),
+            ]
+            for size, steps in data["steps"].items()
+            for batch, step in steps.items()
+        ]
+        header = ["size", "batch", "MFLOP/token", "products ms/step", "bound tokens/s"]
+        parts.append(
+            f"### {device}\n\nLarge square product [{data['square']['size']}]²: "
+            f"{square:,.1f} GFLOP/s.\n\n" + table(header, rows)
+        )
+        fractions = []
+        for m in measured:
+            if not device.startswith(m.device):
+                continue
+            bound_rate = data["steps"][m.size][m.batch]["bound_tokens_per_s"]
+            flops = results["flops_per_token"][m.size]
+            achieved = None if m.tokens_per_s is None else m.tokens_per_s * flops / 1e9
+            fractions.append(
+                [
+                    m.label,
+                    rate(m.tokens_per_s),
+                    ratio(divide(m.tokens_per_s, bound_rate)),
+                    "—" if achieved is None else f"{achieved:.2f}",
+                    ratio(divide(achieved, square)),
+                ]
+            )
+        header = ["measured", "tokens/s", "of bound", "GFLOP/s", "of square peak"]
+        if fractions:
+            parts.append("\nFraction of the bound reached:\n\n" + table(header, fractions))
+        parts.append(products_table(data["steps"]))
+    return "\n".join(parts)
+
+
+def products_table(steps: dict[str, Results]) -> str:
+    rows = []
+    for size, batches in steps.items():
+        pairs = zip(batches["batch_1"]["products"], batches["batch_32"]["products"], strict=True)
+        for one, many in pairs:
+            rows.append(
+                [
+                    size,
+                    f"{one['count']}×",
+                    one["shape"],
+                    f"{one['gflops']:.1f}",
+                    many["shape"],
+                    f"{many['gflops']:.1f}",
+                ]
+            )
+    header = ["size", "per step", "batch 1", "GFLOP/s", "batch 32", "GFLOP/s"]
+    return "\nGFLOP/s of each product:\n\n" + table(header, rows)
+
+
+def render(results: dict[str, Results]) -> str:
+    """docs/benchmarks.md from the stage results (a missing stage is left out)."""
+    decoded = results.get("decode", {"sizes": {}})
+    in_process = decoded["sizes"].get("shipped", {}).get("ours", {}).get("rope", {}).get("batch_1")
+    sections: list[tuple[str, Callable[[], str]]] = [
+        ("decode", lambda: decode_section(decoded) + "\n" + transformers_section(decoded)),
+        ("http", lambda: http_section(results["http"], in_process)),
+        ("http", lambda: memory_section(results["http"])),
+        ("bound", lambda: bound_section(results["bound"], measured_rates(results))),
+    ]
+    body = [make() for stage, make in sections if stage in results]
+    intro = "# Benchmarks\n\nWritten by `make bench` (`python -m bench.run`); "
+    intro += "targets are shown beside the figures, ✓ where this run met them.\n\n"
+    return intro + machine_section(results["machine"]) + "\n" + "\n".join(body)
+
+
+# ----------------------------------------------------------------------------- command line
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--checkpoints", type=Path, default=Path("checkpoints"))
+    parser.add_argument("--results", type=Path, default=Path("bench/results"))
+    parser.add_argument("--doc", type=Path, default=Path("docs/benchmarks.md"))
+    parser.add_argument("--quick", action="store_true", help="one repeat, short levels")
+    parser.add_argument("--schemes", nargs="+", choices=list(SCHEMES), help="for decode")
+    parser.add_argument(
+        "--stages", nargs="*", choices=STAGES, default=list(STAGES), help="none: only re-render"
+    )
+    args = parser.parse_args()
+    args.schemes = args.schemes or (["rope"] if args.quick else list(SCHEMES))
+
+    results: dict[str, Results] = {"machine": machine()}
+    write_json_atomic(args.results / "machine.json", results["machine"])
+    for stage in STAGES:
+        path = args.results / f"{stage}.json"
+        if stage in args.stages:
+            results[stage] = run_stage(stage, args)
+            write_json_atomic(path, results[stage])
+        elif path.exists():
+            results[stage] = json.loads(path.read_text())
+    write_text_atomic(args.doc, render(results))
+    print(f"wrote {args.doc}")
+
+
+if __name__ == "__main__":
+    main()
