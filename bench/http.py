@@ -24,7 +24,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import httpx
 import numpy as np
@@ -106,7 +106,8 @@ def running_server(
                 process.wait()
 
 
-def wait_until_healthy(url: str, process: subprocess.Popen, timeout: float, log: Any) -> None:
+def wait_until_healthy(url: str, process: subprocess.Popen, timeout: float, log: IO[bytes]) -> None:
+    """Poll ``/health`` until 200; if the server exits first, raise with the end of its log."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:
@@ -126,7 +127,7 @@ async def stream_completion(client: httpx.AsyncClient, max_tokens: int, seed: in
         "model": "rope",
         "prompt": PROMPT,
         "max_tokens": max_tokens,
-        "temperature": 0.8,  # sampled, so the text rarely reaches EOS early
+        "temperature": 0.8,  # sampled as a user would; most completions still end on EOS early
         "seed": seed,
         "stream": True,
         "stream_options": {"include_usage": True},

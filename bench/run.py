@@ -80,6 +80,10 @@ def ratio(value: float | None) -> str:
     return "—" if value is None else f"{value:.2f}×"
 
 
+def percent(value: float | None) -> str:
+    return "—" if value is None else f"{value:.1%}"
+
+
 def target(value: float | None, goal: float, text: str, at_most: bool = False) -> str:
     """The target beside a figure, with whether this run met it (shown, never asserted)."""
     if value is None:
@@ -228,7 +232,7 @@ def measured_rates(results: dict[str, Results]) -> list[Measured]:
         levels = {level["streams"]: level for level in results["http"]["concurrency"]}
         for clients in (1, 32):
             served = levels.get(clients, {}).get("tokens_per_s")
-            label = f"HTTP, {clients} concurrent client(s)"
+            label = f"HTTP, {clients} client{'' if clients == 1 else 's'}"
             rates.append(Measured(label, device, "shipped", f"batch_{clients}", served))
     return rates
 
@@ -269,14 +273,14 @@ def bound_section(results: Results, measured: list[Measured]) -> str:
                 [
                     m.label,
                     rate(m.tokens_per_s),
-                    ratio(divide(m.tokens_per_s, bound_rate)),
+                    percent(divide(m.tokens_per_s, bound_rate)),
                     "—" if achieved is None else f"{achieved:.2f}",
-                    ratio(divide(achieved, square)),
+                    percent(divide(achieved, square)),
                 ]
             )
         header = ["measured", "tokens/s", "of bound", "GFLOP/s", "of square peak"]
         if fractions:
-            parts.append("\nFraction of the bound reached:\n\n" + table(header, fractions))
+            parts.append("Fraction of the bound reached:\n\n" + table(header, fractions))
         parts.append(products_table(data["steps"]))
     return "\n".join(parts)
 
@@ -297,7 +301,7 @@ def products_table(steps: dict[str, Results]) -> str:
                 ]
             )
     header = ["size", "per step", "batch 1", "GFLOP/s", "batch 32", "GFLOP/s"]
-    return "\nGFLOP/s of each product:\n\n" + table(header, rows)
+    return "GFLOP/s of each product:\n\n" + table(header, rows)
 
 
 def render(results: dict[str, Results]) -> str:
