@@ -42,6 +42,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="window lengths as multiples of the training context (default 1 2 4)",
     )
     parser.add_argument("--table", type=Path, help="write a markdown table of the results here")
+    parser.add_argument(
+        "--reuse",
+        action="store_true",
+        help="use a checkpoint's eval.json when it is newer than its weights (replot, retable)",
+    )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--batch-size", type=int, default=16)
 
@@ -172,10 +177,18 @@ def results_table(reports: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _newer(path: Path, than: Path) -> bool:
+    return than.exists() and path.stat().st_mtime >= than.stat().st_mtime
+
+
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     reports = []
     for path in args.checkpoints:
-        report = evaluate_checkpoint(path, args.multiples, args.device, args.batch_size)
+        saved = path / EVAL_FILE
+        if args.reuse and saved.exists() and _newer(saved, path / "model.safetensors"):
+            report = json.loads(saved.read_text())
+        else:
+            report = evaluate_checkpoint(path, args.multiples, args.device, args.batch_size)
         cells = [
             f"{k}: " + (f"bpc {r['bpc']:.3f}" if r["supported"] else "unsupported")
             for k, r in report["results"].items()
