@@ -148,6 +148,9 @@ def test_ctrl_c_exits_130_without_a_traceback() -> None:
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
+            # A shell's background jobs inherit SIGINT ignored, and Python then never raises
+            # KeyboardInterrupt: give the client the default disposition a terminal would.
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         )
         sock.settimeout(120)
         connection, _ = sock.accept()  # the client is now waiting for the answer
