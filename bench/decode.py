@@ -84,6 +84,8 @@ def time_transformers(config: ModelConfig, batch: int, repeats: int) -> float | 
             attn_pdrop=0.0,
             embd_pdrop=0.0,
             resid_pdrop=0.0,
+            bos_token_id=None,
+            eos_token_id=None,
         )
     ).eval()
     prompts = torch.randint(3, config.vocab_size, (batch, PROMPT_TOKENS))
