@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from model.positional.base import PositionalScheme, Rotation
+from model.positional.sinusoidal import position_angles
 
 SCALINGS = (None, "linear", "ntk")
 
@@ -40,11 +41,7 @@ class RopeParams:
 
 def rope_angles(positions: Tensor, rotary_dim: int, base: float = 10000.0) -> Rotation:
     """cos/sin tables for ``positions`` [...] → each [..., rotary_dim] (NeoX half-split layout)."""
-    if rotary_dim % 2:
-        raise ValueError(f"rotary_dim must be even, got {rotary_dim}")
-    exponents = torch.arange(0, rotary_dim, 2, device=positions.device, dtype=torch.float64)
-    inverse_frequency = base ** (-exponents / rotary_dim)  # [rot/2]
-    angles = positions.to(torch.float64).unsqueeze(-1) * inverse_frequency  # [..., rot/2]
+    angles = position_angles(positions, rotary_dim, base)  # [..., rot/2]
     angles = torch.cat((angles, angles), dim=-1).to(torch.float32)
     return angles.cos(), angles.sin()
 

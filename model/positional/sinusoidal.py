@@ -18,14 +18,21 @@ class SinusoidalParams:
     scale: float = 1.0
 
 
+def position_angles(positions: Tensor, dim: int, base: float = 10000.0) -> Tensor:
+    """Angles p · base^(-2i/dim) for each pair i → [..., dim/2], float64.
+
+    The clock hands shared by sinusoidal (added as sin/cos) and rope (applied as rotations);
+    float64 keeps sin/cos exact to ~1e-12 for positions in the thousands.
+    """
+    if dim % 2:
+        raise ValueError(f"the encoding needs an even number of dimensions, got {dim}")
+    pair = torch.arange(0, dim, 2, device=positions.device, dtype=torch.float64)
+    return positions.to(torch.float64).unsqueeze(-1) * base ** (-pair / dim)
+
+
 def sinusoidal_encoding(positions: Tensor, d_model: int, base: float = 10000.0) -> Tensor:
     """Sinusoidal vectors for arbitrary ``positions`` [...] → [..., d_model] (float32)."""
-    if d_model % 2:
-        raise ValueError(f"the sinusoidal encoding needs an even d_model, got {d_model}")
-    pair = torch.arange(0, d_model, 2, device=positions.device, dtype=torch.float64)
-    frequencies = base ** (-pair / d_model)  # [d/2]
-    angles = positions.to(torch.float64).unsqueeze(-1) * frequencies  # [..., d/2]
-    # float64 angles keep sin/cos exact to ~1e-12 for positions in the thousands.
+    angles = position_angles(positions, d_model, base)  # [..., d/2]
     encoding = torch.stack((angles.sin(), angles.cos()), dim=-1).flatten(-2)
     return encoding.to(torch.float32)
 
