@@ -124,8 +124,8 @@ def _max_tokens(body: CompletionRequest, served: ServedModel, prompt_length: int
     if body.max_tokens > room:
         raise APIError(
             400,
-            f"max_tokens is {body.max_tokens} but only {room} tokens are left in model "
-            f"'{served.name}''s context of {limit} after the prompt's {prompt_length}",
+            f"max_tokens is {body.max_tokens} but only {room} tokens are left after the "
+            f"prompt's {prompt_length} in the {limit}-token context of model '{served.name}'",
             param="max_tokens",
             code="context_length_exceeded",
         )
