@@ -172,8 +172,7 @@ class Service:
         try:
             folders = discover_checkpoints(settings.checkpoints, settings.models)
             self.default_model = choose_default(list(folders), settings.default_model)
-            if settings.threads is not None:
-                torch.set_num_threads(settings.threads)
+            torch.set_num_threads(settings.threads)
             models = await asyncio.to_thread(
                 lambda: {
                     name: load_model(name, folder, settings, self.metrics)
