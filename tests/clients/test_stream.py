@@ -15,7 +15,6 @@ import pytest
 from clients.stream import main
 from tests.server.conftest import (
     Running,
-    build_checkpoints,
     free_socket,
     running_server,
     wait_for,
@@ -24,13 +23,6 @@ from tests.server.conftest import test_settings as server_settings
 
 SCRIPT = Path(__file__).resolve().parents[2] / "clients" / "stream.py"
 TIMING = re.compile(r"time to first token \d+\.\d+ s, (\d+\.\d|n/a) tokens/s \((\d+) chunks\)")
-
-
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("checkpoints")
-    build_checkpoints(folder)
-    return folder
 
 
 @pytest.fixture(scope="module")

@@ -134,13 +134,6 @@ test_settings.__test__ = False  # type: ignore[attr-defined]  # a helper, not a 
 
 
 @pytest.fixture(scope="session")
-def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("checkpoints")
-    build_checkpoints(folder)
-    return folder
-
-
-@pytest.fixture(scope="session")
 def server(checkpoints: Path) -> Iterator[Running]:
     with running_server(test_settings(checkpoints, max_batch_size=8, max_queue=32)) as running:
         yield running
