@@ -38,6 +38,8 @@ class KVCache:
         self.max_length = max_length
         # Lengths live on the host: they decide slicing, and reading them must never sync a GPU.
         self.lengths = torch.zeros(rows, dtype=torch.long)
+        self._offsets = torch.arange(max_length)
+        self._layer_keys, self._layer_values = self.keys.unbind(0), self.values.unbind(0)
 
     @property
     def rows(self) -> int:
@@ -49,46 +51,58 @@ class KVCache:
         Row b's tokens go to slots lengths[b], lengths[b]+1, …; those slots are their positions.
         With ``new_counts``, tokens past a row's count are padding: not written, and given the
         row's last real position so that table-based schemes never see a phantom position.
+        Runs once per forward pass, on the host; a decode step costs a handful of small ops.
         """
         start = self.lengths[rows]
-        offsets = torch.arange(n_new)
+        offsets = self._offsets[:n_new]
         positions = start.unsqueeze(1) + offsets  # [B, T]
-        counts = torch.full_like(start, n_new) if new_counts is None else new_counts.cpu()
-        # A count above n_new would advance the row's length over slots that were never written.
-        if counts.shape != start.shape or bool(((counts < 0) | (counts > n_new)).any()):
-            raise ValueError(
-                f"new_counts must give each of the {len(start)} rows a count in 0..{n_new}, "
-                f"got {counts.tolist()}"
-            )
-        if new_counts is not None:
+        if new_counts is None:
+            starts = start.tolist()
+            key_length = max(starts, default=0) + n_new
+            self._check_room(key_length)
+            if starts and min(starts) == max(starts):
+                return CacheWrite(rows, positions, start + n_new, key_length, starts[0], None)
+            valid = torch.ones(positions.shape, dtype=torch.bool)
+            end = start + n_new
+        else:
+            counts = new_counts.cpu()
+            # A count above n_new would advance the row's length over never-written slots.
+            if counts.shape != start.shape or bool(((counts < 0) | (counts > n_new)).any()):
+                raise ValueError(
+                    f"new_counts must give each of the {len(start)} rows a count in 0..{n_new}, "
+                    f"got {counts.tolist()}"
+                )
             last_real = start + (counts - 1).clamp(min=0)
             positions = torch.minimum(positions, last_real.unsqueeze(1))
-        end = start + counts
-        key_length = int(end.max()) if end.numel() else 0
+            end = start + counts
+            key_length = int(end.max()) if end.numel() else 0
+            self._check_room(key_length)
+            valid = offsets.unsqueeze(0) < counts.unsqueeze(1)  # [B, T]
+        row_index, token_index = valid.nonzero(as_tuple=True)
+        slots = positions[row_index, token_index]
+        device = self.keys.device
+        scatter = (row_index.to(device), token_index.to(device), slots.to(device))
+        return CacheWrite(rows, positions, end, key_length, None, scatter)
+
+    def _check_room(self, key_length: int) -> None:
         if key_length > self.max_length:
             raise CacheFull(
                 f"the cache holds {self.max_length} positions per row; this step needs {key_length}"
             )
-        uniform = new_counts is None and bool((start == start[0]).all())
-        valid = offsets.unsqueeze(0) < counts.unsqueeze(1)  # [B, T]
-        return CacheWrite(rows, positions, valid, end, key_length, uniform)
 
     def write(
         self, layer: int, plan: CacheWrite, keys: Tensor, values: Tensor
     ) -> tuple[Tensor, Tensor]:
         """Store ``keys``/``values`` [B, H, T, hd] for ``layer`` and return the keys and values of
         every slot up to the longest row → each [B, H, key_length, hd] (views, no copy)."""
-        layer_keys = self.keys[layer, plan.rows]
-        layer_values = self.values[layer, plan.rows]
-        if plan.uniform:
-            start = int(plan.positions[0, 0])
-            layer_keys[:, :, start : start + keys.shape[2]] = keys
-            layer_values[:, :, start : start + keys.shape[2]] = values
+        layer_keys = self._layer_keys[layer][plan.rows]
+        layer_values = self._layer_values[layer][plan.rows]
+        if plan.scatter is None:
+            end = plan.same_start + keys.shape[2]
+            layer_keys[:, :, plan.same_start : end] = keys
+            layer_values[:, :, plan.same_start : end] = values
         else:
-            device = keys.device
-            row_index, token_index = plan.valid.nonzero(as_tuple=True)
-            slots = plan.positions[row_index, token_index].to(device)
-            row_index, token_index = row_index.to(device), token_index.to(device)
+            row_index, token_index, slots = plan.scatter
             layer_keys[row_index, :, slots] = keys[row_index, :, token_index]
             layer_values[row_index, :, slots] = values[row_index, :, token_index]
         return layer_keys[:, :, : plan.key_length], layer_values[:, :, : plan.key_length]
@@ -113,11 +127,13 @@ class KVCache:
 
 @dataclass(frozen=True)
 class CacheWrite:
-    """Where one forward pass writes: computed once, shared by all layers (host tensors)."""
+    """Where one forward pass writes: computed once, shared by all layers."""
 
     rows: slice
-    positions: Tensor  # [B, T] position (= slot) of each new token
-    valid: Tensor  # [B, T] False for ragged padding, which is not written
+    positions: Tensor  # [B, T] position (= slot) of each new token, on the host
     end: Tensor  # [B] row lengths after the write
     key_length: int  # slots every row's queries may look at: the longest row after the write
-    uniform: bool  # every row starts at the same slot and writes all T tokens
+    same_start: int | None  # the slot all rows start at when they do and none is padded:
+    # each layer's write is then one slice
+    scatter: tuple[Tensor, Tensor, Tensor] | None  # otherwise (row, token, slot) of every real
+    # new token, on the cache's device, for one index_put per layer

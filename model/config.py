@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 NORMS = ("layernorm", "rmsnorm")
-MLPS = ("gelu", "swiglu")
+# gelu_tanh is GPT-2's tanh approximation of GELU (also several times faster on CPU).
+MLPS = ("gelu", "gelu_tanh", "swiglu")
 DTYPES = ("float32", "bfloat16", "float16")
 
 

@@ -29,6 +29,18 @@ class AttentionMask:
     is_causal: bool
 
 
+def _store_column_major(linear: nn.Linear) -> None:
+    """Keep ``linear.weight`` [out, in] as a view of contiguous [in, out] memory, in place.
+
+    ``F.linear`` computes x @ weight.T; with this layout weight.T is contiguous, which CPU GEMMs
+    run 1.2-2x faster at decode sizes (a few rows of input). Values, shapes and the checkpoint
+    format are unchanged: loading copies into this layout and saving writes contiguous tensors.
+    The Parameter object stays the same, so a tied lm_head and embedding stay tied.
+    """
+    with torch.no_grad():
+        linear.weight.data = linear.weight.data.t().contiguous().t()
+
+
 def make_norm(config: ModelConfig) -> nn.Module:
     if config.norm == "rmsnorm":
         return nn.RMSNorm(config.d_model)
@@ -70,16 +82,18 @@ class Attention(nn.Module):
             is_causal=mask.is_causal,
             dropout_p=self.dropout if self.training else 0.0,
         )
-        out = out.transpose(1, 2).reshape(batch, length, width)
-        return F.dropout(self.proj(out), self.dropout, self.training)
+        out = self.proj(out.transpose(1, 2).reshape(batch, length, width))
+        return F.dropout(out, self.dropout) if self.training else out
 
 
 class FeedForward(nn.Module):
-    """GELU MLP, or SwiGLU (gate and value projections fused into one matrix)."""
+    """GELU MLP (exact, or GPT-2's tanh approximation), or SwiGLU (gate and value projections
+    fused into one matrix)."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.gated = config.mlp == "swiglu"
+        self.gelu_approximation = "tanh" if config.mlp == "gelu_tanh" else "none"
         expanded = 2 * config.d_ff if self.gated else config.d_ff
         self.up = nn.Linear(config.d_model, expanded, bias=config.bias)
         self.down = nn.Linear(config.d_ff, config.d_model, bias=config.bias)
@@ -92,8 +106,9 @@ class FeedForward(nn.Module):
             gate, value = hidden.chunk(2, dim=-1)
             hidden = F.silu(gate) * value
         else:
-            hidden = F.gelu(hidden)
-        return F.dropout(self.down(hidden), self.dropout, self.training)
+            hidden = F.gelu(hidden, approximate=self.gelu_approximation)
+        out = self.down(hidden)
+        return F.dropout(out, self.dropout) if self.training else out
 
 
 class Block(nn.Module):
@@ -125,6 +140,9 @@ class Transformer(nn.Module):
         if config.tie_embeddings:
             self.lm_head.weight = self.token_embedding.weight
         self._initialise()
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                _store_column_major(module)
 
     def _initialise(self) -> None:
         # GPT-2 initialisation; residual projections shrink with depth so the residual stream's
@@ -183,7 +201,8 @@ class Transformer(nn.Module):
         position_vectors = self.positional.embedding(positions)
         if position_vectors is not None:
             x = x + position_vectors.to(x.dtype)
-        x = F.dropout(x, self.config.dropout, self.training)
+        if self.training:
+            x = F.dropout(x, self.config.dropout)
         rotation = self.positional.rotation(positions)
         mask = self._attention_mask(positions, key_positions, plan, x.dtype)
         for layer, block in enumerate(self.blocks):
@@ -192,9 +211,10 @@ class Transformer(nn.Module):
             cache.commit(plan)
 
         x = self.final_norm(x)
-        if last_only:
-            last = torch.full((batch,), length - 1) if new_counts is None else new_counts.cpu() - 1
-            x = x[torch.arange(batch), last.to(device)]
+        if last_only and new_counts is None:
+            x = x[:, -1]
+        elif last_only:
+            x = x[torch.arange(batch, device=device), (new_counts - 1).to(device)]
         return self.lm_head(x)
 
     def _attention_mask(
@@ -202,11 +222,11 @@ class Transformer(nn.Module):
     ) -> AttentionMask:
         """Causality (a query sees keys at its own position or before) plus the scheme's bias."""
         bias = self.positional.attention_bias(positions, key_positions)  # [B, H, Tq, Tk] or None
-        starts_at_zero = plan is None or (plan.uniform and int(plan.positions[0, 0]) == 0)
+        starts_at_zero = plan is None or plan.same_start == 0
         if bias is None:
             if starts_at_zero:
                 return AttentionMask(None, is_causal=True)
-            if plan.uniform and positions.shape[1] == 1:
+            if plan.same_start is not None and positions.shape[1] == 1:
                 return AttentionMask(None, is_causal=False)  # one new token sees every slot
         allowed = key_positions <= positions.unsqueeze(-1)  # [B, Tq, Tk]
         allowed = allowed.unsqueeze(1)

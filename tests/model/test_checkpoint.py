@@ -282,3 +282,13 @@ def test_stored_tensors_skip_the_tied_output_matrix(tiny_tokenizer, tmp_path: Pa
     assert loaded.lm_head.weight is not loaded.token_embedding.weight
     assert torch.equal(logits_of(loaded), logits_of(untied))
     assert os.listdir(tmp_path) == ["untied"]
+
+
+def test_loading_keeps_the_column_major_weight_layout_and_the_tie(
+    tmp_path: Path, tiny_tokenizer
+) -> None:
+    save_checkpoint(tmp_path / "ckpt", random_model("rope", seed=2), tiny_tokenizer)
+    loaded = load(tmp_path / "ckpt", dtype="bfloat16")
+    linears = [m for m in loaded.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all(m.weight.t().is_contiguous() for m in linears)
+    assert loaded.lm_head.weight is loaded.token_embedding.weight

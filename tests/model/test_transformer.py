@@ -234,3 +234,17 @@ def test_gradient_reaches_every_trainable_parameter(scheme: str) -> None:
         coordinates = dict(model.named_buffers())["positional.coordinates"]
         assert not coordinates.requires_grad and coordinates.grad is None
         assert "positional.coordinates" not in dict(model.named_parameters())
+
+
+def test_gelu_tanh_is_gpt2s_approximation() -> None:
+    model = random_model("learned", mlp="gelu_tanh")
+    mlp = model.blocks[0].mlp
+    x = torch.randn(3, 5, model.config.d_model)
+    hidden = mlp.up(x)
+    gpt2_gelu = (
+        0.5 * hidden * (1 + torch.tanh((2 / torch.pi) ** 0.5 * (hidden + 0.044715 * hidden**3)))
+    )
+    torch.testing.assert_close(mlp(x), mlp.down(gpt2_gelu), atol=1e-6, rtol=1e-5)
+    exact = random_model("learned", mlp="gelu")
+    exact.load_state_dict(model.state_dict())
+    assert not torch.allclose(exact.blocks[0].mlp(x), mlp(x), atol=1e-7, rtol=0)
