@@ -4,7 +4,8 @@ For each model size (the shipped checkpoints' config, and 4 layers / 256 dims / 
 4096) and batch size (1 and 32): a 32-token prompt, 256 new tokens, greedy, EOS ignored, timed
 after a warm-up run. Hugging Face transformers' ``GPT2LMHeadModel.generate`` runs at identical
 dimensions (random weights, built from a config, nothing downloaded) against our ``learned``
-scheme, which is GPT-2's architecture, and the ratio is reported from the same run.
+scheme in GPT-2's exact layout (biases, tanh GELU), and the ratio is reported from the same run.
+Everything runs on a CUDA GPU in bfloat16 when one is present, else on the CPU in float32.
 
     python -m bench.decode --out bench/results/decode.json
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +31,34 @@ PROMPT_TOKENS = 32
 NEW_TOKENS = 256
 BATCHES = (1, 32)
 GREEDY = SamplingParams(temperature=0.0)
+# GPT-2's architecture in our config: learned positions, biases everywhere, tanh-approximate GELU.
+GPT2_LAYOUT = {"positional": {"scheme": "learned"}, "bias": True, "mlp": "gelu_tanh"}
+
+
+def bench_device() -> tuple[str, torch.dtype]:
+    """Where the in-process figures are taken: a GPU in bfloat16 if present, else CPU float32."""
+    if torch.cuda.is_available():
+        return "cuda", torch.bfloat16
+    return "cpu", torch.float32
+
+
+def best_rate(run_once: Callable[[], None], tokens: int, repeats: int) -> float:
+    """Tokens/s of the fastest of ``repeats`` timed runs, after one untimed warm-up run."""
+
+    def seconds() -> float:
+        synchronize()
+        start = time.perf_counter()
+        run_once()
+        synchronize()
+        return time.perf_counter() - start
+
+    seconds()  # warm-up: allocator, kernels
+    return tokens / min(seconds() for _ in range(repeats))
+
+
+def synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def model_sizes(checkpoints: Path) -> dict[str, dict[str, Any]]:
@@ -51,19 +81,17 @@ def model_sizes(checkpoints: Path) -> dict[str, dict[str, Any]]:
 
 def time_ours(config: ModelConfig, batch: int, repeats: int) -> float:
     """Best-of-``repeats`` tokens/s of our cached greedy decode."""
+    device, dtype = bench_device()
     torch.manual_seed(0)
-    model = Transformer(config).eval()
+    model = Transformer(config).to(device, dtype).eval()
     prompts = torch.randint(3, config.vocab_size, (batch, PROMPT_TOKENS)).tolist()
 
-    def once() -> float:
-        sampler = SamplingBatch([RowSampler(GREEDY) for _ in range(batch)])
-        start = time.perf_counter()
+    def once() -> None:
+        sampler = SamplingBatch([RowSampler(GREEDY) for _ in range(batch)], device)
         for _ in decode_tokens(model, prompts, NEW_TOKENS, sampler):
             pass
-        return time.perf_counter() - start
 
-    once()  # warm-up: allocator, kernels
-    return batch * NEW_TOKENS / min(once() for _ in range(repeats))
+    return best_rate(once, batch * NEW_TOKENS, repeats)
 
 
 def time_transformers(config: ModelConfig, batch: int, repeats: int) -> float | None:
@@ -72,6 +100,7 @@ def time_transformers(config: ModelConfig, batch: int, repeats: int) -> float | 
         from transformers import GPT2Config, GPT2LMHeadModel
     except ImportError:
         return None
+    device, dtype = bench_device()
     torch.manual_seed(0)
     gpt2 = GPT2LMHeadModel(
         GPT2Config(
@@ -81,17 +110,18 @@ def time_transformers(config: ModelConfig, batch: int, repeats: int) -> float | 
             n_layer=config.n_layers,
             n_head=config.n_heads,
             n_inner=config.d_ff,
+            activation_function="gelu_new",  # GPT-2's tanh GELU, our gelu_tanh
             attn_pdrop=0.0,
             embd_pdrop=0.0,
             resid_pdrop=0.0,
             bos_token_id=None,
             eos_token_id=None,
         )
-    ).eval()
-    prompts = torch.randint(3, config.vocab_size, (batch, PROMPT_TOKENS))
+    )
+    gpt2 = gpt2.to(device, dtype).eval()
+    prompts = torch.randint(3, config.vocab_size, (batch, PROMPT_TOKENS), device=device)
 
-    def once() -> float:
-        start = time.perf_counter()
+    def once() -> None:
         with torch.inference_mode():
             gpt2.generate(
                 prompts,
@@ -101,14 +131,15 @@ def time_transformers(config: ModelConfig, batch: int, repeats: int) -> float | 
                 min_new_tokens=NEW_TOKENS,
                 pad_token_id=0,
             )
-        return time.perf_counter() - start
 
-    once()
-    return batch * NEW_TOKENS / min(once() for _ in range(repeats))
+    return best_rate(once, batch * NEW_TOKENS, repeats)
 
 
 def run(checkpoints: Path, repeats: int, schemes: list[str]) -> dict[str, Any]:
+    device, dtype = bench_device()
     results: dict[str, Any] = {
+        "device": device,
+        "dtype": str(dtype).removeprefix("torch."),
         "threads": torch.get_num_threads(),
         "prompt_tokens": PROMPT_TOKENS,
         "new_tokens": NEW_TOKENS,
@@ -121,9 +152,7 @@ def run(checkpoints: Path, repeats: int, schemes: list[str]) -> dict[str, Any]:
             rows[scheme] = {f"batch_{b}": time_ours(config, b, repeats) for b in BATCHES}
             print(size_name, scheme, {k: round(v) for k, v in rows[scheme].items()}, flush=True)
         # GPT-2's exact layout (learned positions, biases everywhere) for the reference ratio.
-        gpt2_layout = ModelConfig.from_dict(
-            {**fields, "positional": {"scheme": "learned"}, "bias": True}
-        )
+        gpt2_layout = ModelConfig.from_dict({**fields, **GPT2_LAYOUT})
         rows["learned+bias"] = {f"batch_{b}": time_ours(gpt2_layout, b, repeats) for b in BATCHES}
         reference = {f"batch_{b}": time_transformers(gpt2_layout, b, repeats) for b in BATCHES}
         print(size_name, "transformers", reference, flush=True)

@@ -96,13 +96,14 @@ def divide(a: float | None, b: float | None) -> float | None:
     return None if a is None or not b else a / b
 
 
-def machine_section(info: Results) -> str:
-    device = f"GPU {info['gpu']} (server and GPU bound in bfloat16)" if info["gpu"] else "CPU"
+def machine_section(info: Results, decoded: Results) -> str:
+    device = f"GPU {info['gpu']} (bfloat16)" if info["gpu"] else "CPU (float32)"
+    where = f"{decoded.get('device', 'cpu')} in {decoded.get('dtype', 'float32')}"
     return (
         f"Measured {info['date']} on {info['cpu']}, {info['cores']} cores "
         f"(torch {info['torch']}, {info['torch_threads']} threads), device: {device}; "
         f"load average at start {info['load_average_at_start']:.2f}. In-process decode runs on "
-        "the CPU in float32 with random weights, greedy, EOS ignored.\n"
+        f"{where} with random weights, greedy, EOS ignored.\n"
     )
 
 
@@ -139,8 +140,8 @@ def transformers_section(results: Results) -> str:
             rows.append([size, label, rate(ours[batch]), rate(theirs[batch]), shown])
     header = ["size", "batch", "ours: learned, GPT-2 layout", "transformers generate", "ratio"]
     return (
-        "## Against Hugging Face transformers\n\nGPT-2's layout (learned positions, biases) "
-        "in both, same dimensions, same run; tokens/s.\n\n" + table(header, rows)
+        "## Against Hugging Face transformers\n\nGPT-2's layout (learned positions, biases, "
+        "tanh GELU) in both, same dimensions, same run; tokens/s.\n\n" + table(header, rows)
     )
 
 
@@ -222,11 +223,14 @@ class Measured(NamedTuple):
 def measured_rates(results: dict[str, Results]) -> list[Measured]:
     """In-process rope (CPU) at both sizes and batches; the server at 1 and 32 clients."""
     rates = []
-    for size, data in results.get("decode", {}).get("sizes", {}).items():
+    decoded = results.get("decode", {})
+    for size, data in decoded.get("sizes", {}).items():
         rope = data["ours"].get("rope", {})
         for batch in ("batch_1", "batch_32"):
             label = f"in-process rope, {size}, {batch.replace('_', ' ')}"
-            rates.append(Measured(label, "cpu", size, batch, rope.get(batch)))
+            rates.append(
+                Measured(label, decoded.get("device", "cpu"), size, batch, rope.get(batch))
+            )
     if "http" in results:
         device = "cuda" if results["machine"]["gpu"] else "cpu"
         levels = {level["streams"]: level for level in results["http"]["concurrency"]}
@@ -317,7 +321,7 @@ def render(results: dict[str, Results]) -> str:
     body = [make() for stage, make in sections if stage in results]
     intro = "# Benchmarks\n\nWritten by `make bench` (`python -m bench.run`); "
     intro += "targets are shown beside the figures, ✓ where this run met them.\n\n"
-    return intro + machine_section(results["machine"]) + "\n" + "\n".join(body)
+    return intro + machine_section(results["machine"], decoded) + "\n" + "\n".join(body)
 
 
 # ----------------------------------------------------------------------------- command line

@@ -64,7 +64,7 @@ class SequenceState:
     max_new_tokens: int
     decoder: IncrementalDecoder
     stop: StopMatcher
-    eos_id: int
+    eos_id: int | None  # None: <|eos|> is an ordinary token (its text is empty)
     generated_ids: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None  # "stop" | "length" once finished

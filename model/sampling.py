@@ -18,9 +18,12 @@ Each filter sees the distribution renormalised after the previous one. Every row
 or inside any batch, on any device.
 """
 
+from __future__ import annotations
+
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import Tensor
@@ -95,6 +98,11 @@ class SamplingBatch:
 
     Build a new one whenever rows join or leave the batch (cheap: a few small tensors); reuse
     it for every decode step in between. Row i of the logits belongs to ``rows[i]``.
+
+    Each row draws along the cheapest path that gives its exact distribution: greedy rows take
+    the argmax; rows without top-k or top-p draw in vocabulary order (no sort); only rows with
+    top-k or top-p sort the vocabulary. The path depends on the row's own parameters alone, so a
+    seeded row draws the same tokens whatever rows share its batch.
     """
 
     def __init__(self, rows: Sequence[RowSampler], device: torch.device | str = "cpu") -> None:
@@ -113,6 +121,28 @@ class SamplingBatch:
         self.repetition_penalty = column("repetition_penalty", torch.float32)
         self.all_greedy = all(p.greedy for p in params)
         self.uses_penalty = any(p.repetition_penalty != 1.0 for p in params)
+        paths = [_path(p) for p in params]
+        self._groups = [
+            self._group([i for i, path in enumerate(paths) if path == kind], kind, device)
+            for kind in _PATHS
+            if kind in paths
+        ]
+
+    def _group(self, indices: list[int], kind: str, device: torch.device | str) -> _RowGroup:
+        everyone = len(indices) == len(self.rows)
+        index = None if everyone else torch.tensor(indices, device=device)
+
+        def rows_of(column: Tensor) -> Tensor:
+            return column if index is None else column[index]
+
+        if kind == "greedy":
+            draw = _draw_greedy
+        elif kind == "vocabulary order":
+            draw = partial(_draw_unsorted, rows_of(self.temperature), rows_of(self.min_p))
+        else:
+            columns = (self.temperature, self.top_k, self.top_p, self.min_p)
+            draw = partial(_draw_sorted, *map(rows_of, columns))
+        return _RowGroup(index, draw)
 
     def sample(self, logits: Tensor, seen: Tensor | None = None) -> Tensor:
         """Draw the next token of every row.
@@ -127,12 +157,65 @@ class SamplingBatch:
         if seen is not None and self.uses_penalty:
             logits = apply_repetition_penalty(logits, seen, self.repetition_penalty)
         if self.all_greedy:
-            return logits.argmax(dim=-1)
-        sorted_probs, sorted_ids = _sorted_filtered_probs(
-            logits, self.temperature, self.top_k, self.top_p, self.min_p
-        )
+            return _draw_greedy(logits, None)
+        # Every row takes one uniform per step, whichever path it draws along.
         uniforms = torch.cat([row.next_uniform() for row in self.rows]).to(logits.device)
-        return _draw_inverse_cdf(sorted_probs, sorted_ids, uniforms)
+        tokens = torch.empty(batch, dtype=torch.long, device=logits.device)
+        for group in self._groups:
+            if group.index is None:
+                return group.draw(logits, uniforms)
+            tokens[group.index] = group.draw(logits[group.index], uniforms[group.index])
+        return tokens
+
+
+_PATHS = ("greedy", "vocabulary order", "sorted")
+
+
+def _path(params: SamplingParams) -> str:
+    if params.greedy:
+        return "greedy"
+    if params.top_k == 0 and params.top_p == 1:
+        return "vocabulary order"
+    return "sorted"
+
+
+@dataclass(frozen=True)
+class _RowGroup:
+    """The rows of a batch that draw along one path (``index`` None: every row)."""
+
+    index: Tensor | None
+    draw: Callable[[Tensor, Tensor | None], Tensor]  # (logits [b, V], uniforms [b]) → [b]
+
+
+def _draw_greedy(logits: Tensor, uniforms: Tensor | None) -> Tensor:
+    return logits.argmax(dim=-1)
+
+
+def _draw_unsorted(
+    temperature: Tensor, min_p: Tensor, logits: Tensor, uniforms: Tensor | None
+) -> Tensor:
+    """Temperature and min-p only: both keep the distribution's order, so no sort is needed.
+
+    temperature, min_p [b]; logits [b, V]; uniforms [b]. Returns [b] long.
+    """
+    assert uniforms is not None
+    probs = (logits / temperature.unsqueeze(-1)).softmax(dim=-1)
+    probs = probs * (probs >= min_p.unsqueeze(-1) * probs.amax(dim=-1, keepdim=True))
+    return _draw_inverse_cdf(probs, None, uniforms)
+
+
+def _draw_sorted(
+    temperature: Tensor,
+    top_k: Tensor,
+    top_p: Tensor,
+    min_p: Tensor,
+    logits: Tensor,
+    uniforms: Tensor | None,
+) -> Tensor:
+    """Any filters, in the sorted order top-k and top-p need. Shapes as in _draw_unsorted."""
+    assert uniforms is not None
+    sorted_probs, sorted_ids = _sorted_filtered_probs(logits, temperature, top_k, top_p, min_p)
+    return _draw_inverse_cdf(sorted_probs, sorted_ids, uniforms)
 
 
 def apply_repetition_penalty(logits: Tensor, seen: Tensor, penalty: Tensor) -> Tensor:
@@ -214,15 +297,16 @@ def _renormalise(probs: Tensor) -> Tensor:
     return probs / probs.sum(dim=-1, keepdim=True)
 
 
-def _draw_inverse_cdf(sorted_probs: Tensor, sorted_ids: Tensor, uniforms: Tensor) -> Tensor:
+def _draw_inverse_cdf(probs: Tensor, ids: Tensor | None, uniforms: Tensor) -> Tensor:
     """Pick the token whose cumulative-mass interval holds each uniform.
 
-    sorted_probs [B, V] descending, zero past the kept prefix; sorted_ids [B, V]; uniforms [B]
-    in [0, 1). Returns [B] long.
+    probs [B, V] (zero for tokens filtered out); ids [B, V] the token of each column, or None
+    when columns are token ids; uniforms [B] in [0, 1). Returns [B] long.
     """
-    cdf = sorted_probs.cumsum(dim=-1)
+    cdf = probs.cumsum(dim=-1)
     # Scaling by the total rather than trusting it to be 1 means target <= cdf[-1] even after
-    # rounding, so the search lands on a kept token: the first whose cdf reaches the target.
-    targets = (uniforms.unsqueeze(-1) * cdf[:, -1:]).contiguous()
-    position = torch.searchsorted(cdf, targets).squeeze(-1)
-    return sorted_ids.gather(-1, position.unsqueeze(-1)).squeeze(-1)
+    # rounding; a target above 0 means the search (the first cdf reaching it) lands on a token
+    # with mass, never on a filtered-out one whose cdf merely repeats its predecessor's.
+    targets = (uniforms.unsqueeze(-1) * cdf[:, -1:]).clamp(min=torch.finfo(cdf.dtype).tiny)
+    position = torch.searchsorted(cdf, targets.contiguous())
+    return position.squeeze(-1) if ids is None else ids.gather(-1, position).squeeze(-1)

@@ -78,7 +78,7 @@ def build_job(body: CompletionRequest, served: ServedModel) -> tuple[list[int], 
             max_new_tokens=max_tokens,
             decoder=IncrementalDecoder(served.tokenizer, served.token_bytes),
             stop=StopMatcher(body.stops),
-            eos_id=served.eos,
+            eos_id=None if body.ignore_eos else served.eos,
         )
     params = SamplingParams(
         temperature=body.temperature,

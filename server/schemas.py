@@ -48,6 +48,8 @@ class CompletionRequest(StrictBody):
     user: str | None = None
     # vLLM's extension: logprobs name tokens "token_id:<id>" instead of their text.
     return_tokens_as_token_ids: bool = False
+    # vLLM's extension: keep generating past <|eos|> (benchmarks need exact lengths).
+    ignore_eos: bool = False
 
     @field_validator("max_tokens")
     @classmethod

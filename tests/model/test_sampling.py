@@ -129,8 +129,14 @@ def test_repetition_penalty_can_change_greedy_choice() -> None:
     assert batch.sample(logits, seen=None).item() == 0
 
 
-def test_seeded_row_is_batch_independent() -> None:
-    target = SamplingParams(temperature=0.8, top_k=20, top_p=0.9, min_p=0.02, seed=1234)
+@pytest.mark.parametrize(
+    "target",
+    [
+        SamplingParams(temperature=0.8, top_k=20, top_p=0.9, min_p=0.02, seed=1234),  # sorted
+        SamplingParams(temperature=0.8, min_p=0.02, seed=1234),  # drawn in vocabulary order
+    ],
+)
+def test_seeded_row_is_batch_independent(target: SamplingParams) -> None:
     steps = [random_logits(1, seed=100 + step) for step in range(50)]
     alone = SamplingBatch([RowSampler(target)])
     expected = [alone.sample(logits).item() for logits in steps]
@@ -144,8 +150,10 @@ def test_seeded_row_is_batch_independent() -> None:
                 RowSampler(
                     SamplingParams(
                         temperature=float(torch.rand(1, generator=companions)) * 2,
-                        top_k=int(torch.randint(0, 30, (1,), generator=companions)),
-                        top_p=float(torch.rand(1, generator=companions)) * 0.9 + 0.1,
+                        top_k=int(torch.randint(0, 30, (1,), generator=companions)) * (i % 2),
+                        top_p=float(torch.rand(1, generator=companions)) * 0.9 + 0.1
+                        if i % 3
+                        else 1.0,
                         seed=step + i,
                     )
                 )
@@ -248,3 +256,19 @@ def test_bad_shapes_are_rejected() -> None:
         batch.sample(torch.zeros(2, VOCAB), seen=torch.zeros(2, VOCAB))
     with pytest.raises(ValueError, match="rows"):
         SamplingBatch([])
+
+
+def test_draws_without_top_k_or_top_p_match_the_distribution() -> None:
+    # This path never sorts; its draws must still follow temperature then min-p exactly.
+    logits = random_logits(1, seed=5)[:, :12] * 2
+    temperature, min_p = 0.9, 0.1
+    expected = filtered_probs(logits, **columns(1, temperature=temperature, min_p=min_p))[0]
+    assert 0 < int((expected == 0).sum()) < 11  # min-p bites
+
+    params = [SamplingParams(temperature, min_p=min_p, seed=i) for i in range(1000)]
+    batch = SamplingBatch([RowSampler(p) for p in params])
+    draws = torch.cat([batch.sample(logits.expand(1000, -1)) for _ in range(20)])
+    counts = torch.bincount(draws, minlength=logits.shape[-1]).float()
+    assert torch.all(counts[expected == 0] == 0)
+    total_variation = 0.5 * (counts / counts.sum() - expected).abs().sum().item()
+    assert total_variation < 0.02

@@ -48,6 +48,7 @@ BAD_BODIES: list[tuple[str, dict[str, Any], int, str | None]] = [
     ("prompt as a number", {"prompt": 42}, 400, "prompt"),
     ("prompt list with a string", {"prompt": [1, "a"]}, 400, "prompt"),
     ("negative token id", {"prompt": [1, -2]}, 400, "prompt"),
+    ("ignore_eos as a string", {**OK, "ignore_eos": "yes"}, 400, "ignore_eos"),
     ("token id past the vocabulary", {"prompt": [0, 10**6]}, 400, "prompt"),
     ("no prompt", {"max_tokens": 3}, 400, "prompt"),
     ("stream as a string", {**OK, "stream": "yes"}, 400, "stream"),

@@ -233,3 +233,22 @@ def test_a_stop_string_across_tokens_is_never_emitted(client: httpx.Client, seed
         chunks = [event for event in sse_events(r.iter_lines()) if event != "[DONE]"]
     assert chunks_text(chunks) == expected
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_ignore_eos_generates_past_eos_the_same_tokens(client: httpx.Client) -> None:
+    # Hot sampling makes the tiny model end on <|eos|> early for some seed; with ignore_eos the
+    # same seeded request draws the same tokens up to there and keeps going to max_tokens.
+    body = {"prompt": "To be", "max_tokens": 40, "temperature": 2.0, "logprobs": 0}
+    for seed in range(50):
+        ended = complete(client, **body, seed=seed)
+        if ended["choices"][0]["finish_reason"] == "stop":
+            break
+    else:
+        pytest.fail("no seed ended on <|eos|>")
+    kept = complete(client, **body, seed=seed, ignore_eos=True)
+    generated = ended["usage"]["completion_tokens"]
+    assert generated < 40
+    assert kept["usage"]["completion_tokens"] == 40
+    assert kept["choices"][0]["finish_reason"] == "length"
+    before, after = ended["choices"][0]["logprobs"], kept["choices"][0]["logprobs"]
+    assert after["tokens"][:generated] == before["tokens"]  # EOS included, then more
