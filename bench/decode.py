@@ -135,6 +135,18 @@ def time_transformers(config: ModelConfig, batch: int, repeats: int) -> float | 
     return best_rate(once, batch * NEW_TOKENS, repeats)
 
 
+def rope_on_one_thread(checkpoints: Path, repeats: int) -> float:
+    """Shipped-size rope at batch 1 on one torch thread, as ``ordinal serve`` runs by default."""
+    shipped = model_sizes(checkpoints)["shipped"]
+    config = ModelConfig.from_dict({**shipped, "positional": {"scheme": "rope"}})
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return time_ours(config, 1, repeats)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def run(checkpoints: Path, repeats: int, schemes: list[str]) -> dict[str, Any]:
     device, dtype = bench_device()
     results: dict[str, Any] = {
@@ -157,6 +169,7 @@ def run(checkpoints: Path, repeats: int, schemes: list[str]) -> dict[str, Any]:
         reference = {f"batch_{b}": time_transformers(gpt2_layout, b, repeats) for b in BATCHES}
         print(size_name, "transformers", reference, flush=True)
         results["sizes"][size_name] = {"config": fields, "ours": rows, "transformers": reference}
+    results["rope_batch_1_one_thread"] = rope_on_one_thread(checkpoints, repeats)
     return results
 
 

@@ -69,9 +69,10 @@ class Attention(nn.Module):
         """``x`` [B, T, d_model] → [B, T, d_model]."""
         batch, length, width = x.shape
         qkv = self.qkv(x).view(batch, length, 3, self.n_heads, self.head_dim)
-        queries, keys, values = qkv.permute(2, 0, 3, 1, 4)  # each [B, H, T, hd]
-        if rotation is not None:
-            queries, keys = apply_rotation(queries, *rotation), apply_rotation(keys, *rotation)
+        qkv = qkv.permute(2, 0, 3, 1, 4)  # [3, B, H, T, hd]
+        queries, keys, values = qkv
+        if rotation is not None:  # queries and keys in one call: half the small ops
+            queries, keys = apply_rotation(qkv[:2], *rotation)
         if cache is not None:
             keys, values = cache.write(layer, plan, keys, values)  # [B, H, key_length, hd]
         out = F.scaled_dot_product_attention(

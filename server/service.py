@@ -137,6 +137,7 @@ def load_model(name: str, folder: Path, settings: Settings, metrics: Metrics) ->
         max_context=max_context,
         max_queue=settings.max_queue,
         metrics=metrics.for_model(name),
+        stream_interval=settings.stream_interval,
     )
     return ServedModel(
         name=name,

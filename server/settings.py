@@ -45,6 +45,15 @@ class Settings(BaseSettings):
         ),
     )
     max_batch_size: int = Field(16, ge=1, description="sequences decoded together per model")
+    stream_interval: float = Field(
+        0.02,
+        ge=0,
+        description=(
+            "seconds a streamed token may wait to be sent with later ones, saving the decode "
+            "thread a wake-up of the HTTP loop per token; first and last tokens never wait "
+            "(0 = send every step's tokens at once)"
+        ),
+    )
     max_queue: int = Field(
         64, ge=0, description="requests that may wait for a free batch row, per model"
     )

@@ -135,7 +135,9 @@ test_settings.__test__ = False  # type: ignore[attr-defined]  # a helper, not a 
 
 @pytest.fixture(scope="session")
 def server(checkpoints: Path) -> Iterator[Running]:
-    with running_server(test_settings(checkpoints, max_batch_size=8, max_queue=32)) as running:
+    # stream_interval 0: every step's events leave at once, which the gate tests rely on.
+    settings = test_settings(checkpoints, max_batch_size=8, max_queue=32, stream_interval=0)
+    with running_server(settings) as running:
         yield running
 
 

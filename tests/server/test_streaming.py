@@ -5,6 +5,7 @@ a broken UTF-8 character or part of a stop string."""
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,15 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from model.tokenizer import load_tokenizer, token_bytes
-from tests.server.conftest import TEXT, Gate, Running, sse_events, wait_for
+from tests.server.conftest import (
+    TEXT,
+    Gate,
+    Running,
+    running_server,
+    sse_events,
+    test_settings,
+    wait_for,
+)
 
 
 def complete(client: httpx.Client, **body: Any) -> dict[str, Any]:
@@ -252,3 +261,24 @@ def test_ignore_eos_generates_past_eos_the_same_tokens(client: httpx.Client) -> 
     assert kept["choices"][0]["finish_reason"] == "length"
     before, after = ended["choices"][0]["logprobs"], kept["choices"][0]["logprobs"]
     assert after["tokens"][:generated] == before["tokens"]  # EOS included, then more
+
+
+def test_a_stream_interval_never_delays_the_end_of_a_stream(checkpoints: Path) -> None:
+    # An interval far longer than the whole completion: the middle tokens wait for the last one,
+    # and the request still ends as soon as its last token is made, with every token in order.
+    body = {"model": "rope", "prompt": "To be", "max_tokens": 24, "ignore_eos": True, "seed": 5}
+    settings = test_settings(checkpoints, models=["rope"], stream_interval=60.0)
+    with running_server(settings) as running, httpx.Client(base_url=running.url) as client:
+        whole = complete(client, **body)
+        start = time.perf_counter()
+        chunks: list[Any] = []
+        asyncio.run(_stream_with(running.url, body, chunks))
+        elapsed = time.perf_counter() - start
+    assert elapsed < 30  # nowhere near the 60 s interval
+    assert len(chunks) == 24
+    assert chunks_text(chunks) == whole["choices"][0]["text"]
+
+
+async def _stream_with(url: str, body: dict[str, Any], into: list) -> None:
+    async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+        await stream_async(client, body, into)
