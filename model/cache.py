@@ -97,11 +97,12 @@ class KVCache:
         every slot up to the longest row → each [B, H, key_length, hd] (views, no copy)."""
         layer_keys = self._layer_keys[layer][plan.rows]
         layer_values = self._layer_values[layer][plan.rows]
-        if plan.scatter is None:
+        if plan.same_start is not None:
             end = plan.same_start + keys.shape[2]
             layer_keys[:, :, plan.same_start : end] = keys
             layer_values[:, :, plan.same_start : end] = values
         else:
+            assert plan.scatter is not None
             row_index, token_index, slots = plan.scatter
             layer_keys[row_index, :, slots] = keys[row_index, :, token_index]
             layer_values[row_index, :, slots] = values[row_index, :, token_index]
