@@ -59,6 +59,7 @@ class Engine:
         max_queue: int,
         metrics: ModelMetrics,
         stream_interval: float = 0.0,
+        threads: int = 1,
     ) -> None:
         self.name = name
         self.batch = DecodeBatch(model, max_batch_size, max_context, vocab, filler)
@@ -73,6 +74,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._last_step = 0.0
         self.stream_interval = stream_interval
+        self.threads = threads
         self._outbox: Delivery = []  # token events not yet sent (engine thread only)
         self._last_delivery = 0.0
         self._admitted: list[Job] = []  # taken from the queue this step (failed with it)
@@ -118,6 +120,7 @@ class Engine:
     # ---- engine thread ---------------------------------------------------------------------
 
     def _run(self) -> None:
+        torch.set_num_threads(self.threads)  # OpenMP thread counts belong to the calling thread
         with torch.inference_mode():
             while self._read_inbox():
                 try:

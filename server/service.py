@@ -138,6 +138,7 @@ def load_model(name: str, folder: Path, settings: Settings, metrics: Metrics) ->
         max_queue=settings.max_queue,
         metrics=metrics.for_model(name),
         stream_interval=settings.stream_interval,
+        threads=settings.threads,
     )
     return ServedModel(
         name=name,
@@ -173,13 +174,18 @@ class Service:
         try:
             folders = discover_checkpoints(settings.checkpoints, settings.models)
             self.default_model = choose_default(list(folders), settings.default_model)
-            torch.set_num_threads(settings.threads)
-            models = await asyncio.to_thread(
-                lambda: {
+            # Only the engine threads compute in parallel (each sets its own thread count): an
+            # OpenMP team kept by this thread or the loader's slowed a 2-thread engine 3-4x.
+            torch.set_num_threads(1)
+
+            def load_all() -> dict[str, ServedModel]:
+                torch.set_num_threads(1)
+                return {
                     name: load_model(name, folder, settings, self.metrics)
                     for name, folder in folders.items()
                 }
-            )
+
+            models = await asyncio.to_thread(load_all)
         except Exception as error:
             self.load_error = f"{type(error).__name__}: {error}"
             logger.exception("loading the models failed")

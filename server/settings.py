@@ -40,8 +40,9 @@ class Settings(BaseSettings):
         1,
         ge=1,
         description=(
-            "torch CPU threads for model compute (default 1: these small models decode about "
-            "twice as fast on one thread, leaving the other cores to HTTP and other engines)"
+            "torch CPU threads of each model's decode thread (default 1: on two cores a second "
+            "thread's spin-waiting takes the core the HTTP loop needs; measured with 2: one "
+            "stream 1.04x, 32 streams 0.93x, TTFT p99 at 32 streams 125 -> 225 ms)"
         ),
     )
     max_batch_size: int = Field(16, ge=1, description="sequences decoded together per model")
