@@ -160,10 +160,10 @@ class SamplingBatch:
             return _draw_greedy(logits, None)
         # Every row takes one uniform per step, whichever path it draws along.
         uniforms = torch.cat([row.next_uniform() for row in self.rows]).to(logits.device)
+        if self._groups[0].index is None:  # one path for the whole batch
+            return self._groups[0].draw(logits, uniforms)
         tokens = torch.empty(batch, dtype=torch.long, device=logits.device)
         for group in self._groups:
-            if group.index is None:
-                return group.draw(logits, uniforms)
             tokens[group.index] = group.draw(logits[group.index], uniforms[group.index])
         return tokens
 

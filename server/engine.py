@@ -178,7 +178,7 @@ class Engine:
         if logits is None:
             return
         tokens = self.batch.sample(logits)
-        deliveries = self._advance(tokens.tolist(), self.batch.logprobs(logits, tokens))
+        deliveries, ending = self._advance(tokens.tolist(), self.batch.logprobs(logits, tokens))
 
         now = time.perf_counter()
         for job in joining:
@@ -189,7 +189,6 @@ class Engine:
         # Last, so that a client which has its final token also sees the metrics and the row
         # freed.
         self._outbox.extend(deliveries)
-        ending = any(event.finish_reason is not None for _, event in deliveries)
         if joining or ending or now - self._last_delivery >= self.stream_interval:
             self._deliver([])
 
@@ -216,8 +215,9 @@ class Engine:
         chosen, values, ids = self.batch.score(job.prompt_ids, job.logprobs or 0)
         return PromptScores(chosen.tolist(), ids.tolist(), values.tolist())
 
-    def _advance(self, tokens: list[int], logprobs: StepLogprobs | None) -> Delivery:
-        """Hand each row's token to its job; let finished jobs leave; return the events."""
+    def _advance(self, tokens: list[int], logprobs: StepLogprobs | None) -> tuple[Delivery, bool]:
+        """Hand each row's token to its job; let finished jobs leave; return the events and
+        whether any job finished."""
         members = self.batch.members
         deliveries: Delivery = []
         finished: list[Job] = []
@@ -240,7 +240,7 @@ class Engine:
             self.metrics.running_batch_size.set(len(self.batch))
             for job in finished:
                 self._release(job)
-        return deliveries
+        return deliveries, bool(finished)
 
     def _fail(self, jobs: list[Job], error: APIError) -> None:
         for job in jobs:
