@@ -32,8 +32,8 @@ import httpx
 import numpy as np
 import orjson
 import psutil
-import torch
 
+from bench.decode import bench_device
 from model.config import write_json_atomic
 from server.settings import Settings
 
@@ -91,7 +91,8 @@ def serve_command(checkpoints: Path, port: int, models: list[str] | None) -> lis
 
 
 def served_dtype() -> str:
-    return "bfloat16" if torch.cuda.is_available() else "float32"
+    """The in-process benchmark's dtype, so both stages run the model alike."""
+    return str(bench_device()[1]).removeprefix("torch.")
 
 
 @contextlib.contextmanager
