@@ -6,8 +6,8 @@
 3. One sampling step: rows with top-p (a sort of the vocabulary) against temperature only
    (drawn in vocabulary order).
 4. The continuous-batching engine without HTTP: the shipped rope checkpoint decoding 1 and 32
-   sampled streams of 256 tokens, with the event loop woken every step (``stream_interval`` 0)
-   and at most every 20 ms — what the server costs before any HTTP work.
+   sampled streams of 256 tokens after a 32-token prompt, with the event loop woken every step
+   (``stream_interval`` 0) and at most every 20 ms — what the server costs before any HTTP work.
 
     python -m bench.micro            # prints markdown tables
 """
@@ -24,6 +24,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from bench.decode import NEW_TOKENS, PROMPT_TOKENS
+from bench.run import rate, ratio, table
 from model.checkpoint import load_checkpoint
 from model.generate import SequenceState, StopMatcher
 from model.sampling import RowSampler, SamplingBatch, SamplingParams
@@ -56,9 +58,11 @@ def linear_layouts() -> str:
             bias = torch.randn(outputs)
             before = microseconds(F.linear, x, row_major, bias)
             after = microseconds(F.linear, x, column_major, bias)
-            rows.append(f"| [{batch},{inputs}]·[{inputs},{outputs}] | {before:.1f} | {after:.1f} |")
-    header = "| product | row-major µs | column-major µs |\n|---|---|---|\n"
-    return "F.linear, weight layouts:\n\n" + header + "\n".join(rows) + "\n"
+            rows.append(
+                [f"[{batch},{inputs}]·[{inputs},{outputs}]", f"{before:.1f}", f"{after:.1f}"]
+            )
+    header = ["product", "row-major µs", "column-major µs"]
+    return "F.linear, weight layouts:\n\n" + table(header, rows)
 
 
 def gelu_forms() -> str:
@@ -67,9 +71,8 @@ def gelu_forms() -> str:
         x = torch.randn(batch, 1, 512)
         exact = microseconds(F.gelu, x)
         tanh = microseconds(partial(F.gelu, approximate="tanh"), x)
-        rows.append(f"| [{batch}, 512] | {exact:.1f} | {tanh:.1f} |")
-    header = "| input | exact (erf) µs | tanh µs |\n|---|---|---|\n"
-    return "GELU:\n\n" + header + "\n".join(rows) + "\n"
+        rows.append([f"[{batch}, 512]", f"{exact:.1f}", f"{tanh:.1f}"])
+    return "GELU:\n\n" + table(["input", "exact (erf) µs", "tanh µs"], rows)
 
 
 def sampling_paths() -> str:
@@ -82,28 +85,28 @@ def sampling_paths() -> str:
         ):
             sampler = SamplingBatch([RowSampler(params) for _ in range(batch)])
             cost = microseconds(sampler.sample, logits, repeats=200)
-            rows.append(f"| {batch} | {label} | {cost:,.0f} |")
-    header = "| batch | sampling | µs per step |\n|---|---|---|\n"
-    return f"One sampling step over {VOCAB} logits:\n\n" + header + "\n".join(rows) + "\n"
+            rows.append([str(batch), label, f"{cost:,.0f}"])
+    header = ["batch", "sampling", "µs per step"]
+    return f"One sampling step over {VOCAB} logits:\n\n" + table(header, rows)
 
 
 def engine_without_http(checkpoint: Path) -> str:
     loaded = load_checkpoint(checkpoint, device="cpu", dtype="float32")
-    table = token_bytes(loaded.tokenizer)
-    prompt = [special_ids(loaded.tokenizer).bos, *range(10, 41)]  # 32 tokens
+    id_bytes = token_bytes(loaded.tokenizer)
+    prompt = [special_ids(loaded.tokenizer).bos, *range(10, 9 + PROMPT_TOKENS)]
 
-    async def rate(streams: int, interval: float) -> float:
+    async def tokens_per_s(streams: int, interval: float) -> float:
         metrics = Metrics().for_model("bench")
         engine = Engine(
-            "bench", loaded.model, vocab=len(table), filler=prompt[0], max_batch_size=64,
+            "bench", loaded.model, vocab=len(id_bytes), filler=prompt[0], max_batch_size=64,
             max_context=512, max_queue=64, metrics=metrics, stream_interval=interval,
         )  # fmt: skip
         engine.start(asyncio.get_running_loop())
 
         async def one(seed: int) -> None:
-            decoder = IncrementalDecoder(loaded.tokenizer, table)
-            # eos_id None: every stream runs its 256 tokens, as with ignore_eos.
-            state = SequenceState(prompt, 256, decoder, StopMatcher([]), None)
+            decoder = IncrementalDecoder(loaded.tokenizer, id_bytes)
+            # eos_id None: every stream runs all its tokens, as with ignore_eos.
+            state = SequenceState(prompt, NEW_TOKENS, decoder, StopMatcher([]), None)
             job = Job(prompt, state, SamplingParams(0.8, seed=seed), None, False)
             engine.submit(job)
             while not (await job.next_events())[-1].finish_reason:
@@ -113,21 +116,20 @@ def engine_without_http(checkpoint: Path) -> str:
         for _ in range(3):
             start = time.perf_counter()
             await asyncio.gather(*(one(seed) for seed in range(streams)))
-            best = max(best, streams * 256 / (time.perf_counter() - start))
+            best = max(best, streams * NEW_TOKENS / (time.perf_counter() - start))
         await engine.close()
         return best
 
     rows = []
     for interval in (0.0, 0.02):
-        one_stream, many = (asyncio.run(rate(n, interval)) for n in (1, 32))
-        ratio = many / one_stream
-        rows.append(f"| {interval * 1000:g} ms | {one_stream:,.0f} | {many:,.0f} | {ratio:.1f}× |")
-    header = "| stream interval | 1 stream | 32 streams | ratio |\n|---|---|---|---|\n"
+        one_stream, many = (asyncio.run(tokens_per_s(n, interval)) for n in (1, 32))
+        rows.append(
+            [f"{interval * 1000:g} ms", rate(one_stream), rate(many), ratio(many / one_stream)]
+        )
+    header = ["stream interval", "1 stream", "32 streams", "ratio"]
     return (
-        "The engine without HTTP (shipped rope, 256 sampled tokens per stream, tokens/s):\n\n"
-        + header
-        + "\n".join(rows)
-        + "\n"
+        f"The engine without HTTP (shipped rope, {NEW_TOKENS} sampled tokens per stream, "
+        "tokens/s):\n\n" + table(header, rows)
     )
 
 
