@@ -1,22 +1,73 @@
-"""Checkpoint folders: config.json + model.safetensors + tokenizer.json, written atomically.
+"""Checkpoint folders: config.json + model.safetensors + tokenizer.json, verified and swapped in.
 
-Loading checks every tensor's name, shape and dtype against the config before any weight is used
-and names the first bad tensor; a file cut short is caught from the safetensors header, so the
-message can say which tensor is missing its bytes. Saving builds the whole folder beside the old
-one and swaps it in with renames, so a crash leaves the previous checkpoint intact.
+Loading
+-------
+The safetensors header is read with the library's own reader (``safe_open``): every tensor's
+name, shape and dtype is checked against the config before any weight is used, and the message
+names the file and the first bad tensor. A file the library refuses to open (cut short, a corrupt
+header, not safetensors at all) is a :class:`CheckpointError` naming the file.
+
+The metadata of ``model.safetensors`` holds ``sha256``: the SHA-256 of the file's data section,
+the bytes after the 8-byte header length and the JSON header, i.e. every tensor's bytes. The data
+section does not depend on the metadata (safetensors orders the tensors by dtype and name), so the
+digest is taken from one serialisation and written into a second, and the save checks that both
+have the same data section. Loading recomputes it over the very bytes the tensors are built from
+and refuses a file whose weights changed; a file without a checksum (saved before it existed, or
+by hand) still loads, with a :class:`UnverifiedWeightsWarning`.
+
+Saving protocol
+---------------
+A save of the folder ``P`` never writes into ``P``. The steps, each reported by name to the
+optional ``on_step`` hook of :func:`save_checkpoint` (so a test can kill the process there):
+
+``staged``
+    the complete new folder ``.P.saving-PID`` is written beside ``P`` (other files of ``P``,
+    metrics.json etc., copied in) and fsynced. A save killed before this leaves ``P`` untouched.
+
+Then, where ``P`` exists and Linux's ``renameat2(RENAME_EXCHANGE)`` works on the filesystem
+(:data:`EXCHANGE_STEPS`):
+
+``exchanged``
+    one atomic call swaps the two names: ``P`` is now the new checkpoint and ``.P.saving-PID``
+    holds the old one;
+``removed``
+    the old one is deleted.
+
+Where ``P`` does not exist yet: ``installed``, a plain rename of ``.P.saving-PID`` to ``P``.
+Elsewhere (no ``renameat2``, or the filesystem refuses the exchange; :data:`RENAME_STEPS`):
+``retired`` (``P`` renamed to ``.P.old-PID``), ``installed`` (``.P.saving-PID`` renamed to
+``P``), ``removed``. Only there is ``P`` ever missing, between the two renames; the old
+checkpoint is then complete in ``.P.old-PID``, and the next save or load of ``P`` renames it back.
+
+So a save killed at any instant leaves at ``P`` the old or the new complete checkpoint (or, with
+the two-rename fallback, the old one one rename away, restored on the next access). Leftover
+``.P.saving-N`` / ``.P.old-N`` folders whose process ``N`` is gone (a zombie counts as gone) are
+deleted by the next save or load of ``P``; a load does this only where it may write, and ignores
+a read-only folder. Process ids are only meaningful on one machine and in one PID namespace: two
+containers sharing a checkpoint folder must not save the same path at the same time.
 """
 
 from __future__ import annotations
 
-import json
+import contextlib
+import ctypes
+import errno
+import functools
+import hashlib
 import os
+import re
 import shutil
-import struct
+import sys
+import threading
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load as load_tensors
+from safetensors.torch import save as serialise_tensors
 from tokenizers import Tokenizer
 
 from model.config import ConfigError, ModelConfig
@@ -29,10 +80,21 @@ TOKENIZER_FILE = "tokenizer.json"
 CHECKPOINT_FILES = (CONFIG_FILE, WEIGHTS_FILE, TOKENIZER_FILE)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+CHECKSUM_KEY = "sha256"  # in the safetensors metadata: hex SHA-256 of the data section
+
+# The steps of a save, in the order they happen (see the module docstring).
+EXCHANGE_STEPS = ("staged", "exchanged", "removed")  # over an existing checkpoint, renameat2
+RENAME_STEPS = ("staged", "retired", "installed", "removed")  # the fallback: two renames
+FIRST_SAVE_STEPS = ("staged", "installed")  # nothing at the path yet
+SAVE_STEPS = ("staged", "exchanged", "retired", "installed", "removed")
 
 
 class CheckpointError(ValueError):
     """A checkpoint folder is missing, corrupt or does not match its config."""
+
+
+class UnverifiedWeightsWarning(UserWarning):
+    """A checkpoint's weights carry no SHA-256 checksum, so corruption cannot be detected."""
 
 
 class LoadedCheckpoint(NamedTuple):
@@ -59,54 +121,208 @@ def stored_tensors(model: Transformer) -> dict[str, torch.Tensor]:
     return state
 
 
+# ----------------------------------------------------------------------------------------------
+# Saving
+
+
 def save_checkpoint(
-    path: str | Path, model: Transformer, tokenizer: Tokenizer, dtype: str | None = None
+    path: str | Path,
+    model: Transformer,
+    tokenizer: Tokenizer,
+    dtype: str | None = None,
+    *,
+    on_step: Callable[[str], None] | None = None,
 ) -> None:
-    """Write ``model`` and ``tokenizer`` to the folder ``path`` atomically.
+    """Write ``model`` and ``tokenizer`` to the folder ``path``, replacing it atomically.
 
     ``dtype`` is the storage dtype (default: the config's). Other files already in the folder
-    (metrics.json, eval.json, …) are carried over into the new one.
+    (metrics.json, eval.json, …) are carried over into the new one. ``on_step`` is called with
+    the name of each step of the save protocol once it is done (see the module docstring).
     """
     path = Path(path)
+    step = on_step or _no_hook
     config = model.config if dtype is None else model.config.replace(dtype=dtype)
     storage = resolve_dtype(config.dtype)
     tensors = {
         name: tensor.detach().to("cpu", storage).contiguous()
         for name, tensor in stored_tensors(model).items()
     }
-    staging = path.parent / f".{path.name}.saving-{os.getpid()}"
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    try:
-        config.save(staging / CONFIG_FILE)
-        save_file(tensors, str(staging / WEIGHTS_FILE), metadata={"format": "pt"})
-        tokenizer.save(str(staging / TOKENIZER_FILE))
-        if path.exists():
-            for extra in path.iterdir():
-                if extra.name not in CHECKPOINT_FILES and extra.is_file():
-                    shutil.copy2(extra, staging / extra.name)
-        _fsync_folder(staging)
-        for file in staging.iterdir():
-            file.chmod(0o644)
-        _swap_in(staging, path)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+    weights = signed_safetensors(tensors)
+    staging, retired = _temporary(path, "saving"), _temporary(path, "old")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with _SAVE_LOCK:
+        _clean_up_after_killed_saves(path)
+        _ACTIVE.update((staging, retired))
+        try:
+            staging.mkdir()
+            config.save(staging / CONFIG_FILE)
+            _write_file(staging / WEIGHTS_FILE, weights)
+            tokenizer.save(str(staging / TOKENIZER_FILE))
+            if path.is_dir():
+                for extra in path.iterdir():
+                    if extra.name not in CHECKPOINT_FILES and extra.is_file():
+                        shutil.copy2(extra, staging / extra.name)
+            for file in staging.iterdir():
+                file.chmod(0o644)
+            _fsync_folder(staging)
+            step("staged")
+            _swap_in(staging, retired, path, step)
+        except BaseException:
+            # Before the swap this is the half-built new folder; after an exchange, the old one.
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        finally:
+            _ACTIVE.difference_update((staging, retired))
 
 
-def _swap_in(staging: Path, path: Path) -> None:
-    """Replace ``path`` by ``staging`` with two renames (each atomic on one filesystem)."""
-    retired = path.parent / f".{path.name}.old-{os.getpid()}"
-    if path.exists():
+def signed_safetensors(tensors: dict[str, torch.Tensor]) -> bytes:
+    """``tensors`` serialised as safetensors, with the SHA-256 of the data in the metadata."""
+    unsigned = serialise_tensors(tensors, metadata={"format": "pt"})
+    digest = hashlib.sha256(data_section(unsigned)).hexdigest()
+    signed = serialise_tensors(tensors, metadata={"format": "pt", CHECKSUM_KEY: digest})
+    if data_section(signed) != data_section(unsigned):  # the layout claim the digest rests on
+        raise RuntimeError("safetensors laid the tensors out differently with other metadata")
+    return signed
+
+
+def data_section(raw: bytes) -> memoryview:
+    """The bytes of a safetensors file after its 8-byte header length and JSON header."""
+    return memoryview(raw)[8 + int.from_bytes(raw[:8], "little") :]
+
+
+def _swap_in(staging: Path, retired: Path, path: Path, step: Callable[[str], None]) -> None:
+    """Put the complete folder ``staging`` at ``path`` (the steps after ``staged``)."""
+    if not os.path.lexists(path):
+        os.replace(staging, path)
+        _fsync_folder_entry(path.parent)
+        step("installed")
+    elif _exchange(staging, path):
+        _fsync_folder_entry(path.parent)
+        step("exchanged")
+        shutil.rmtree(staging, ignore_errors=True)  # whatever is left goes with the next save
+        step("removed")
+    else:
         os.replace(path, retired)
-    os.replace(staging, path)
-    shutil.rmtree(retired, ignore_errors=True)
+        try:
+            step("retired")
+            os.replace(staging, path)
+        except BaseException:
+            os.replace(retired, path)
+            raise
+        _fsync_folder_entry(path.parent)
+        step("installed")
+        shutil.rmtree(retired, ignore_errors=True)
+        step("removed")
+
+
+def _no_hook(step: str) -> None:
+    pass
+
+
+def _write_file(file: Path, data: bytes) -> None:
+    file.write_bytes(data)
 
 
 def _fsync_folder(folder: Path) -> None:
     for file in folder.iterdir():
         with open(file, "rb") as handle:
             os.fsync(handle.fileno())
+    _fsync_folder_entry(folder)
+
+
+def _fsync_folder_entry(folder: Path) -> None:
+    """Make the folder's list of names durable (where folders can be opened: not on Windows)."""
+    with contextlib.suppress(OSError):
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+# renameat2(2): AT_FDCWD makes both paths relative to the working directory, like rename(2).
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+_EXCHANGE_UNSUPPORTED = {errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP}
+
+
+@functools.cache
+def _renameat2() -> Any:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        function = ctypes.CDLL(None, use_errno=True).renameat2  # glibc ≥ 2.28
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = [
+        ctypes.c_int,
+        ctypes.c_char_p,
+        ctypes.c_int,
+        ctypes.c_char_p,
+        ctypes.c_uint,
+    ]
+    function.restype = ctypes.c_int
+    return function
+
+
+def _exchange(first: Path, second: Path) -> bool:
+    """Swap the names ``first`` and ``second`` in one atomic step; False where unsupported."""
+    renameat2 = _renameat2()
+    if renameat2 is None:
+        return False
+    names = os.fsencode(first), os.fsencode(second)
+    if renameat2(_AT_FDCWD, names[0], _AT_FDCWD, names[1], _RENAME_EXCHANGE) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in _EXCHANGE_UNSUPPORTED:
+        return False
+    raise OSError(code, os.strerror(code), str(first), None, str(second))
+
+
+# Saves in this process run one at a time; _ACTIVE names the temporary folders in use by the
+# save now running, so that a load in another thread leaves them alone.
+_SAVE_LOCK = threading.RLock()
+_ACTIVE: set[Path] = set()
+
+
+def _temporary(path: Path, kind: str) -> Path:
+    return path.parent / f".{path.name}.{kind}-{os.getpid()}"
+
+
+def _clean_up_after_killed_saves(path: Path) -> None:
+    """Restore ``path`` from a save killed between two renames and delete its leftovers."""
+    pattern = re.compile(rf"\.{re.escape(path.name)}\.(?P<kind>saving|old)-(?P<pid>[0-9]+)")
+    stale: dict[Path, str] = {}
+    for name in os.listdir(path.parent):
+        match = pattern.fullmatch(name)
+        if match and not _in_use(path.parent / name, int(match["pid"])):
+            stale[path.parent / name] = match["kind"]
+    retired = sorted(folder for folder, kind in stale.items() if kind == "old")
+    if retired and not os.path.lexists(path):
+        os.replace(retired[0], path)  # complete: a folder is retired only after staging is
+        _fsync_folder_entry(path.parent)
+        del stale[retired[0]]
+    for folder in stale:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _in_use(folder: Path, pid: int) -> bool:
+    if pid == os.getpid():
+        return folder in _ACTIVE
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # alive, another user's
+    try:  # a killed process nobody has reaped yet still answers signal 0
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+# ----------------------------------------------------------------------------------------------
+# Loading
 
 
 def load_checkpoint(
@@ -122,6 +338,8 @@ def load_checkpoint(
     a rope model serve 4× its training context.
     """
     path = Path(path)
+    with contextlib.suppress(OSError):  # a read-only folder: nothing to repair there
+        _clean_up_after_killed_saves(path)
     for name in CHECKPOINT_FILES:
         if not (path / name).is_file():
             raise CheckpointError(f"{path} is not a checkpoint: {name} is missing")
@@ -132,9 +350,7 @@ def load_checkpoint(
     except ConfigError as error:
         raise CheckpointError(f"{path / CONFIG_FILE}: {error}") from None
 
-    weights_path = path / WEIGHTS_FILE
-    check_weights(weights_path, config)
-    tensors = load_file(str(weights_path))
+    tensors = read_weights(path / WEIGHTS_FILE, config)
     if config.tie_embeddings:
         tensors["lm_head.weight"] = tensors["token_embedding.weight"]
 
@@ -151,52 +367,69 @@ def load_checkpoint(
     return LoadedCheckpoint(model.eval(), tokenizer)
 
 
-def check_weights(weights_path: Path, config: ModelConfig) -> None:
-    """Check names, shapes, dtypes and byte ranges in ``weights_path`` against ``config``."""
-    header, data_size = _read_header(weights_path)
+def read_weights(weights_path: Path, config: ModelConfig) -> dict[str, torch.Tensor]:
+    """The tensors in ``weights_path`` (CPU), once they match ``config`` and their checksum."""
+    expected_digest = check_weights(weights_path, config)
+    raw = weights_path.read_bytes()
+    if expected_digest is None:
+        warnings.warn(
+            f"{weights_path} has no SHA-256 checksum: its weights cannot be verified "
+            f"(save the checkpoint again to add one)",
+            UnverifiedWeightsWarning,
+            stacklevel=3,
+        )
+    elif hashlib.sha256(data_section(raw)).hexdigest() != expected_digest:
+        raise CheckpointError(
+            f"{weights_path}: weights do not match their SHA-256 checksum (the file is corrupt)"
+        )
+    try:
+        return load_tensors(raw)
+    except SafetensorError as error:  # replaced since check_weights read it
+        raise _unreadable(weights_path, error) from None
+
+
+def check_weights(weights_path: Path, config: ModelConfig) -> str | None:
+    """Check names, shapes and dtypes in ``weights_path`` against ``config``.
+
+    Returns the SHA-256 recorded in its metadata (None when it has none).
+    """
+    try:
+        with safe_open(str(weights_path), framework="pt") as weights:
+            metadata = weights.metadata() or {}
+            stored: dict[str, tuple[tuple[int, ...], str]] = {}
+            for name in weights.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                tensor = weights.get_slice(name)
+                stored[name] = (tuple(tensor.get_shape()), tensor.get_dtype())
+    except SafetensorError as error:
+        raise _unreadable(weights_path, error) from None
     with torch.device("meta"):
         expected = {name: tuple(t.shape) for name, t in stored_tensors(Transformer(config)).items()}
-    missing = sorted(set(expected) - set(header))
+    missing = sorted(set(expected) - set(stored))
     if missing:
         raise CheckpointError(f"{weights_path}: tensor {missing[0]!r} is missing")
-    unexpected = sorted(set(header) - set(expected))
+    unexpected = sorted(set(stored) - set(expected))
     if unexpected:
         raise CheckpointError(
             f"{weights_path}: unexpected tensor {unexpected[0]!r} (not part of a "
             f"'{config.scheme}' model with this config)"
         )
     for name, shape in expected.items():
-        entry = header[name]
-        if tuple(entry["shape"]) != shape:
+        stored_shape, stored_dtype = stored[name]
+        if stored_shape != shape:
             raise CheckpointError(
-                f"{weights_path}: tensor {name!r} has shape {tuple(entry['shape'])}, "
+                f"{weights_path}: tensor {name!r} has shape {stored_shape}, "
                 f"the config expects {shape}"
             )
-        stored = SAFETENSORS_DTYPES.get(entry["dtype"], entry["dtype"])
-        if stored != config.dtype:
+        stored_dtype = SAFETENSORS_DTYPES.get(stored_dtype, stored_dtype)
+        if stored_dtype != config.dtype:
             raise CheckpointError(
-                f"{weights_path}: tensor {name!r} is stored as {stored}, config.json says "
+                f"{weights_path}: tensor {name!r} is stored as {stored_dtype}, config.json says "
                 f"{config.dtype}"
             )
-        if entry["data_offsets"][1] > data_size:
-            raise CheckpointError(
-                f"{weights_path}: tensor {name!r} is cut short (the file is truncated)"
-            )
+    return metadata.get(CHECKSUM_KEY)
 
 
-def _read_header(weights_path: Path) -> tuple[dict[str, Any], int]:
-    """The safetensors JSON header (name → dtype, shape, data_offsets) and the data size."""
-    file_size = weights_path.stat().st_size
-    with open(weights_path, "rb") as handle:
-        prefix = handle.read(8)
-        if len(prefix) < 8:
-            raise CheckpointError(f"{weights_path} is truncated: no safetensors header")
-        (header_size,) = struct.unpack("<Q", prefix)
-        if header_size > file_size - 8:
-            raise CheckpointError(f"{weights_path} is truncated inside its header")
-        try:
-            header = json.loads(handle.read(header_size))
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise CheckpointError(f"{weights_path} has a corrupt safetensors header") from None
-    header.pop("__metadata__", None)
-    return header, file_size - 8 - header_size
+def _unreadable(weights_path: Path, error: Exception) -> CheckpointError:
+    return CheckpointError(
+        f"{weights_path} is truncated or corrupt: not a readable safetensors file ({error})"
+    )

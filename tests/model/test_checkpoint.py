@@ -1,25 +1,35 @@
 """Checkpoints round-trip exactly, name the tensor that is wrong in a damaged or mismatched file,
-and survive a save that is killed half way."""
+refuse weights that fail their SHA-256 checksum, and survive a save killed at any step."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
 import textwrap
-import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
-from tokenizers import Tokenizer
+from safetensors import safe_open
+from safetensors.torch import load_file, save, save_file
 
+import model.checkpoint as checkpoint
 from model.checkpoint import (
+    EXCHANGE_STEPS,
+    FIRST_SAVE_STEPS,
+    RENAME_STEPS,
+    SAVE_STEPS,
     WEIGHTS_FILE,
     CheckpointError,
+    UnverifiedWeightsWarning,
+    data_section,
     load_checkpoint,
     save_checkpoint,
     stored_tensors,
@@ -122,14 +132,6 @@ def test_missing_file_is_named(tmp_path: Path, tiny_tokenizer) -> None:
         load(tmp_path / "ckpt")
 
 
-def header_of(path: Path) -> dict:
-    """The safetensors header: name → {dtype, shape, data_offsets}."""
-    raw = path.read_bytes()
-    header = json.loads(raw[8 : 8 + int.from_bytes(raw[:8], "little")])
-    header.pop("__metadata__", None)
-    return header
-
-
 @pytest.fixture
 def saved(tmp_path: Path, tiny_tokenizer) -> Path:
     """A saved float32 t5 checkpoint (t5 has a positional table and a bias table)."""
@@ -139,20 +141,14 @@ def saved(tmp_path: Path, tiny_tokenizer) -> Path:
 
 
 @pytest.mark.parametrize("kept_fraction", [0.999, 0.5, 0.1])
-def test_truncated_weights_name_a_tensor_that_was_cut(saved: Path, kept_fraction: float) -> None:
+def test_truncated_weights_are_refused_naming_the_file(saved: Path, kept_fraction: float) -> None:
     weights = saved / WEIGHTS_FILE
     raw = weights.read_bytes()
-    header_size = 8 + int.from_bytes(raw[:8], "little")
-    keep = header_size + int((len(raw) - header_size) * kept_fraction)
-    ends = {
-        name: header_size + entry["data_offsets"][1] for name, entry in header_of(weights).items()
-    }
-    cut = {name for name, end in ends.items() if end > keep}
-    weights.write_bytes(raw[:keep])
-    with pytest.raises(CheckpointError, match="cut short") as error:
+    start = data_start(raw)
+    weights.write_bytes(raw[: start + int((len(raw) - start) * kept_fraction)])
+    with pytest.raises(CheckpointError, match="truncated or corrupt") as error:
         load(saved)
-    named = str(error.value).split("'")[1]
-    assert named in cut
+    assert str(error.value).startswith(f"{weights} ")
 
 
 def test_weights_cut_inside_the_header_are_a_checkpoint_error(saved: Path) -> None:
@@ -206,71 +202,56 @@ def test_weights_of_another_scheme_are_refused(saved: Path) -> None:
         load(saved)
 
 
-# Runs in a child process: starts saving a new model over the checkpoint at argv[1], writes half
-# of model.safetensors, touches argv[2] and hangs there until the test kills it.
-KILLED_SAVE = textwrap.dedent(
-    """
-    import sys, time
-    from pathlib import Path
-
-    import torch
-    from tokenizers import Tokenizer
-
-    import model.checkpoint as checkpoint
-    from model.config import ModelConfig
-    from model.transformer import Transformer
-
-    path, ready = Path(sys.argv[1]), Path(sys.argv[2])
-    real_save_file = checkpoint.save_file
-
-    def save_half_then_hang(tensors, filename, metadata=None):
-        real_save_file(tensors, filename, metadata=metadata)
-        data = Path(filename).read_bytes()
-        Path(filename).write_bytes(data[: len(data) // 2])
-        ready.touch()
-        time.sleep(600)
-
-    checkpoint.save_file = save_half_then_hang
-    torch.manual_seed(1234)
-    model = Transformer(ModelConfig.load(path / "config.json"))
-    checkpoint.save_checkpoint(path, model, Tokenizer.from_file(str(path / "tokenizer.json")))
-    """
-)
+def data_start(raw: bytes) -> int:
+    """Where a safetensors file's data section begins (after the length and the JSON header)."""
+    return 8 + int.from_bytes(raw[:8], "little")
 
 
-def test_a_killed_save_leaves_the_previous_checkpoint_intact(
-    tmp_path: Path, tiny_tokenizer: Tokenizer
-) -> None:
-    path, ready = tmp_path / "ckpt", tmp_path / "ready"
-    old = random_model("learned", seed=10)
-    save_checkpoint(path, old, tiny_tokenizer)
-    before = {p.name: p.read_bytes() for p in path.iterdir()}
+def test_weights_record_the_sha256_of_their_data_section(saved: Path) -> None:
+    raw = (saved / WEIGHTS_FILE).read_bytes()
+    with safe_open(saved / WEIGHTS_FILE, framework="pt") as weights:
+        metadata = weights.metadata()
+    assert metadata == {
+        "format": "pt",
+        "sha256": hashlib.sha256(raw[data_start(raw) :]).hexdigest(),
+    }
+    # The layout the digest rests on: the data section does not depend on the metadata.
+    unsigned = save(load_file(str(saved / WEIGHTS_FILE)), metadata={"format": "pt"})
+    assert unsigned[data_start(unsigned) :] == raw[data_start(raw) :]
+    assert bytes(data_section(raw)) == raw[data_start(raw) :]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a checkpoint with a checksum loads without a warning
+        load(saved)
 
-    child = subprocess.Popen(
-        [sys.executable, "-c", KILLED_SAVE, str(path), str(ready)], cwd=REPO_ROOT
-    )
-    try:
-        deadline = time.monotonic() + 180  # importing torch can take minutes on a busy machine
-        while not ready.exists():
-            assert child.poll() is None, "the saving process exited before it was killed"
-            assert time.monotonic() < deadline, "the saving process never reached save_file"
-            time.sleep(0.05)
-    finally:
-        child.kill()  # SIGKILL: no cleanup handler runs
-        child.wait()
 
-    assert {p.name: p.read_bytes() for p in path.iterdir()} == before
-    assert torch.equal(logits_of(load(path)), logits_of(old))
-    leftovers = [p for p in tmp_path.iterdir() if p.name not in ("ckpt", "ready")]
-    assert leftovers, "the killed save should have left its staging folder behind"
-    for staging in leftovers:
-        assert staging.name.startswith("."), "a staging folder must not look like a checkpoint"
-        with pytest.raises(CheckpointError):
-            load(staging)  # half-written: refused, never taken for a checkpoint
+@pytest.mark.parametrize("where", [0.0, 0.5, 1.0])
+def test_flipped_weight_bytes_are_refused_by_the_checksum(saved: Path, where: float) -> None:
+    weights = saved / WEIGHTS_FILE
+    raw = bytearray(weights.read_bytes())
+    start = data_start(raw)
+    at = min(start + int((len(raw) - start) * where), len(raw) - 3)
+    for index in range(at, at + 3):  # inside the weights: the header still reads fine
+        raw[index] ^= 0x5A
+    weights.write_bytes(raw)
+    message = f"{weights}: weights do not match their SHA-256 checksum (the file is corrupt)"
+    with pytest.raises(CheckpointError, match=re.escape(message)):
+        load(saved)
 
-    newer = random_model("learned", seed=11)  # the next save still works
-    save_checkpoint(path, newer, tiny_tokenizer)
-    assert torch.equal(logits_of(load(path)), logits_of(newer))
+
+def test_weights_without_a_checksum_load_with_a_warning(saved: Path) -> None:
+    reference = logits_of(load(saved))
+    rewrite_weights(saved, lambda tensors: None)  # save_file writes no metadata
+    with pytest.warns(UnverifiedWeightsWarning, match=re.escape(f"{saved / WEIGHTS_FILE} has no")):
+        unverified = load(saved)
+    assert torch.equal(logits_of(unverified), reference)
+
+
+def test_a_file_that_is_not_safetensors_is_named(saved: Path) -> None:
+    weights = saved / WEIGHTS_FILE
+    weights.write_text('{"these": "are not weights"}')
+    with pytest.raises(CheckpointError, match="not a readable safetensors file") as error:
+        load(saved)
+    assert str(error.value).startswith(f"{weights} is truncated or corrupt")
 
 
 def test_stored_tensors_skip_the_tied_output_matrix(tiny_tokenizer, tmp_path: Path) -> None:
@@ -292,3 +273,247 @@ def test_loading_keeps_the_column_major_weight_layout_and_the_tie(
     linears = [m for m in loaded.modules() if isinstance(m, torch.nn.Linear)]
     assert linears and all(m.weight.t().is_contiguous() for m in linears)
     assert loaded.lm_head.weight is loaded.token_embedding.weight
+
+
+# ----------------------------------------------------------------------------------------------
+# The save protocol: steps, clean-up after killed saves, and a save killed at every step.
+
+
+def hidden(folder: Path) -> list[str]:
+    """The temporary folders of saves in ``folder`` (every name starting with a dot)."""
+    return sorted(p.name for p in folder.iterdir() if p.name.startswith("."))
+
+
+def same_weights(model: Transformer, other: Transformer) -> bool:
+    state, other_state = model.state_dict(), other.state_dict()
+    return state.keys() == other_state.keys() and all(
+        torch.equal(tensor, other_state[name]) for name, tensor in state.items()
+    )
+
+
+def files_of(folder: Path) -> dict[str, bytes]:
+    return {file.name: file.read_bytes() for file in folder.iterdir()}
+
+
+def exchange_works(folder: Path) -> bool:
+    """Whether renameat2(RENAME_EXCHANGE) swaps two folders on ``folder``'s filesystem."""
+    first, second = folder / "exchange-a", folder / "exchange-b"
+    first.mkdir()
+    second.mkdir()
+    (first / "from-a").touch()
+    try:
+        return checkpoint._exchange(first, second) and (second / "from-a").exists()
+    finally:
+        for each in (first, second):
+            (each / "from-a").unlink(missing_ok=True)
+            each.rmdir()
+
+
+def test_exchange_swaps_two_folders_in_one_step(tmp_path: Path) -> None:
+    if not sys.platform.startswith("linux"):
+        pytest.skip("renameat2 is Linux's; saves here use the two-rename fallback")
+    if not exchange_works(tmp_path):
+        pytest.skip(f"{tmp_path}'s filesystem refuses RENAME_EXCHANGE: saves use the fallback")
+    with pytest.raises(FileNotFoundError):
+        checkpoint._exchange(tmp_path / "absent", tmp_path / "also-absent")
+
+
+def test_each_save_reports_the_steps_of_its_protocol(
+    tmp_path: Path, tiny_tokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path, steps = tmp_path / "ckpt", []
+    save_checkpoint(path, random_model("none", seed=20), tiny_tokenizer, on_step=steps.append)
+    assert steps == list(FIRST_SAVE_STEPS)
+    if exchange_works(tmp_path):
+        steps.clear()
+        save_checkpoint(path, random_model("none", seed=21), tiny_tokenizer, on_step=steps.append)
+        assert steps == list(EXCHANGE_STEPS)
+    monkeypatch.setattr(checkpoint, "_exchange", lambda first, second: False)
+    steps.clear()
+    newest = random_model("none", seed=22)
+    save_checkpoint(path, newest, tiny_tokenizer, on_step=steps.append)
+    assert steps == list(RENAME_STEPS)
+    assert set(FIRST_SAVE_STEPS + EXCHANGE_STEPS + RENAME_STEPS) == set(SAVE_STEPS)
+    assert same_weights(load(path), newest)
+    assert hidden(tmp_path) == []
+
+
+def test_a_failing_fallback_rename_puts_the_old_checkpoint_back(
+    tmp_path: Path, tiny_tokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path, old = tmp_path / "ckpt", random_model("none", seed=23)
+    save_checkpoint(path, old, tiny_tokenizer)
+    monkeypatch.setattr(checkpoint, "_exchange", lambda first, second: False)
+
+    def fail_after_retiring(step: str) -> None:
+        if step == "retired":
+            raise OSError("disk gone")
+
+    with pytest.raises(OSError, match="disk gone"):
+        save_checkpoint(
+            path, random_model("none", seed=24), tiny_tokenizer, on_step=fail_after_retiring
+        )
+    assert same_weights(load(path), old)
+    assert hidden(tmp_path) == []
+
+
+def dead_pid() -> int:
+    child = subprocess.Popen(["true"])
+    child.wait()
+    return child.pid
+
+
+def make_leftover(folder: Path) -> Path:
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    return folder
+
+
+def test_the_next_save_restores_a_checkpoint_retired_by_a_killed_save(
+    tmp_path: Path, tiny_tokenizer
+) -> None:
+    """The fallback's one gap: killed between its two renames, nothing is at the path."""
+    path = tmp_path / "ckpt"
+    save_checkpoint(path, random_model("alibi", seed=25), tiny_tokenizer)
+    (path / "metrics.json").write_text('{"bpc": 2.5}')
+    pid = dead_pid()
+    path.rename(tmp_path / f".ckpt.old-{pid}")
+    make_leftover(tmp_path / f".ckpt.saving-{pid}")
+    newer = random_model("alibi", seed=26)
+    save_checkpoint(path, newer, tiny_tokenizer)
+    assert same_weights(load(path), newer)
+    assert (path / "metrics.json").read_text() == '{"bpc": 2.5}'  # carried over from the old one
+    assert hidden(tmp_path) == []
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="zombies are seen in /proc")
+def test_leftovers_of_dead_saves_are_removed_and_those_of_live_ones_kept(
+    tmp_path: Path, tiny_tokenizer
+) -> None:
+    path = tmp_path / "ckpt"
+    save_checkpoint(path, random_model("none", seed=27), tiny_tokenizer)
+    live = subprocess.Popen(["sleep", "300"])
+    zombie = subprocess.Popen(["sleep", "300"])
+    try:
+        zombie.kill()
+        os.waitid(os.P_PID, zombie.pid, os.WEXITED | os.WNOWAIT)  # dead, not reaped yet
+        pids = {"live": live.pid, "zombie": zombie.pid, "dead": dead_pid()}
+        for pid in pids.values():
+            for kind in ("saving", "old"):
+                make_leftover(tmp_path / f".ckpt.{kind}-{pid}")
+        others = [f".ckpt.saving-{pids['dead']}x", f".other.saving-{pids['dead']}", ".ckpt.keep"]
+        for name in others:
+            make_leftover(tmp_path / name)  # not a temporary folder of this path's saves
+        load(path)
+        kept = [f".ckpt.old-{pids['live']}", f".ckpt.saving-{pids['live']}", *others]
+        assert hidden(tmp_path) == sorted(kept)
+        live.kill()
+        live.wait()
+        save_checkpoint(path, random_model("none", seed=28), tiny_tokenizer)
+        assert hidden(tmp_path) == sorted(others)
+    finally:
+        for child in (live, zombie):
+            child.kill()
+            child.wait()
+
+
+# Runs in a child process: saves the checkpoint at argv[2] over the one at argv[1] and SIGKILLs
+# itself at step argv[4] of the save protocol argv[3] ("writing": half way through writing
+# model.safetensors, before any step).
+KILLED_SAVE = textwrap.dedent(
+    """
+    import os, signal, sys
+    from pathlib import Path
+
+    import model.checkpoint as checkpoint
+
+    path, source, protocol, kill_at = Path(sys.argv[1]), Path(sys.argv[2]), *sys.argv[3:]
+
+    def die():
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def write_half_then_die(file, data):
+        file.write_bytes(data[: len(data) // 2])
+        die()
+
+    if protocol == "rename":
+        checkpoint._exchange = lambda first, second: False
+    if kill_at == "writing":
+        checkpoint._write_file = write_half_then_die
+    model, tokenizer = checkpoint.load_checkpoint(source, device="cpu")
+    checkpoint.save_checkpoint(path, model, tokenizer, on_step=lambda s: s == kill_at and die())
+    print("the save finished without reaching", kill_at)
+    """
+)
+KILL_POINTS = [
+    ("exchange", "writing"),
+    *(("exchange", step) for step in EXCHANGE_STEPS),
+    *(("rename", step) for step in RENAME_STEPS),
+]
+OLD_AT_THE_PATH = {"writing", "staged", "retired"}  # killed before the new one went in
+
+
+@pytest.fixture(scope="module")
+def killed_saves(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer):
+    """One child per kill point, all run at once: → (root, old model, new model, results)."""
+    root = tmp_path_factory.mktemp("killed-saves")
+    old, new = random_model("learned", seed=10), random_model("learned", seed=11)
+    source = root / "new" / "ckpt"
+    save_checkpoint(source, new, tiny_tokenizer)
+    points = [p for p in KILL_POINTS if p[0] == "rename" or exchange_works(root)]
+    children, before = {}, {}
+    for protocol, step in points:
+        path = root / f"{protocol}-{step}" / "ckpt"
+        save_checkpoint(path, old, tiny_tokenizer)
+        (path / "metrics.json").write_text('{"bpc": 2.5}')
+        before[protocol, step] = files_of(path)
+        children[protocol, step] = subprocess.Popen(
+            [sys.executable, "-c", KILLED_SAVE, str(path), str(source), protocol, step],
+            cwd=REPO_ROOT,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+    results = {}
+    try:
+        for point, child in children.items():
+            output, _ = child.communicate(timeout=600)  # importing torch is slow on a busy machine
+            results[point] = (child.returncode, output, before[point])
+    finally:
+        for child in children.values():
+            child.kill()
+            child.wait()
+    return root, old, new, results
+
+
+@pytest.mark.parametrize(
+    ("protocol", "kill_at"), KILL_POINTS, ids=[f"{p}-{s}" for p, s in KILL_POINTS]
+)
+def test_a_save_killed_at_each_step_leaves_a_loadable_checkpoint(
+    killed_saves, protocol: str, kill_at: str, tiny_tokenizer
+) -> None:
+    root, old, new, results = killed_saves
+    if (protocol, kill_at) not in results:
+        pytest.skip("this filesystem refuses RENAME_EXCHANGE")
+    returncode, output, old_files = results[protocol, kill_at]
+    assert returncode == -signal.SIGKILL, output
+    folder = root / f"{protocol}-{kill_at}"
+    path = folder / "ckpt"
+    assert path.is_dir() == (kill_at != "retired")  # the fallback's gap, closed by the next load
+    if kill_at == "writing":
+        (staging,) = hidden(folder)
+        with pytest.raises(CheckpointError):
+            load(folder / staging)  # half-written: refused, never taken for a checkpoint
+
+    loaded = load(path)
+    if kill_at in OLD_AT_THE_PATH:
+        assert files_of(path) == old_files  # untouched, byte for byte
+    assert same_weights(loaded, old if kill_at in OLD_AT_THE_PATH else new)
+    assert (path / "metrics.json").read_text() == '{"bpc": 2.5}'
+    assert hidden(folder) == []  # the load cleaned up after the killed save
+
+    newest = random_model("learned", seed=12)
+    save_checkpoint(path, newest, tiny_tokenizer)
+    assert same_weights(load(path), newest)
+    assert sorted(p.name for p in folder.iterdir()) == ["ckpt"]
