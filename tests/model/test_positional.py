@@ -1,15 +1,37 @@
-"""Each positional scheme has the mathematical property it is chosen for, and table schemes
-refuse positions past their table instead of wrapping or failing inside torch."""
+"""Each positional scheme has the mathematical property it is chosen for and computes the values
+of its source's formula, and table schemes refuse positions past their table instead of wrapping
+or failing inside torch.
+
+Reference values are computed here, independently of model.positional, from the defining formula
+of each scheme (transcribed below with its source: RoFormer, position interpolation, NTK-aware
+scaling, Mesh TensorFlow's T5 buckets, the ALiBi authors' slopes, Vaswani et al.'s sinusoids).
+"""
 
 from __future__ import annotations
+
+import math
+import re
 
 import pytest
 import torch
 
 from model.cache import KVCache
-from model.positional import TABLE_SCHEMES, PositionOutOfRange, build_scheme
+from model.config import ConfigError
+from model.positional import (
+    TABLE_SCHEMES,
+    PositionOutOfRange,
+    build_scheme,
+    positions_table,
+    scheme_params,
+)
+from model.positional import rope as rope_module
 from model.positional.alibi import alibi_slopes
-from model.positional.t5 import relative_position_bucket
+from model.positional.binary import BinaryParams
+from model.positional.lowrank import LowRankParams
+from model.positional.mds import MdsParams
+from model.positional.rope import RopeParams, apply_rope, rope_angles
+from model.positional.sinusoidal import position_angles, sinusoidal_encoding, sinusoidal_table
+from model.positional.t5 import T5Params, relative_position_bucket
 from model.transformer import Attention, AttentionMask, Transformer
 from tests.model.conftest import ALL_SCHEMES, random_model, random_tokens, randomise, tiny_config
 
@@ -274,3 +296,481 @@ def test_formula_schemes_accept_positions_past_max_positions(scheme: str) -> Non
     with torch.no_grad():
         logits = model(random_tokens(1, 100, seed=25))  # max_positions is 64
     assert torch.isfinite(logits).all()
+
+
+# --------------------------------------------------------------------------------- every scheme
+
+
+@pytest.mark.parametrize("scheme", ALL_SCHEMES)
+def test_every_scheme_keeps_its_config_parameters_and_table_size(scheme: str) -> None:
+    config = tiny_config(scheme)
+    built = build_scheme(config)
+    assert built.name == scheme
+    assert built.config is config
+    assert built.params == scheme_params(config)
+    assert f"scheme={scheme!r}, params={built.params}" in repr(built)
+    if scheme in TABLE_SCHEMES:
+        assert built.max_positions == config.max_positions
+    elif scheme == "binary":
+        assert built.max_positions == 2 ** config.positional["bits"]
+    else:
+        assert built.max_positions is None  # formula schemes accept any position
+
+
+def test_check_positions_accepts_the_last_row_and_refuses_the_next() -> None:
+    scheme = build_scheme(tiny_config("learned"))  # max_positions 64
+    scheme.check_positions(torch.tensor([[63]]))
+    scheme.check_positions(torch.zeros(1, 0, dtype=torch.long))  # nothing to check
+    with pytest.raises(
+        PositionOutOfRange, match=r"^position 64 .*'learned'.*max_positions=64 \(0\.\.63\)$"
+    ):
+        scheme.check_positions(torch.tensor([[64]]))
+    build_scheme(tiny_config("rope")).check_positions(torch.tensor([[10**9]]))  # no table
+
+
+def test_positions_table_is_one_batch_shared_row() -> None:
+    assert torch.equal(positions_table(5), torch.arange(5).unsqueeze(0))
+    assert positions_table(3, torch.device("meta")).device.type == "meta"
+
+
+@pytest.mark.parametrize(("scheme", "buffer"), [("alibi", "slopes"), ("binary", "powers")])
+def test_derived_buffers_are_not_stored_in_checkpoints(scheme: str, buffer: str) -> None:
+    """A buffer computed from the config is rebuilt at load time, so it must stay out of the
+    state dict (an old checkpoint would otherwise miss it); mds's coordinates are data, stored."""
+    model = Transformer(tiny_config(scheme))
+    assert f"positional.{buffer}" in dict(model.named_buffers())
+    assert f"positional.{buffer}" not in model.state_dict()
+    assert "positional.coordinates" in Transformer(tiny_config("mds")).state_dict()
+
+
+@pytest.mark.parametrize(
+    ("scheme", "positional"),
+    [
+        ("learned", {}),
+        ("t5", {"num_buckets": 256, "max_distance": 1024}),
+        ("lowrank", {"rank": 16}),
+    ],
+)
+def test_trained_tables_start_at_gpt2_scale(scheme: str, positional: dict) -> None:
+    """Learned rows, t5's bias table and the product A·Bᵀ of lowrank all start near N(0, 0.02²)."""
+    torch.manual_seed(26)
+    config = tiny_config(scheme, d_model=64, max_positions=512)
+    built = build_scheme(config.replace(positional={"scheme": scheme, **positional}))
+    table = {"learned": "table", "t5": "bias_table"}.get(scheme)
+    values = getattr(built, table) if table else built.matrix()
+    assert 0.017 < float(values.detach().std()) < 0.023
+
+
+# ----------------------------------------------------------------------------------------- rope
+# RoFormer (Su et al. 2021, eq. 34): R(m)x rotates each pair (x_2i, x_2i+1) COUNTERCLOCKWISE by
+# m·θ_i, θ_i = base^(−2i/d): (x₁, x₂) → (x₁ cos mθ − x₂ sin mθ, x₁ sin mθ + x₂ cos mθ).
+# ordinal uses GPT-NeoX's half-split layout, which pairs dimension i with i + d/2 instead: the
+# same rotation after a fixed permutation of the dimensions (evens first, then odds), which the
+# query and key projections absorb. With rotary_fraction < 1 only the first rotary_dim dimensions
+# are rotated and θ_i uses d = rotary_dim (GPT-NeoX's rotary_ndims).
+
+
+def rope_paper(x: list[float], m: float, base: float = 10000.0) -> list[float]:
+    """The paper's R(m)·x for one vector ``x`` in its interleaved pair layout."""
+    d = len(x)
+    out: list[float] = []
+    for i in range(d // 2):
+        angle = m * base ** (-2 * i / d)
+        first, second = x[2 * i], x[2 * i + 1]
+        out += [
+            first * math.cos(angle) - second * math.sin(angle),
+            first * math.sin(angle) + second * math.cos(angle),
+        ]
+    return out
+
+
+def half_split(v: torch.Tensor) -> torch.Tensor:
+    """Interleaved layout → half-split: dims 0, 2, 4, … then 1, 3, 5, … (pair i → dims i, i+d/2)."""
+    return torch.cat((v[..., 0::2], v[..., 1::2]), dim=-1)
+
+
+def rope_expected(x: torch.Tensor, positions: list[float], base: float) -> torch.Tensor:
+    """The paper's rotation of each row of ``x`` [T, d] (read as interleaved pairs) at its position,
+    in ordinal's half-split layout → [T, d] float64."""
+    rows = [rope_paper(row, m, base) for row, m in zip(x.double().tolist(), positions, strict=True)]
+    return half_split(torch.tensor(rows, dtype=torch.float64))
+
+
+def rope_scheme(**settings: object) -> rope_module.RotaryPositions:
+    """The rope scheme of the tiny config (heads of 8 dims, context 48) with ``settings``."""
+    return build_scheme(tiny_config("rope", positional={"scheme": "rope", **settings}))
+
+
+def check_rope_against_the_paper(
+    scheme: rope_module.RotaryPositions, positions: list[float], base: float, divisor: float = 1.0
+) -> None:
+    """Rotating random vectors with ``scheme`` gives the paper's rotation at position/divisor in
+    the first rotary_dim dimensions, and leaves the others as they were."""
+    head_dim, rotary = scheme.config.head_dim, scheme.rotary_dim
+    generator = torch.Generator().manual_seed(27)
+    x = torch.randn(len(positions), head_dim, generator=generator)  # rotated part interleaved
+    ours = torch.cat((half_split(x[:, :rotary]), x[:, rotary:]), dim=-1)
+    out = scheme.rotate(ours.view(1, 1, -1, head_dim), torch.tensor([positions]))[0, 0]
+    expected = rope_expected(x[:, :rotary], [m / divisor for m in positions], base)
+    torch.testing.assert_close(out[:, :rotary].double(), expected, atol=1e-5, rtol=0)
+    assert torch.equal(out[:, rotary:], x[:, rotary:])
+
+
+ROPE_POSITIONS = [0, 1, 2, 3, 7, 30, 47, 48, 100, 1234, 4095, 10_000]
+
+
+def test_rope_turns_a_pair_counterclockwise_by_m_radians() -> None:
+    """One pair (head_dim 2, θ = base⁰ = 1): at position m, (1, 0) becomes (cos m, sin m) and
+    (0, 1) becomes (−sin m, cos m): the paper's +m·θ, not −m·θ."""
+    scheme = build_scheme(tiny_config("rope", d_model=8, n_heads=4))
+    positions = torch.tensor([0, 1, 2, 5])
+    units = torch.eye(2).view(2, 1, 1, 2).expand(2, 1, 4, 2)  # e₁ in row 0, e₂ in row 1
+    out = scheme.rotate(units, positions.expand(2, 4))
+    m = positions.double()
+    torch.testing.assert_close(out[0, 0].double(), torch.stack((m.cos(), m.sin()), -1))
+    torch.testing.assert_close(out[1, 0].double(), torch.stack((-m.sin(), m.cos()), -1))
+
+
+@pytest.mark.parametrize(
+    ("settings", "rotary_dim"),
+    [({}, 8), ({"base": 500.0}, 8), ({"rotary_fraction": 0.5}, 4), ({"rotary_fraction": 0.25}, 2)],
+    ids=str,
+)
+def test_rope_rotation_is_the_papers(settings: dict, rotary_dim: int) -> None:
+    scheme = rope_scheme(**settings)
+    assert scheme.rotary_dim == rotary_dim
+    check_rope_against_the_paper(scheme, ROPE_POSITIONS, settings.get("base", 10000.0))
+
+
+@pytest.mark.parametrize("factor", [2.0, 4.0, 3.0])
+def test_rope_linear_scaling_divides_positions_by_the_factor(factor: float) -> None:
+    """Position interpolation (Chen et al. 2023): position m is rotated as m / s, a fraction."""
+    scheme = rope_scheme(scaling="linear", scaling_factor=factor)
+    check_rope_against_the_paper(scheme, ROPE_POSITIONS, 10000.0, divisor=factor)
+
+
+@pytest.mark.parametrize(("factor", "fraction"), [(4.0, 1.0), (8.0, 1.0), (2.0, 0.5)])
+def test_rope_ntk_scaling_multiplies_the_base_by_the_factor_to_d_over_d_minus_2(
+    factor: float, fraction: float
+) -> None:
+    """NTK-aware scaling (bloc97, 2023): base' = base · s^(d/(d−2)), d = the rotated dims;
+    positions are not divided."""
+    scheme = rope_scheme(scaling="ntk", scaling_factor=factor, rotary_fraction=fraction)
+    d = scheme.rotary_dim
+    check_rope_against_the_paper(scheme, ROPE_POSITIONS, 10000.0 * factor ** (d / (d - 2)))
+
+
+def test_rope_ntk_keeps_the_fastest_pair_and_interpolates_the_slowest_like_pi() -> None:
+    """The property NTK's exponent is chosen for: pair 0 (θ = 1) is untouched, and the slowest
+    pair turns exactly as under position interpolation by the same factor."""
+    plain, linear = rope_scheme(), rope_scheme(scaling="linear", scaling_factor=4.0)
+    ntk = rope_scheme(scaling="ntk", scaling_factor=4.0)
+    positions = torch.arange(0, 3000, 7).unsqueeze(0)
+    slowest = plain.rotary_dim // 2 - 1
+    for table, plain_table, linear_table in zip(
+        ntk.rotation(positions), plain.rotation(positions), linear.rotation(positions), strict=True
+    ):
+        torch.testing.assert_close(table[..., 0], plain_table[..., 0], atol=1e-6, rtol=0)
+        torch.testing.assert_close(
+            table[..., slowest], linear_table[..., slowest], atol=1e-5, rtol=0
+        )
+        assert (table[..., slowest] - plain_table[..., slowest]).abs().max() > 0.1
+
+
+def test_rope_ntk_leaves_a_single_pair_alone() -> None:
+    """With one rotated pair there is only θ = 1, the frequency NTK keeps: nothing changes."""
+    ntk = rope_scheme(scaling="ntk", scaling_factor=4.0, rotary_fraction=0.25)
+    assert ntk.rotary_dim == 2 and ntk.base == 10000.0
+    check_rope_against_the_paper(ntk, ROPE_POSITIONS, 10000.0)
+
+
+def test_rope_table_is_reused_and_grows_geometrically(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decoding one position at a time to 16 × the context builds the cos/sin table a handful of
+    times (the context, then doubling), not once per step, and every lookup stays exact."""
+    built: list[int] = []
+    original = rope_module.rope_angles
+
+    def counting_rope_angles(positions: torch.Tensor, rotary_dim: int, base: float) -> tuple:
+        built.append(len(positions))
+        return original(positions, rotary_dim, base)
+
+    monkeypatch.setattr(rope_module, "rope_angles", counting_rope_angles)
+    scheme = rope_scheme()  # context_length 48
+    steps = 16 * scheme.config.context_length
+    rotations = []
+    for p in range(steps):
+        rotations.append(scheme.rotation(torch.tensor([[p]])))
+        assert len(built) <= 5, f"rebuilt {built} by position {p}"  # 48, 96, 192, 384, 768 rows
+    cos, sin = original(torch.arange(steps), scheme.rotary_dim, scheme.base)
+    assert torch.equal(torch.cat([c[0, 0] for c, _ in rotations]), cos)
+    assert torch.equal(torch.cat([s[0, 0] for _, s in rotations]), sin)
+
+
+def test_rope_rotation_of_no_positions_is_empty() -> None:
+    cos, sin = rope_scheme().rotation(torch.zeros(2, 0, dtype=torch.long))
+    assert cos.shape == sin.shape == (2, 1, 0, 8)
+
+
+def test_rope_tables_are_float32_and_rotation_keeps_the_input_dtype() -> None:
+    scheme = rope_scheme()
+    positions = torch.tensor([[0, 5, 9, 300]])
+    cos, sin = scheme.rotation(positions)
+    assert cos.dtype == sin.dtype == torch.float32
+    x = torch.randn(1, 2, 4, 8, generator=torch.Generator().manual_seed(28))
+    for dtype, tolerance in ((torch.bfloat16, 5e-2), (torch.float64, 1e-6)):
+        out = scheme.rotate(x.to(dtype), positions)
+        assert out.dtype == dtype
+        torch.testing.assert_close(
+            out.float(), scheme.rotate(x.to(dtype).float(), positions), atol=tolerance, rtol=0
+        )
+
+
+@pytest.mark.parametrize("base", [None, 500.0])
+def test_apply_rope_rotates_batched_positions(base: float | None) -> None:
+    """``apply_rope`` (the standalone helper): every dimension, positions broadcast per row, and
+    base 10000 unless told otherwise."""
+    generator = torch.Generator().manual_seed(29)
+    x = torch.randn(2, 3, 4, 8, generator=generator)  # [B, H, T, d], interleaved
+    positions = torch.tensor([[0, 1, 2, 3], [10, 200, 3000, 40000]])
+    extra = {} if base is None else {"base": base}
+    out = apply_rope(half_split(x), positions.unsqueeze(1), **extra)  # positions [B, 1, T]
+    for b in range(2):
+        for h in range(3):
+            expected = rope_expected(x[b, h], positions[b].tolist(), base or 10000.0)
+            torch.testing.assert_close(out[b, h].double(), expected, atol=1e-5, rtol=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a second device (CUDA)")
+def test_rope_tables_follow_the_positions_device() -> None:
+    scheme = rope_scheme()
+    cpu = scheme.rotation(torch.tensor([[1, 2]]))
+    cuda = scheme.rotation(torch.tensor([[1, 2]], device="cuda"))
+    assert [table.device.type for table in cuda] == ["cuda", "cuda"]
+    for on_cpu, on_cuda in zip(cpu, cuda, strict=True):
+        torch.testing.assert_close(on_cuda.cpu(), on_cpu)
+
+
+def test_rope_angles_default_to_base_10000() -> None:
+    cos, sin = rope_angles(torch.tensor([3.0]), 4)  # θ = 1 and 10000^(-1/2) = 1/100
+    angles = torch.tensor([[3.0, 0.03, 3.0, 0.03]], dtype=torch.float64)
+    torch.testing.assert_close(cos.double(), angles.cos())
+    torch.testing.assert_close(sin.double(), angles.sin())
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"rotary_fraction": 0.0}, "rotary_fraction must be in"),
+        ({"rotary_fraction": 1.5}, "rotary_fraction must be in"),
+        ({"scaling": "yarn"}, "scaling must be one of"),
+        ({"scaling_factor": 0.5}, "scaling_factor must be ≥ 1"),
+    ],
+)
+def test_rope_parameters_out_of_range_are_refused(settings: dict, message: str) -> None:
+    RopeParams(rotary_fraction=1.0, scaling="ntk", scaling_factor=1.0)  # the edges are valid
+    with pytest.raises(ValueError, match=message):
+        RopeParams(**settings)
+
+
+# ----------------------------------------------------------------------------------- sinusoidal
+# Vaswani et al. (2017), section 3.5: PE(p, 2i) = sin(p / base^(2i/d)), PE(p, 2i+1) = cos(same).
+
+
+def sinusoidal_formula(p: int, d: int, base: float = 10000.0) -> list[float]:
+    return [
+        (math.sin if k % 2 == 0 else math.cos)(p / base ** (2 * (k // 2) / d)) for k in range(d)
+    ]
+
+
+SINUSOIDAL_POSITIONS = [0, 1, 2, 5, 17, 100, 999, 4096, 9999, 20_000]
+
+
+def test_sinusoidal_encoding_is_the_formula_far_into_the_positions() -> None:
+    """Exact to float32 rounding at position 20,000 (float64 angles, as the module promises)."""
+    expected = torch.tensor([sinusoidal_formula(p, 64) for p in SINUSOIDAL_POSITIONS])
+    encoding = sinusoidal_encoding(torch.tensor(SINUSOIDAL_POSITIONS), 64)  # default base
+    assert encoding.shape == (len(SINUSOIDAL_POSITIONS), 64) and encoding.dtype == torch.float32
+    torch.testing.assert_close(encoding.double(), expected.double(), atol=1e-6, rtol=0)
+    table = sinusoidal_table(50, 16)
+    assert torch.equal(table, sinusoidal_encoding(torch.arange(50), 16))
+    torch.testing.assert_close(
+        table.double(), torch.tensor([sinusoidal_formula(p, 16) for p in range(50)]).double()
+    )
+    other_base = torch.tensor([sinusoidal_formula(p, 16, 500.0) for p in range(50)])
+    torch.testing.assert_close(sinusoidal_table(50, 16, 500.0).double(), other_base.double())
+
+
+def test_sinusoidal_scheme_adds_the_formula_times_its_scale() -> None:
+    config = tiny_config(
+        "sinusoidal", positional={"scheme": "sinusoidal", "base": 500.0, "scale": 2.0}
+    )
+    positions = torch.tensor([SINUSOIDAL_POSITIONS, SINUSOIDAL_POSITIONS[::-1]])
+    vectors = build_scheme(config).embedding(positions)
+    assert vectors.shape == (2, len(SINUSOIDAL_POSITIONS), 32)
+    expected = torch.tensor(
+        [[sinusoidal_formula(p, 32, 500.0) for p in row] for row in positions.tolist()]
+    )
+    torch.testing.assert_close(vectors.double(), 2 * expected.double(), atol=2e-6, rtol=0)
+
+
+def test_position_angles_are_the_shared_clock_hands() -> None:
+    """p · base^(−2i/d) per pair, float64, on the positions' device; an odd dimension is refused."""
+    angles = position_angles(torch.tensor([2, 30]), 4)
+    assert angles.dtype == torch.float64
+    assert torch.equal(angles, torch.tensor([[2.0, 0.02], [30.0, 0.3]], dtype=torch.float64))
+    assert position_angles(torch.arange(3, device="meta"), 8).device.type == "meta"
+    with pytest.raises(ValueError, match="even number of dimensions, got 7"):
+        position_angles(torch.arange(3), 7)
+
+
+# ---------------------------------------------------------------------------------------- alibi
+
+
+def alibi_paper_slopes(n: int) -> list[float]:
+    """``get_slopes`` from the ALiBi authors' code (Press et al., attention_with_linear_biases),
+    transcribed: a geometric sequence starting at and multiplied by 2^(−8/n) for a power of two n;
+    otherwise those of the closest smaller power of two, then every other slope of twice it."""
+
+    def power_of_2(n: int) -> list[float]:
+        start = 2 ** (-(2 ** -(math.log2(n) - 3)))
+        ratio = start
+        return [start * ratio**i for i in range(n)]
+
+    if math.log2(n).is_integer():
+        return power_of_2(n)
+    closest = 2 ** math.floor(math.log2(n))
+    return power_of_2(closest) + alibi_paper_slopes(2 * closest)[0::2][: n - closest]
+
+
+def test_alibi_slopes_are_the_papers_for_every_head_count() -> None:
+    for heads in range(1, 41):
+        expected = torch.tensor(alibi_paper_slopes(heads))
+        torch.testing.assert_close(alibi_slopes(heads), expected, rtol=1e-6, atol=0)
+    with pytest.raises(ValueError, match="n_heads must be ≥ 1, got 0"):
+        alibi_slopes(0)
+
+
+# ------------------------------------------------------------------------------------------- t5
+
+
+def t5_bucket_reference(n: int, num_buckets: int, max_distance: int) -> int:
+    """Mesh TensorFlow's ``_relative_position_bucket`` (T5, Raffel et al. 2020) for a decoder
+    (bidirectional=False), transcribed. It takes relative_position = key − query and sets
+    n = −relative_position (= query − key, our distance), then n = max(n, 0)."""
+    n = max(n, 0)
+    max_exact = num_buckets // 2
+    if n < max_exact:  # is_small: one bucket per distance
+        return n
+    val_if_large = max_exact + int(
+        math.log(n / max_exact) / math.log(max_distance / max_exact) * (num_buckets - max_exact)
+    )
+    return min(val_if_large, num_buckets - 1)
+
+
+@pytest.mark.parametrize(
+    ("num_buckets", "max_distance"),
+    [(32, 128), (8, 24), (10, 100), (64, 1000), (7, 50), (12, 13), (2, 8), (3, 3), (3, 4)],
+)
+def test_t5_buckets_are_mesh_tensorflows(num_buckets: int, max_distance: int) -> None:
+    distances = torch.arange(-5, 4 * max_distance)
+    expected = [t5_bucket_reference(n, num_buckets, max_distance) for n in distances.tolist()]
+    assert relative_position_bucket(distances, num_buckets, max_distance).tolist() == expected
+
+
+def test_t5_default_buckets_at_known_distances() -> None:
+    """T5's defaults (32 buckets, max_distance 128), worked by hand: distances 0–15 exact, then
+    16 + ⌊16 · ln(n/16) / ln 8⌋, capped at 31."""
+    distances = [0, 1, 15, 16, 17, 20, 24, 32, 48, 64, 100, 127, 128, 500]
+    buckets = [0, 1, 15, 16, 16, 17, 19, 21, 24, 26, 30, 31, 31, 31]
+    assert relative_position_bucket(torch.tensor(distances)).tolist() == buckets
+    every = torch.arange(600)
+    expected = [t5_bucket_reference(n, 32, 128) for n in every.tolist()]
+    assert relative_position_bucket(every).tolist() == expected
+
+
+@pytest.mark.parametrize(
+    ("num_buckets", "max_distance", "message"),
+    [
+        (2, 2, None),
+        (1, 8, r"num_buckets must be ≥ 2, got 1"),
+        (8, 5, None),
+        (8, 4, r"max_distance \(4\) must exceed num_buckets/2 \(4\)"),
+        (9, 4, r"max_distance \(4\) must exceed num_buckets/2 \(4\)"),
+    ],
+)
+def test_t5_parameters_at_their_limits(num_buckets: int, max_distance: int, message: str) -> None:
+    if message is None:
+        T5Params(num_buckets=num_buckets, max_distance=max_distance)
+    else:
+        with pytest.raises(ValueError, match=message):
+            T5Params(num_buckets=num_buckets, max_distance=max_distance)
+
+
+# ---------------------------------------------------------------------- integer, binary, tables
+
+
+def test_integer_adds_position_times_scale_to_every_dimension() -> None:
+    scheme = build_scheme(tiny_config("integer", positional={"scheme": "integer", "scale": 0.5}))
+    vectors = scheme.embedding(torch.tensor([[0, 3, 10]]))
+    assert torch.equal(vectors, torch.tensor([0.0, 1.5, 5.0]).view(1, 3, 1).expand(1, 3, 32))
+
+
+@pytest.mark.parametrize("scheme", ["integer", "binary"])
+def test_an_integer_scale_still_gives_float_vectors(scheme: str) -> None:
+    """config.json may well say "scale": 2; positions are long, the vectors must not be."""
+    settings = {"scheme": scheme, "scale": 2, **({"bits": 8} if scheme == "binary" else {})}
+    vectors = build_scheme(tiny_config(scheme, positional=settings)).embedding(torch.tensor([[3]]))
+    assert vectors.dtype == torch.float32
+    assert vectors[0, 0, 0] == (6.0 if scheme == "integer" else 2.0)
+
+
+@pytest.mark.parametrize(("bits", "valid"), [(0, False), (1, True), (62, True), (63, False)])
+def test_binary_bits_are_1_to_62(bits: int, valid: bool) -> None:
+    if valid:
+        BinaryParams(bits=bits)
+    else:
+        with pytest.raises(ValueError, match=rf"bits must be in 1\.\.62, got {bits}"):
+            BinaryParams(bits=bits)
+
+
+def test_binary_may_use_every_dimension_but_no_more() -> None:
+    scheme = build_scheme(tiny_config("binary", positional={"scheme": "binary", "bits": 32}))
+    vectors = scheme.embedding(torch.tensor([[5, 2**32 - 1]]))
+    assert vectors[0, 0, :4].tolist() == [1.0, 0.0, 1.0, 0.0]
+    assert torch.equal(vectors[0, 1], torch.ones(32))
+    with pytest.raises(ConfigError, match=r"bits \(33\) must be ≤ d_model \(32\)"):
+        build_scheme(tiny_config("binary", positional={"scheme": "binary", "bits": 33}))
+
+
+@pytest.mark.parametrize("params", [LowRankParams, MdsParams])
+def test_rank_is_at_least_one(params: type) -> None:
+    params(rank=1)
+    with pytest.raises(ValueError, match="rank must be ≥ 1, got 0"):
+        params(rank=0)
+
+
+def test_table_schemes_look_up_their_rows() -> None:
+    positions = torch.tensor([[0, 7, 63], [1, 1, 2]])
+    learned = build_scheme(tiny_config("learned"))
+    assert torch.equal(learned.embedding(positions), learned.table[positions])
+    lowrank = build_scheme(tiny_config("lowrank"))
+    product = lowrank.position_factor @ lowrank.model_factor.T
+    assert torch.equal(lowrank.matrix(), product)
+    torch.testing.assert_close(lowrank.embedding(positions), product[positions])
+
+
+def test_mds_installs_coordinates_zero_padded_and_scaled() -> None:
+    scheme = build_scheme(tiny_config("mds", positional={"scheme": "mds", "rank": 8, "scale": 2.0}))
+    generator = torch.Generator().manual_seed(30)
+    scheme.set_coordinates(torch.randn(64, 8, generator=generator))  # the full rank fits
+    coordinates = torch.randn(64, 5, generator=generator, dtype=torch.float64)
+    scheme.set_coordinates(coordinates)  # fewer columns: the rest become zero
+    positions = torch.tensor([[0, 7, 63]])
+    expected = torch.zeros(1, 3, 32)
+    expected[0, :, :5] = 2.0 * coordinates[[0, 7, 63]].float()
+    assert torch.equal(scheme.embedding(positions), expected)
+    for shape in ((63, 5), (64, 9)):
+        message = rf"shape {re.escape(str(shape))} do not fit a table of \[64, ≤8\]"
+        with pytest.raises(ValueError, match=message):
+            scheme.set_coordinates(torch.zeros(shape))
+    build_scheme(tiny_config("mds", positional={"scheme": "mds", "rank": 32}))  # rank = d_model

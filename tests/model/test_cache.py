@@ -1,0 +1,233 @@
+"""KVCache on its own: where each write lands, what it returns, and how rows are refused, moved
+and reset, checked slot by slot against keys and values written by hand.
+
+tests/model/test_transformer.py checks the same cache through the model (cached decoding equals
+a full forward pass); these tests pin the bookkeeping that those comparisons rely on.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from model.cache import CacheFull, CacheWrite, KVCache
+from tests.model.conftest import tiny_config
+
+CONFIG = tiny_config("rope")  # 2 layers, 4 heads of 8 dims
+LAYERS, HEADS, HEAD_DIM = CONFIG.n_layers, CONFIG.n_heads, CONFIG.head_dim
+
+
+def entries(batch: int, length: int, offset: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values [batch, heads, length, head_dim] in which no number repeats (and none is
+    0, the value of a never-written slot); ``offset`` keeps separate calls apart."""
+    count = batch * HEADS * length * HEAD_DIM
+    keys = torch.arange(count, dtype=torch.float32).view(batch, HEADS, length, HEAD_DIM) + offset
+    return keys, -keys
+
+
+def write_every_layer(
+    cache: KVCache, plan: CacheWrite, keys: torch.Tensor, values: torch.Tensor
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """What one forward pass does: write each layer (layer l's entries shifted by 10⁶·l, so the
+    layers differ), then commit. Returns each layer's (keys, values) as ``write`` gave them."""
+    seen = [
+        cache.write(layer, plan, keys + 1e6 * layer, values - 1e6 * layer)
+        for layer in range(LAYERS)
+    ]
+    cache.commit(plan)
+    return seen
+
+
+def test_a_new_cache_is_empty_and_allocated_as_asked() -> None:
+    cache = KVCache(CONFIG, 3, 10)
+    assert cache.rows == 3 and cache.max_length == 10
+    assert cache.keys.shape == cache.values.shape == (LAYERS, 3, HEADS, 10, HEAD_DIM)
+    assert not cache.keys.any() and not cache.values.any()
+    assert cache.lengths.tolist() == [0, 0, 0]
+    doubles = KVCache(CONFIG, 1, 4, dtype=torch.float64)
+    assert doubles.keys.dtype == doubles.values.dtype == torch.float64
+    elsewhere = KVCache(CONFIG, 1, 4, device="meta")
+    assert elsewhere.keys.device.type == elsewhere.values.device.type == "meta"
+    assert elsewhere.lengths.device.type == "cpu"  # lengths stay on the host
+
+
+def test_rows_at_one_length_write_one_slice_and_see_every_slot_so_far() -> None:
+    cache = KVCache(CONFIG, 3, 10)
+    plan = cache.positions(slice(0, 3), 4)
+    assert plan.positions.tolist() == [[0, 1, 2, 3]] * 3
+    assert (plan.same_start, plan.scatter, plan.key_length) == (0, None, 4)
+    assert plan.end.tolist() == [4, 4, 4]
+    keys, values = entries(3, 4)
+    first = write_every_layer(cache, plan, keys, values)
+    for layer, (seen_keys, seen_values) in enumerate(first):
+        assert torch.equal(seen_keys, keys + 1e6 * layer)
+        assert torch.equal(seen_values, values - 1e6 * layer)
+    assert cache.lengths.tolist() == [4, 4, 4]
+
+    plan = cache.positions(slice(0, 3), 2)  # the next chunk continues at slot 4
+    assert plan.positions.tolist() == [[4, 5]] * 3
+    assert (plan.same_start, plan.key_length) == (4, 6)
+    more_keys, more_values = entries(3, 2, offset=1e4)
+    for layer, (seen_keys, seen_values) in enumerate(
+        write_every_layer(cache, plan, more_keys, more_values)
+    ):
+        assert torch.equal(seen_keys, torch.cat((keys, more_keys), dim=2) + 1e6 * layer)
+        assert torch.equal(seen_values, torch.cat((values, more_values), dim=2) - 1e6 * layer)
+    assert not cache.keys[:, :, :, 6:].any() and not cache.values[:, :, :, 6:].any()
+
+
+def test_lengths_advance_only_at_commit() -> None:
+    cache = KVCache(CONFIG, 2, 8)
+    plan = cache.positions(slice(0, 2), 3)
+    cache.write(0, plan, *entries(2, 3))
+    assert cache.lengths.tolist() == [0, 0]
+    cache.commit(plan)
+    assert cache.lengths.tolist() == [3, 3]
+
+
+def test_rows_at_different_lengths_write_each_token_at_its_own_slot() -> None:
+    cache = KVCache(CONFIG, 3, 10)
+    cache.lengths[:] = torch.tensor([2, 5, 0])
+    plan = cache.positions(slice(0, 3), 2)
+    assert plan.positions.tolist() == [[2, 3], [5, 6], [0, 1]]
+    assert plan.same_start is None and plan.scatter is not None
+    assert plan.key_length == 7 and plan.end.tolist() == [4, 7, 2]
+    keys, values = entries(3, 2)
+    seen = write_every_layer(cache, plan, keys, values)
+    for layer, (seen_keys, seen_values) in enumerate(seen):
+        assert seen_keys.shape == seen_values.shape == (3, HEADS, 7, HEAD_DIM)
+        for row, start in enumerate([2, 5, 0]):
+            stored = cache.keys[layer, row, :, start : start + 2]
+            assert torch.equal(stored, keys[row] + 1e6 * layer)
+            assert torch.equal(
+                cache.values[layer, row, :, start : start + 2], values[row] - 1e6 * layer
+            )
+            assert torch.equal(seen_keys[row, :, start : start + 2], stored)
+            assert cache.keys[layer, row].count_nonzero() == stored.numel()  # nothing else written
+    assert cache.lengths.tolist() == [4, 7, 2]
+
+
+def test_ragged_counts_write_only_real_tokens_and_pad_with_the_last_real_position() -> None:
+    """Row 0 brings 3 tokens, row 1 none, row 2 one: padding is not written, keeps the row's last
+    real position (never a phantom position past it), and does not advance the length."""
+    cache = KVCache(CONFIG, 3, 10)
+    cache.lengths[:] = torch.tensor([3, 1, 4])
+    plan = cache.positions(slice(0, 3), 3, torch.tensor([3, 0, 1]))
+    assert plan.positions.tolist() == [[3, 4, 5], [1, 1, 1], [4, 4, 4]]
+    assert plan.same_start is None
+    assert plan.end.tolist() == [6, 1, 5] and plan.key_length == 6
+    keys, values = entries(3, 3)
+    write_every_layer(cache, plan, keys, values)
+    for layer in range(LAYERS):
+        assert torch.equal(cache.keys[layer, 0, :, 3:6], keys[0] + 1e6 * layer)
+        assert torch.equal(cache.values[layer, 0, :, 3:6], values[0] - 1e6 * layer)
+        assert not cache.keys[layer, 1].any()
+        assert torch.equal(cache.keys[layer, 2, :, 4], keys[2, :, 0] + 1e6 * layer)
+        assert cache.keys[layer, 2].count_nonzero() == HEADS * HEAD_DIM
+    assert cache.lengths.tolist() == [6, 1, 5]
+
+
+def test_counts_on_rows_at_one_length_still_leave_the_padding_out() -> None:
+    cache = KVCache(CONFIG, 2, 6)
+    plan = cache.positions(slice(0, 2), 3, torch.tensor([3, 1]))
+    assert plan.same_start is None and plan.positions.tolist() == [[0, 1, 2], [0, 0, 0]]
+    keys, values = entries(2, 3)
+    write_every_layer(cache, plan, keys, values)
+    assert cache.keys[0, 1].count_nonzero() == HEADS * HEAD_DIM
+    assert cache.lengths.tolist() == [3, 1]
+
+
+@pytest.mark.parametrize("counts", [[-1, 2, 0], [1, 4, 0], [1, 2]])
+def test_counts_must_give_every_row_between_none_and_all_new_tokens(counts: list[int]) -> None:
+    cache = KVCache(CONFIG, 3, 10)
+    with pytest.raises(
+        ValueError, match=r"new_counts must give each of the 3 rows a count in 0\.\.3"
+    ):
+        cache.positions(slice(0, 3), 3, torch.tensor(counts))
+    plan = cache.positions(slice(0, 3), 3, torch.tensor([0, 3, 0]))  # the limits are allowed
+    assert plan.end.tolist() == [0, 3, 0]
+
+
+def test_a_write_past_the_end_is_refused_before_anything_changes() -> None:
+    cache = KVCache(CONFIG, 2, 10)
+    write_every_layer(cache, cache.positions(slice(0, 2), 8), *entries(2, 8))
+    keys = cache.keys.clone()
+    with pytest.raises(CacheFull, match="holds 10 positions per row; this step needs 11"):
+        cache.positions(slice(0, 2), 3)
+    with pytest.raises(CacheFull, match="this step needs 11"):  # only row 1 goes past the end
+        cache.positions(slice(0, 2), 3, torch.tensor([2, 3]))
+    cache.lengths[0] = 5
+    with pytest.raises(CacheFull, match="this step needs 11"):  # rows at different lengths
+        cache.positions(slice(0, 2), 3)
+    assert cache.lengths.tolist() == [5, 8] and torch.equal(cache.keys, keys)
+    assert cache.positions(slice(0, 2), 2).key_length == 10  # exactly full is fine
+    assert cache.positions(slice(0, 2), 3, torch.tensor([3, 2])).key_length == 10
+
+
+def test_a_slice_of_rows_leaves_the_other_rows_alone() -> None:
+    cache = KVCache(CONFIG, 4, 8)
+    cache.lengths[:] = torch.tensor([1, 2, 2, 3])
+    for counts in (None, torch.tensor([2, 1])):  # one slice, then scattered
+        plan = cache.positions(slice(1, 3), 2, counts)
+        assert plan.positions.shape == (2, 2)
+        write_every_layer(cache, plan, *entries(2, 2))
+    assert cache.lengths.tolist() == [1, 6, 5, 3]
+    assert not cache.keys[:, [0, 3]].any() and not cache.values[:, [0, 3]].any()
+
+
+def test_write_returns_views_of_the_cache() -> None:
+    cache = KVCache(CONFIG, 2, 8)
+    seen_keys, seen_values = cache.write(1, cache.positions(slice(0, 2), 3), *entries(2, 3))
+    cache.keys[1, 0, 0, 0, 0] = 123.0
+    cache.values[1, 0, 0, 0, 0] = 456.0
+    assert seen_keys[0, 0, 0, 0] == 123.0 and seen_values[0, 0, 0, 0] == 456.0
+
+
+def test_scatter_indices_live_on_the_cache_device_and_positions_on_the_host() -> None:
+    cache = KVCache(CONFIG, 2, 8, device="meta")
+    cache.lengths[:] = torch.tensor([1, 3])
+    for plan in (
+        cache.positions(slice(0, 2), 2),
+        cache.positions(slice(0, 2), 2, torch.tensor([2, 1])),
+    ):
+        assert plan.scatter is not None
+        assert [index.device.type for index in plan.scatter] == ["meta"] * 3
+        assert plan.positions.device.type == plan.end.device.type == "cpu"
+
+
+def test_move_row_copies_every_layer_and_the_length() -> None:
+    """The shorter row 2 moves over the longer row 0 (as when a batch is compacted)."""
+    cache = KVCache(CONFIG, 3, 6)
+    write_every_layer(cache, cache.positions(slice(0, 1), 5), *entries(1, 5))
+    moved_keys, moved_values = entries(1, 2, offset=1e4)
+    write_every_layer(cache, cache.positions(slice(2, 3), 2), moved_keys, moved_values)
+    source_keys, source_values = cache.keys[:, 2].clone(), cache.values[:, 2].clone()
+    cache.move_row(2, 0)
+    assert cache.lengths.tolist() == [2, 0, 2]
+    assert torch.equal(cache.keys[:, 0, :, :2], source_keys[:, :, :2])
+    assert torch.equal(cache.values[:, 0, :, :2], source_values[:, :, :2])
+    assert torch.equal(cache.keys[:, 2], source_keys) and torch.equal(
+        cache.values[:, 2], source_values
+    )
+    assert cache.positions(slice(0, 1), 1).positions.tolist() == [[2]]  # row 0 continues at 2
+    before = cache.keys.clone()
+    cache.move_row(1, 1)  # onto itself: nothing happens
+    assert torch.equal(cache.keys, before) and cache.lengths.tolist() == [2, 0, 2]
+
+
+def test_reset_empties_one_row() -> None:
+    cache = KVCache(CONFIG, 3, 6)
+    write_every_layer(cache, cache.positions(slice(0, 3), 4), *entries(3, 4))
+    cache.reset(1)
+    assert cache.lengths.tolist() == [4, 0, 4]
+    plan = cache.positions(slice(0, 3), 1)
+    assert plan.positions.tolist() == [[4], [0], [4]]  # row 1 starts again at position 0
+
+
+def test_an_empty_batch_plans_nothing_and_never_fills_the_cache() -> None:
+    cache = KVCache(CONFIG, 2, 4)
+    plan = cache.positions(slice(0, 0), 4)  # as many tokens as the cache holds
+    assert plan.positions.shape == (0, 4) and plan.key_length == 4
+    ragged = cache.positions(slice(0, 0), 4, torch.zeros(0, dtype=torch.long))
+    assert ragged.positions.shape == (0, 4) and ragged.key_length == 0  # the longest of no rows
+    assert cache.lengths.tolist() == [0, 0]
