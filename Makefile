@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test lint format serve checkpoints bench clean
+.PHONY: setup test lint format serve checkpoints bench clean browser ui mutation
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -17,9 +17,30 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
-test: $(STAMP)
+test: $(STAMP) browser
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest
+
+# The playground's browser tests drive Debian's chromium (Playwright's own browser downloads
+# are never used); installed here when missing. Without it (no apt-get) they skip, but not in CI.
+browser:
+	@command -v chromium >/dev/null || { command -v apt-get >/dev/null && \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; } || \
+		echo "chromium is not installed: the browser tests will skip (they fail under CI)"
+
+# The playground has no build step; this refreshes its vendored chart libraries from npm.
+D3_VERSION := 7.9.2
+PLOT_VERSION := 0.6.17
+ui:
+	rm -rf .ui-vendor && mkdir .ui-vendor
+	cd .ui-vendor && npm pack --silent d3@$(D3_VERSION) @observablehq/plot@$(PLOT_VERSION) && \
+		for f in *.tgz; do mkdir -p $${f%.tgz} && tar xzf $$f -C $${f%.tgz}; done
+	cp .ui-vendor/d3-$(D3_VERSION)/package/dist/d3.min.js server/static/vendor/d3.v$(D3_VERSION).min.js
+	cp .ui-vendor/d3-$(D3_VERSION)/package/LICENSE server/static/vendor/LICENSE.d3
+	cp .ui-vendor/observablehq-plot-$(PLOT_VERSION)/package/dist/plot.umd.min.js \
+		server/static/vendor/plot.v$(PLOT_VERSION).umd.min.js
+	cp .ui-vendor/observablehq-plot-$(PLOT_VERSION)/package/LICENSE server/static/vendor/LICENSE.plot
+	rm -rf .ui-vendor
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
@@ -46,3 +67,8 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .pytest_cache
+
+# Mutation testing (mutmut, one worker) of the files in pyproject.toml's [tool.ordinal.mutation],
+# each against its own tests; FILES="model/positional/rope.py" runs only those. docs/testing.md.
+mutation: $(STAMP)
+	$(PY) -m tools.mutation $(FILES)

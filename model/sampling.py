@@ -5,8 +5,9 @@ batch whose rows each carry their own :class:`SamplingParams`. Filters apply in 
 
 1. **Repetition penalty** on the raw logits of tokens the row has already seen (prompt and
    generated), CTRL rule: a positive logit is divided by the penalty, a negative one multiplied.
-2. **Temperature**: logits are divided by it. Temperature 0 means greedy (argmax of the
-   penalised logits); the filters below then change nothing.
+2. **Temperature**: logits are divided by it. A temperature below ``MIN_TEMPERATURE`` (1e-5,
+   vLLM's rule) means greedy (argmax of the penalised logits); the filters below then change
+   nothing. Dividing by a smaller one would overflow float32 into inf, and softmax into NaN.
 3. **Top-k**: keep the k most probable tokens (0 = off).
 4. **Top-p** (nucleus): keep the smallest set of most probable tokens whose mass reaches p,
    i.e. keep token i while the mass strictly before it is below p. The top token always stays.
@@ -16,6 +17,9 @@ batch whose rows each carry their own :class:`SamplingParams`. Filters apply in 
 Each filter sees the distribution renormalised after the previous one. Every row owns a CPU
 ``torch.Generator`` (see :class:`RowSampler`), so a seeded request yields the same tokens alone
 or inside any batch, on any device.
+
+A row fails alone: :meth:`SamplingBatch.draw` reports rows whose logits are not finite or whose
+draw raised, and the other rows' tokens are exactly what they would have been without them.
 """
 
 from __future__ import annotations
@@ -23,7 +27,9 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from enum import StrEnum
 from functools import partial
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -32,12 +38,34 @@ from torch import Tensor
 # so that e.g. p = 0.85 over probabilities [0.5, 0.2, 0.15, ...] keeps exactly three tokens.
 _MASS_TOLERANCE = 1e-6
 
+# Below this a temperature is greedy (vLLM's _SAMPLING_EPS): logits / 1e-5 stay finite in
+# float32 for any logit under 3e33, and the argmax is what such a temperature converges to.
+MIN_TEMPERATURE = 1e-5
+# The CTRL penalty divides or multiplies logits by this; outside [0.01, 100] a float32 logit
+# can reach inf (and 0 × inf = NaN): no useful penalty lies there.
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
+MAX_TOP_K = 2**63 - 1  # int64; callers cap top_k at their vocabulary first
+
+
+class FailureReason(StrEnum):
+    """Why one row of a batch could not be sampled (the metrics' ``reason`` label)."""
+
+    NON_FINITE_LOGITS = "non_finite_logits"
+    SAMPLING_ERROR = "sampling_error"
+
+
+class Draw(NamedTuple):
+    """One step's draw: a token per row, and the rows that failed (their token is meaningless)."""
+
+    tokens: Tensor  # [B] long
+    failures: dict[int, FailureReason]
+
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request turns logits into tokens. Defaults sample from the raw distribution."""
 
-    temperature: float = 1.0  # 0 = greedy
+    temperature: float = 1.0  # below MIN_TEMPERATURE (0 included) = greedy
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1 = off
     min_p: float = 0.0  # 0 = off
@@ -53,15 +81,21 @@ class SamplingParams:
             return isinstance(value, int) and not isinstance(value, bool)
 
         require(
-            0 <= self.temperature < math.inf, "temperature", "a finite number >= 0 (0 = greedy)"
+            0 <= self.temperature < math.inf,
+            "temperature",
+            f"a finite number >= 0 (below {MIN_TEMPERATURE} = greedy)",
         )
-        require(is_int(self.top_k) and self.top_k >= 0, "top_k", "an integer >= 0 (0 = off)")
+        require(
+            is_int(self.top_k) and 0 <= self.top_k <= MAX_TOP_K,
+            "top_k",
+            "an integer in [0, 2**63) (0 = off)",
+        )
         require(0 < self.top_p <= 1, "top_p", "in (0, 1] (1 = off)")
         require(0 <= self.min_p <= 1, "min_p", "in [0, 1] (0 = off)")
         require(
-            0 < self.repetition_penalty < math.inf,
+            MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY,
             "repetition_penalty",
-            "a finite number > 0 (1 = off)",
+            f"in [{MIN_REPETITION_PENALTY}, {MAX_REPETITION_PENALTY:g}] (1 = off)",
         )
         require(
             self.seed is None or (is_int(self.seed) and 0 <= self.seed < 2**64),
@@ -71,7 +105,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < MIN_TEMPERATURE
 
 
 class RowSampler:
@@ -145,26 +179,89 @@ class SamplingBatch:
         return _RowGroup(index, draw)
 
     def sample(self, logits: Tensor, seen: Tensor | None = None) -> Tensor:
-        """Draw the next token of every row.
+        """Draw the next token of every row; raise ValueError if any row cannot be sampled.
 
         logits: [B, V] any float dtype, on ``device``. seen: [B, V] bool, True where the row's
         prompt or output already holds the token, or None (nothing seen). Returns [B] long.
         """
-        batch = len(self.rows)
+        tokens, failures = self.draw(logits, seen)
+        if failures:
+            row, reason = next(iter(failures.items()))
+            raise ValueError(f"row {row} of the batch could not be sampled: {reason}")
+        return tokens
+
+    def draw(self, logits: Tensor, seen: Tensor | None = None) -> Draw:
+        """Like :meth:`sample`, but a row that fails fails alone: it is reported in
+        ``failures`` and every other row gets the token it would have drawn without it."""
+        batch, vocab = len(self.rows), logits.shape[-1]
         if logits.dim() != 2 or logits.shape[0] != batch:
             raise ValueError(f"logits must have shape [{batch}, V], got {tuple(logits.shape)}")
+        if seen is not None:
+            _check_seen(seen, logits)
         logits = logits.float()
+        failures: dict[int, FailureReason] = {}
+        finite = torch.isfinite(logits).all(dim=-1)
+        if not finite.all():
+            for row in (~finite).nonzero().flatten().tolist():
+                failures[row] = FailureReason.NON_FINITE_LOGITS
+            logits = logits.masked_fill(~finite.unsqueeze(-1), 0.0)  # any finite row will do
+        uniforms = self._uniforms(failures, logits.device)
+        try:
+            tokens = self._draw(logits, seen, uniforms)
+        except Exception:  # find the rows at fault: each draws alone, with its own uniform
+            tokens = self._draw_each(logits, seen, uniforms, failures)
+        outside = (tokens < 0) | (tokens >= vocab)
+        if outside.any():
+            for row in outside.nonzero().flatten().tolist():
+                failures.setdefault(row, FailureReason.SAMPLING_ERROR)
+        return Draw(tokens, failures)
+
+    def _uniforms(self, failures: dict[int, FailureReason], device: torch.device) -> Tensor | None:
+        """One uniform per row per step, whichever path it draws along (None: all greedy)."""
+        if self.all_greedy:
+            return None
+        uniforms = torch.zeros(len(self.rows))
+        for index, row in enumerate(self.rows):
+            try:
+                uniforms[index] = row.next_uniform()
+            except Exception:
+                failures[index] = FailureReason.SAMPLING_ERROR
+        return uniforms.to(device)
+
+    def _draw(self, logits: Tensor, seen: Tensor | None, uniforms: Tensor | None) -> Tensor:
+        """Every row's token: penalty, then each row group along its path. logits float32."""
         if seen is not None and self.uses_penalty:
             logits = apply_repetition_penalty(logits, seen, self.repetition_penalty)
-        if self.all_greedy:
+        if uniforms is None:  # every row greedy
             return _draw_greedy(logits, None)
-        # Every row takes one uniform per step, whichever path it draws along.
-        uniforms = torch.cat([row.next_uniform() for row in self.rows]).to(logits.device)
         if self._groups[0].index is None:  # one path for the whole batch
             return self._groups[0].draw(logits, uniforms)
-        tokens = torch.empty(batch, dtype=torch.long, device=logits.device)
+        tokens = torch.empty(len(self.rows), dtype=torch.long, device=logits.device)
         for group in self._groups:
             tokens[group.index] = group.draw(logits[group.index], uniforms[group.index])
+        return tokens
+
+    def _draw_each(
+        self,
+        logits: Tensor,
+        seen: Tensor | None,
+        uniforms: Tensor | None,
+        failures: dict[int, FailureReason],
+    ) -> Tensor:
+        """The slow path after a batched draw raised: row by row, recording the failures."""
+        tokens = torch.zeros(len(self.rows), dtype=torch.long, device=logits.device)
+        for index, row in enumerate(self.rows):
+            if index in failures:
+                continue
+            alone = slice(index, index + 1)
+            try:
+                tokens[alone] = SamplingBatch([row], logits.device)._draw(
+                    logits[alone],
+                    None if seen is None else seen[alone],
+                    None if uniforms is None or row.params.greedy else uniforms[alone],
+                )
+            except Exception:
+                failures[index] = FailureReason.SAMPLING_ERROR
         return tokens
 
 
@@ -199,8 +296,7 @@ def _draw_unsorted(
     temperature, min_p [b]; logits [b, V]; uniforms [b]. Returns [b] long.
     """
     assert uniforms is not None
-    probs = (logits / temperature.unsqueeze(-1)).softmax(dim=-1)
-    probs = probs * (probs >= min_p.unsqueeze(-1) * probs.amax(dim=-1, keepdim=True))
+    probs = _unsorted_stages(logits, temperature, min_p)[-1].probs
     return _draw_inverse_cdf(probs, None, uniforms)
 
 
@@ -223,15 +319,19 @@ def apply_repetition_penalty(logits: Tensor, seen: Tensor, penalty: Tensor) -> T
 
     Seen tokens: positive logits are divided by the penalty, the others multiplied by it.
     """
+    _check_seen(seen, logits)
+    logits = logits.float()
+    penalty = penalty.unsqueeze(-1)
+    penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
+    return torch.where(seen, penalised, logits)
+
+
+def _check_seen(seen: Tensor, logits: Tensor) -> None:
     if seen.shape != logits.shape or seen.dtype != torch.bool:
         raise ValueError(
             f"seen must be a bool tensor of shape {tuple(logits.shape)}, "
             f"got {seen.dtype} {tuple(seen.shape)}"
         )
-    logits = logits.float()
-    penalty = penalty.unsqueeze(-1)
-    penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
-    return torch.where(seen, penalised, logits)
 
 
 def filtered_probs(
@@ -269,27 +369,108 @@ def _sorted_filtered_probs(
     Shapes as in :func:`filtered_probs`; returns (probs [B, V] float32, ids [B, V] long).
     Every filter keeps a prefix of the sorted order, which is why sorting once is enough.
     """
-    greedy = temperature == 0
+    stages, sorted_ids = _sorted_stages(logits, temperature, top_k, top_p, min_p)
+    return stages[-1].probs, sorted_ids
+
+
+class Stage(NamedTuple):
+    """The distribution after one sampling stage: ``probs`` [B, V] (or [V] for one row)."""
+
+    name: str  # logits, repetition_penalty, temperature, top_k, top_p or min_p
+    probs: Tensor
+
+
+def _sorted_stages(
+    logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor
+) -> tuple[list[Stage], Tensor]:
+    """Steps 2-5 of the module docstring in sorted order, keeping the result of each step.
+
+    Shapes as in :func:`filtered_probs`. Returns the stages temperature, top_k, top_p, min_p
+    (each probs [B, V] float32, sorted descending, rows summing to 1) and the token id of each
+    sorted column [B, V] long. The sampler draws from the last stage.
+    """
+    greedy = temperature < MIN_TEMPERATURE
     safe_temperature = torch.where(greedy, torch.ones_like(temperature), temperature)
     scaled = logits.float() / safe_temperature.unsqueeze(-1)
     # Stable sort puts the lowest id first among ties, matching argmax.
     sorted_logits, sorted_ids = scaled.sort(dim=-1, descending=True, stable=True)
     probs = sorted_logits.softmax(dim=-1)
     rank = torch.arange(probs.shape[-1], device=probs.device)
+    # Greedy keeps only the first sorted token, the argmax: one-hot from this stage on.
+    probs = torch.where(greedy.unsqueeze(-1), (rank == 0).to(probs.dtype), probs)
+    stages = [Stage("temperature", probs)]
 
-    # Greedy is top-k with k = 1; k = 0 (off) keeps the whole vocabulary.
+    # k = 0 (off) keeps the whole vocabulary.
     k = torch.where(top_k > 0, top_k, probs.shape[-1])
-    k = torch.where(greedy, torch.ones_like(k), k)
     probs = _renormalise(probs * (rank < k.unsqueeze(-1)))
+    stages.append(Stage("top_k", probs))
 
     mass_before = probs.cumsum(dim=-1) - probs
     top_p = top_p.unsqueeze(-1)
     reached = mass_before >= top_p - _MASS_TOLERANCE
     probs = _renormalise(probs * ((rank == 0) | (top_p >= 1) | ~reached))
+    stages.append(Stage("top_p", probs))
 
-    # A ratio to the top probability, so it needs no renormalisation before it.
-    probs = _renormalise(probs * (probs >= min_p.unsqueeze(-1) * probs[:, :1]))
-    return probs, sorted_ids
+    stages.append(Stage("min_p", _min_p_filter(probs, min_p)))
+    return stages, sorted_ids
+
+
+def _unsorted_stages(logits: Tensor, temperature: Tensor, min_p: Tensor) -> list[Stage]:
+    """Temperature then min-p in vocabulary order (both keep the order, so no sort is needed).
+
+    logits [B, V]; temperature (every row ≥ MIN_TEMPERATURE), min_p [B]. Returns the stages
+    temperature and min_p, each probs [B, V] float32 in vocabulary order.
+    """
+    probs = (logits / temperature.unsqueeze(-1)).softmax(dim=-1)
+    return [Stage("temperature", probs), Stage("min_p", _min_p_filter(probs, min_p))]
+
+
+def _min_p_filter(probs: Tensor, min_p: Tensor) -> Tensor:
+    """Keep tokens with at least min_p × the top probability. probs [B, V], min_p [B].
+
+    A ratio to the top probability, so it needs no renormalisation before it; in sorted order
+    the top is column 0, in vocabulary order the row's maximum (the same value).
+    """
+    top = probs.amax(dim=-1, keepdim=True)
+    return _renormalise(probs * (probs >= min_p.unsqueeze(-1) * top))
+
+
+def sampling_stages(
+    logits: Tensor, params: SamplingParams, seen: Tensor | None = None
+) -> list[Stage]:
+    """One row's next-token distribution after each stage the sampler applies, in its order.
+
+    logits [V] (any float dtype); seen [V] bool (the prompt's and output's tokens) or None.
+    Returns stages with probs [V] float32 in vocabulary order, each summing to 1: ``logits``
+    (softmax of the raw logits), then ``repetition_penalty`` (if not 1 and ``seen`` is given),
+    ``temperature``, and ``top_k`` / ``top_p`` / ``min_p`` where they are set. The last stage
+    is the distribution :class:`SamplingBatch` draws this row from: it runs the same steps,
+    along the same path (sorted, or vocabulary order without top-k and top-p).
+    """
+    logits = logits.float().unsqueeze(0)
+    columns = SamplingBatch([RowSampler(params)], logits.device)
+    stages = [Stage("logits", logits.softmax(dim=-1))]
+    if seen is not None and params.repetition_penalty != 1.0:
+        logits = apply_repetition_penalty(logits, seen.unsqueeze(0), columns.repetition_penalty)
+        stages.append(Stage("repetition_penalty", logits.softmax(dim=-1)))
+    if _path(params) == "vocabulary order":
+        filtered = _unsorted_stages(logits, columns.temperature, columns.min_p)
+    else:  # greedy rows take the argmax, which is the first sorted token
+        sorted_stages, ids = _sorted_stages(
+            logits, columns.temperature, columns.top_k, columns.top_p, columns.min_p
+        )
+        filtered = [
+            Stage(stage.name, torch.zeros_like(stage.probs).scatter(-1, ids, stage.probs))
+            for stage in sorted_stages
+        ]
+    applies = {
+        "temperature": True,
+        "top_k": params.top_k > 0,
+        "top_p": params.top_p < 1,
+        "min_p": params.min_p > 0,
+    }
+    stages += [stage for stage in filtered if applies[stage.name]]
+    return [Stage(stage.name, stage.probs[0]) for stage in stages]
 
 
 def _renormalise(probs: Tensor) -> Tensor:

@@ -29,6 +29,32 @@ class AttentionMask:
     is_causal: bool
 
 
+class AttentionRecorder:
+    """Pass one to :meth:`Transformer.forward` to keep every layer's attention weights.
+
+    Tracing only (``/v1/trace``): each layer still computes its output with SDPA, and also the
+    softmax weights from the same queries, keys and mask, appended to ``weights`` — one
+    [B, H, Tq, Tk] float32 tensor per layer, each row summing to 1 over the keys it may see.
+    Without a recorder (every decode step) nothing extra is computed.
+    """
+
+    def __init__(self) -> None:
+        self.weights: list[Tensor] = []
+
+    def record(self, queries: Tensor, keys: Tensor, mask: AttentionMask) -> None:
+        """queries [B, H, Tq, hd], keys [B, H, Tk, hd]: softmax(q·kᵀ/√hd + mask), as SDPA."""
+        scores = queries.float() @ keys.float().transpose(-2, -1) / math.sqrt(queries.shape[-1])
+        if mask.is_causal:  # SDPA's built-in mask: query i sees keys 0..i
+            length, key_length = scores.shape[-2:]
+            causal = torch.ones(length, key_length, dtype=torch.bool, device=scores.device)
+            scores = scores.masked_fill(~causal.tril(), float("-inf"))
+        elif mask.mask is not None and mask.mask.dtype == torch.bool:
+            scores = scores.masked_fill(~mask.mask, float("-inf"))
+        elif mask.mask is not None:
+            scores = scores + mask.mask.float()
+        self.weights.append(scores.softmax(dim=-1))
+
+
 def _store_column_major(linear: nn.Linear) -> None:
     """Keep ``linear.weight`` [out, in] as a view of contiguous [in, out] memory, in place.
 
@@ -65,8 +91,9 @@ class Attention(nn.Module):
         cache: KVCache | None,
         plan: CacheWrite | None,
         layer: int,
+        recorder: AttentionRecorder | None = None,
     ) -> Tensor:
-        """``x`` [B, T, d_model] → [B, T, d_model]."""
+        """``x`` [B, T, d_model] → [B, T, d_model]; ``recorder`` keeps the weights if given."""
         batch, length, width = x.shape
         qkv = self.qkv(x).view(batch, length, 3, self.n_heads, self.head_dim)
         qkv = qkv.permute(2, 0, 3, 1, 4)  # [3, B, H, T, hd]
@@ -75,6 +102,8 @@ class Attention(nn.Module):
             queries, keys = apply_rotation(qkv[:2], *rotation)
         if cache is not None:
             keys, values = cache.write(layer, plan, keys, values)  # [B, H, key_length, hd]
+        if recorder is not None:
+            recorder.record(queries, keys, mask)
         out = F.scaled_dot_product_attention(
             queries,
             keys,
@@ -173,6 +202,7 @@ class Transformer(nn.Module):
         rows: slice | None = None,
         new_counts: Tensor | None = None,
         last_only: bool = False,
+        recorder: AttentionRecorder | None = None,
     ) -> Tensor:
         """Logits for ``tokens`` [B, T] → [B, T, vocab] (or [B, vocab] with ``last_only``).
 
@@ -181,6 +211,7 @@ class Transformer(nn.Module):
         next positions, their keys and values are stored, and they attend to everything cached.
         ``new_counts`` [B] marks a ragged batch: row b has only its first new_counts[b] tokens,
         the rest is right-padding that is neither stored nor attended to.
+        ``recorder`` (tracing) collects each layer's attention weights; see AttentionRecorder.
         """
         batch, length = tokens.shape
         device = tokens.device
@@ -207,7 +238,7 @@ class Transformer(nn.Module):
         rotation = self.positional.rotation(positions)
         mask = self._attention_mask(positions, key_positions, plan, x.dtype)
         for layer, block in enumerate(self.blocks):
-            x = block(x, rotation, mask, cache, plan, layer)
+            x = block(x, rotation, mask, cache, plan, layer, recorder)
         if cache is not None:
             cache.commit(plan)
 

@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import uvicorn
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
+from pydantic import ValidationError
 
-from server.errors import install_error_handlers
-from server.middleware import CountRequests, LimitBody, RequireApiKey
+from server.errors import document_errors, install_error_handlers
+from server.middleware import CatchUnexpected, CountRequests, LimitBody, RequireApiKey
+from server.playground import router as playground_router
+from server.playground import static_files
 from server.routes import router
 from server.service import Service, check_settings
 from server.settings import Settings
@@ -36,11 +40,16 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app = FastAPI(title="ordinal", version="0.1.0", lifespan=lifespan)
     app.state.service = service
     install_error_handlers(app)
+    document_errors(app)
     app.include_router(router)
+    app.include_router(playground_router)  # GET /, POST /v1/trace
+    app.mount("/static", static_files(), name="static")
     # add_middleware wraps: the last added runs first.
     app.add_middleware(LimitBody, max_bytes=settings.max_body_bytes)
     if settings.api_key is not None:
-        app.add_middleware(RequireApiKey, key=settings.api_key.get_secret_value())
+        app.add_middleware(
+            RequireApiKey, key=settings.api_key.get_secret_value(), scope=settings.auth_scope
+        )
     if settings.cors_origins:
         app.add_middleware(
             CORSMiddleware,
@@ -48,6 +57,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             allow_methods=["GET", "POST"],
             allow_headers=["Authorization", "Content-Type"],
         )
+    app.add_middleware(CatchUnexpected)  # inside CountRequests, so its 500s are counted
     app.add_middleware(CountRequests, counter=service.metrics.requests)
     return app
 
@@ -67,13 +77,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
-    """Flags given on the command line, over the environment, over the defaults."""
+    """Flags given on the command line, over the environment, over the defaults.
+
+    A bad value raises ValueError with one line per bad setting, ``name: what is wrong``.
+    """
     given = {name: value for name, value in vars(args).items() if name in Settings.model_fields}
-    return Settings(**given)
+    try:
+        return Settings(**given)
+    except ValidationError as error:
+        lines = [f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in error.errors()]
+        raise ValueError("; ".join(line.replace("Value error, ", "") for line in lines)) from None
 
 
 def run(args: argparse.Namespace) -> None:
     """``ordinal serve``: check the settings, then serve until interrupted."""
     settings = settings_from_args(args)
     check_settings(settings)
+    # uvicorn configures its own loggers only: ours (a line per model loaded or failed) too.
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(name)s: %(message)s")
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port)

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from model.cache import KVCache
-from model.sampling import SamplingBatch, token_logprobs
+from model.sampling import Draw, SamplingBatch, token_logprobs
 from model.transformer import Transformer
 from server.job import Job
 
@@ -87,18 +87,25 @@ class DecodeBatch:
         self._changed = True
         return logits[:, : self.vocab]
 
-    def sample(self, logits: Tensor) -> Tensor:
-        """Draw every row's next token from ``logits`` [n, V] → [n]; it is fed at the next step."""
+    def sample(self, logits: Tensor) -> Draw:
+        """Draw every row's next token from ``logits`` [n, V]; it is fed at the next step.
+
+        A row that cannot be sampled is reported in the draw's ``failures`` (its token becomes
+        ``filler``, so the seen mask and the logprobs stay in range) and the caller removes it;
+        the other rows' tokens are unaffected.
+        """
         if self._changed:
             self._refresh()
         n = len(self.members)
         seen = None if self.seen is None else self.seen[:n]
         assert self._sampling is not None
-        tokens = self._sampling.sample(logits, seen)
+        tokens, failures = self._sampling.draw(logits, seen)
+        if failures:
+            tokens[list(failures)] = self.filler
         if seen is not None:
             seen.scatter_(1, tokens.unsqueeze(1), True)
         self.inputs[:n] = tokens
-        return tokens
+        return Draw(tokens, failures)
 
     def logprobs(self, logits: Tensor, tokens: Tensor) -> StepLogprobs | None:
         """Raw-model logprobs of ``tokens`` for the rows that asked for them, or None."""

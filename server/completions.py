@@ -8,6 +8,7 @@ leaving), its job is cancelled, which frees its row.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -17,13 +18,15 @@ from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from model.generate import SequenceState, StopMatcher, encode_prompt
-from model.sampling import SamplingParams
 from model.tokenizer import IncrementalDecoder
 from server.errors import APIError, error_event
 from server.job import Job
-from server.schemas import DEFAULT_MAX_TOKENS, CompletionRequest
+from server.metrics import TIMEOUT
+from server.schemas import DEFAULT_MAX_TOKENS, CompletionRequest, PromptRequest
 from server.service import ServedModel, Service
 from server.writer import CompletionWriter, Piece
+
+logger = logging.getLogger("ordinal.server")
 
 DONE = b"data: [DONE]\n\n"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -49,7 +52,12 @@ async def create_completion(
 def _submit(job: Job, served: ServedModel, timeout: float) -> Callable[[], None]:
     """Hand ``job`` to its engine (429 when full); return what ends it, however it ends."""
     served.engine.submit(job)
-    timer = asyncio.get_running_loop().call_later(timeout, job.expire)
+
+    def expire() -> None:
+        served.engine.metrics.failures[TIMEOUT].inc()
+        job.expire()
+
+    timer = asyncio.get_running_loop().call_later(timeout, expire)
 
     def close() -> None:
         timer.cancel()
@@ -67,7 +75,7 @@ def build_job(body: CompletionRequest, served: ServedModel) -> tuple[list[int], 
 
     Raises a 400 APIError when the prompt or max_tokens does not fit the model.
     """
-    prompt_ids = _prompt_ids(body, served)
+    prompt_ids = prompt_ids_of(body, served)
     max_tokens = _max_tokens(body, served, len(prompt_ids))
     if max_tokens == 0 and body.logprobs is None:
         return prompt_ids, None
@@ -80,19 +88,13 @@ def build_job(body: CompletionRequest, served: ServedModel) -> tuple[list[int], 
             stop=StopMatcher(body.stops),
             eos_id=None if body.ignore_eos else served.eos,
         )
-    params = SamplingParams(
-        temperature=body.temperature,
-        top_k=body.top_k,
-        top_p=body.top_p,
-        min_p=body.min_p,
-        repetition_penalty=body.repetition_penalty,
-        seed=body.seed,
-    )
+    params = body.sampling_params(served.vocab, seed=body.seed)
     score_prompt = body.echo and body.logprobs is not None
     return prompt_ids, Job(prompt_ids, state, params, body.logprobs, score_prompt)
 
 
-def _prompt_ids(body: CompletionRequest, served: ServedModel) -> list[int]:
+def prompt_ids_of(body: PromptRequest, served: ServedModel) -> list[int]:
+    """The prompt's token ids with <|bos|>; a 400 for an id outside the vocabulary."""
     if isinstance(body.prompt, list):
         outside = [token for token in body.prompt if token >= served.vocab]
         if outside:
@@ -147,6 +149,9 @@ async def _sse(
             yield writer.usage_chunk()
     except APIError as error:  # the headers are out: the error travels as the last event
         yield error_event(error)
+    except Exception:
+        logger.exception("a stream failed")
+        yield error_event(APIError(500, "internal server error"))
     yield DONE
 
 

@@ -27,15 +27,22 @@ from collections import deque
 
 import torch
 
+from model.sampling import FailureReason
 from model.transformer import Transformer
 from server.batch import DecodeBatch, StepLogprobs
 from server.errors import APIError, busy
 from server.job import Event, Failure, Job, PromptScores, TokenEvent
-from server.metrics import ModelMetrics
+from server.metrics import MODEL_ERROR, SHUTDOWN, ModelMetrics
 
 logger = logging.getLogger("ordinal.server")
 
 Delivery = list[tuple[asyncio.Queue, Event]]
+SAMPLING_FAILURES = {
+    FailureReason.NON_FINITE_LOGITS: "sampling failed for this request: the model's logits "
+    "for it were not finite (the other requests in its batch were not affected)",
+    FailureReason.SAMPLING_ERROR: "sampling failed for this request (the other requests in "
+    "its batch were not affected)",
+}
 
 
 def _put_all(deliveries: Delivery) -> None:
@@ -130,9 +137,11 @@ class Engine:
                     decoding = self.batch.clear()
                     admitted = [job for job in self._admitted if job.stage != "done"]
                     jobs = decoding + [job for job in admitted if job not in decoding]
+                    self.metrics.failures[MODEL_ERROR].inc(len(jobs))
                     self._fail(jobs, APIError(500, "the model failed on this batch"))
         leftover = [*self.batch.clear(), *self._waiting]
         self._waiting.clear()
+        self.metrics.failures[SHUTDOWN].inc(len(leftover))
         self._fail(leftover, busy("the server is shutting down", status=503))
 
     def _read_inbox(self) -> bool:
@@ -177,8 +186,9 @@ class Engine:
             self.metrics.running_batch_size.set(len(self.batch))
         if logits is None:
             return
-        tokens = self.batch.sample(logits)
-        deliveries, ending = self._advance(tokens.tolist(), self.batch.logprobs(logits, tokens))
+        tokens, failures = self.batch.sample(logits)
+        logprobs = self.batch.logprobs(logits, tokens)
+        deliveries, ending = self._advance(tokens.tolist(), logprobs, failures)
 
         now = time.perf_counter()
         for job in joining:
@@ -215,32 +225,49 @@ class Engine:
         chosen, values, ids = self.batch.score(job.prompt_ids, job.logprobs or 0)
         return PromptScores(chosen.tolist(), ids.tolist(), values.tolist())
 
-    def _advance(self, tokens: list[int], logprobs: StepLogprobs | None) -> tuple[Delivery, bool]:
-        """Hand each row's token to its job; let finished jobs leave; return the events and
-        whether any job finished."""
+    def _advance(
+        self,
+        tokens: list[int],
+        logprobs: StepLogprobs | None,
+        failures: dict[int, FailureReason],
+    ) -> tuple[Delivery, bool]:
+        """Hand each row's token to its job; fail the rows that could not be sampled; let
+        finished jobs leave; return the events and whether any job left."""
         members = self.batch.members
-        deliveries: Delivery = []
-        finished: list[Job] = []
-        for job, token in zip(members, tokens, strict=True):
+        events: list[tuple[asyncio.Queue, Event] | None] = []  # per row; None: failed row
+        leaving: list[Job] = []
+        for row, (job, token) in enumerate(zip(members, tokens, strict=True)):
+            if row in failures:
+                events.append(None)
+                leaving.append(job)
+                continue
             state = job.state
             assert state is not None
             text = state.append(token)
-            deliveries.append((job.events, TokenEvent(token, text, state.finish_reason)))
+            events.append((job.events, TokenEvent(token, text, state.finish_reason)))
             if state.finish_reason is not None:
-                finished.append(job)
+                leaving.append(job)
         if logprobs is not None:
             for row, chosen, values, ids in zip(*logprobs, strict=True):
-                events, event = deliveries[row]
-                top = members[row].logprobs
-                event = event._replace(logprob=chosen, top_ids=ids[:top], top_values=values[:top])
-                deliveries[row] = (events, event)
-        self.metrics.generated_tokens.inc(len(tokens))
-        if finished:
-            self.batch.remove(finished)
+                if (delivery := events[row]) is not None:
+                    top = members[row].logprobs
+                    event = delivery[1]._replace(
+                        logprob=chosen, top_ids=ids[:top], top_values=values[:top]
+                    )
+                    events[row] = (delivery[0], event)
+        deliveries = [delivery for delivery in events if delivery is not None]
+        self.metrics.generated_tokens.inc(len(deliveries))
+        for row, reason in failures.items():
+            logger.error("model '%s': request failed alone: %s", self.name, reason)
+            self.metrics.failures[reason].inc()
+            error = APIError(500, SAMPLING_FAILURES[reason], code="sampling_failed")
+            deliveries.append((members[row].events, Failure(error)))
+        if leaving:
+            self.batch.remove(leaving)
             self.metrics.running_batch_size.set(len(self.batch))
-            for job in finished:
+            for job in leaving:
                 self._release(job)
-        return deliveries, bool(finished)
+        return deliveries, bool(leaving)
 
     def _fail(self, jobs: list[Job], error: APIError) -> None:
         for job in jobs:

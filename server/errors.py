@@ -2,20 +2,20 @@
 
 Routes raise :class:`APIError`; the handlers installed by :func:`install_error_handlers` turn it,
 FastAPI's validation errors (400, not FastAPI's 422) and Starlette's HTTP errors into that
-shape. A stream that fails after its headers went out ends with :func:`error_event` instead.
+shape; any other exception is answered by ``server.middleware.CatchUnexpected`` as a 500 in the
+same shape. A stream that fails after its headers went out ends with :func:`error_event`.
 """
 
 from __future__ import annotations
 
-import logging
+from typing import Any
 
 import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 from starlette.responses import Response
-
-logger = logging.getLogger("ordinal.server")
 
 ERROR_TYPES = {
     400: "invalid_request_error",
@@ -25,6 +25,39 @@ ERROR_TYPES = {
     413: "invalid_request_error",
     429: "rate_limit_error",
 }
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorBody(BaseModel):
+    """Every error's body, as OpenAI answers it (the OpenAPI schema of each error status)."""
+
+    error: ErrorDetail
+
+
+ERROR_DESCRIPTIONS = {
+    400: "Invalid request: a field is wrong (``param`` names it) or the body is not JSON",
+    401: "Missing or wrong API key (only when the server has one)",
+    404: "No such model (or route)",
+    413: "The request body is larger than the server's limit",
+    429: "The model's queue is full; retry after the Retry-After header's seconds",
+    500: "The model or its sampler failed on this request (other requests are unaffected)",
+    503: "The model is loading, failed to load, or the server is shutting down",
+    504: "The request took longer than the server's request timeout",
+}
+
+
+def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """The OpenAPI ``responses`` of a route that can answer ``statuses``."""
+    return {
+        status: {"model": ErrorBody, "description": ERROR_DESCRIPTIONS[status]}
+        for status in statuses
+    }
 
 
 class APIError(Exception):
@@ -98,6 +131,25 @@ def _reason(error: dict) -> str:
     return str(error["msg"]).removeprefix("Value error, ")
 
 
+def document_errors(app: FastAPI) -> None:
+    """Make ``/openapi.json`` tell the truth: FastAPI documents a 422 on every route with a
+    body, which this server never sends (its validation errors are 400, in ``ErrorBody``)."""
+    generate = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = generate()
+            for path in schema.get("paths", {}).values():
+                for operation in path.values():
+                    operation.get("responses", {}).pop("422", None)
+            for unused in ("HTTPValidationError", "ValidationError"):
+                schema.get("components", {}).get("schemas", {}).pop(unused, None)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Answer every error raised while handling a request in OpenAI's shape."""
 
@@ -111,11 +163,6 @@ def install_error_handlers(app: FastAPI) -> None:
         message = str(error.detail) if error.status_code != 404 else f"no route {request.url.path}"
         return APIError(error.status_code, message, headers=error.headers).response()
 
-    async def on_unexpected(request: Request, error: Exception) -> Response:
-        logger.exception("unhandled error on %s", request.url.path)
-        return APIError(500, "internal server error").response()
-
     app.add_exception_handler(APIError, on_api_error)
     app.add_exception_handler(RequestValidationError, on_validation_error)
     app.add_exception_handler(HTTPException, on_http_error)
-    app.add_exception_handler(Exception, on_unexpected)

@@ -11,6 +11,14 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from model.sampling import FailureReason
+
+# Why a request failed after it reached an engine (the ``reason`` label of request failures).
+MODEL_ERROR = "model_error"  # the batch's forward pass raised: every row in it failed
+TIMEOUT = "timeout"  # the request outlived the request timeout
+SHUTDOWN = "shutdown"  # the server stopped while the request was running or queued
+FAILURE_REASONS = (*(reason.value for reason in FailureReason), MODEL_ERROR, TIMEOUT, SHUTDOWN)
+
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 
@@ -23,6 +31,7 @@ class ModelMetrics:
     generated_tokens: Counter
     queue_depth: Gauge
     running_batch_size: Gauge
+    failures: dict[str, Counter]  # reason → counter, every reason of FAILURE_REASONS
 
 
 class Metrics:
@@ -58,6 +67,12 @@ class Metrics:
         self.running_batch_size = Gauge(
             "ordinal_running_batch_size", "Sequences decoding now", ["model"], registry=registry
         )
+        self.request_failures = Counter(
+            "ordinal_request_failures",
+            "Requests that failed after reaching an engine, by reason",
+            ["model", "reason"],
+            registry=registry,
+        )
 
     def for_model(self, name: str) -> ModelMetrics:
         return ModelMetrics(
@@ -66,6 +81,7 @@ class Metrics:
             self.generated_tokens.labels(name),
             self.queue_depth.labels(name),
             self.running_batch_size.labels(name),
+            {reason: self.request_failures.labels(name, reason) for reason in FAILURE_REASONS},
         )
 
     def render(self) -> bytes:

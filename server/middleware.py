@@ -1,10 +1,11 @@
-"""Pure ASGI middleware: request counting, the API key and the body size limit.
+"""Pure ASGI middleware: request counting, unexpected errors, the API key and the body limit.
 
 Pure ASGI (not BaseHTTPMiddleware) so that streamed responses pass through untouched.
 """
 
 from __future__ import annotations
 
+import logging
 import secrets
 
 from prometheus_client import Counter
@@ -13,6 +14,8 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server.errors import APIError
+
+logger = logging.getLogger("ordinal.server")
 
 
 class CountRequests:
@@ -33,14 +36,49 @@ class CountRequests:
         await self.app(scope, receive, counting_send)
 
 
-class RequireApiKey:
-    """401 for a /v1/ request without ``Authorization: Bearer <key>``, before its body is read."""
+class CatchUnexpected:
+    """Answers any exception that escaped the routes' error handlers with a 500 in OpenAI's
+    shape, and does not re-raise it.
 
-    def __init__(self, app: ASGIApp, key: str) -> None:
-        self.app, self.expected = app, f"Bearer {key}".encode()
+    Starlette's own last-resort handler re-raises after answering, which makes the server drop
+    the keep-alive connection without ``Connection: close`` (and, outside ``CountRequests``,
+    leaves the answer uncounted). A response that had already started (a stream) cannot be
+    replaced: the connection is then closed, which tells the client the body is incomplete.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def watching_send(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watching_send)
+        except Exception:
+            logger.exception("unhandled error on %s", scope.get("path"))
+            if not started:
+                await APIError(500, "internal server error").response()(scope, receive, send)
+
+
+class RequireApiKey:
+    """401 for a protected request without ``Authorization: Bearer <key>``, before its body is
+    read. ``scope`` "api" protects /v1/*; "all" every path but /health, which probes need."""
+
+    def __init__(self, app: ASGIApp, key: str, scope: str = "api") -> None:
+        self.app, self.expected, self.everything = app, f"Bearer {key}".encode(), scope == "all"
+
+    def _protects(self, path: str) -> bool:
+        return path != "/health" if self.everything else path.startswith("/v1/")
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and self._protects(scope["path"]):
             given = Headers(scope=scope).get("authorization", "").encode()
             if not secrets.compare_digest(given, self.expected):
                 error = APIError(

@@ -7,15 +7,27 @@ from typing import Any
 import orjson
 from fastapi import APIRouter, Request
 from prometheus_client import CONTENT_TYPE_LATEST
-from starlette.responses import Response
+from starlette.responses import PlainTextResponse, Response
 
 from model.generate import encode_prompt
 from server.completions import create_completion
-from server.errors import busy
-from server.schemas import CompletionRequest, TokenizeRequest
+from server.errors import busy, error_responses
+from server.schemas import CompletionRequest, HealthDocument, TokenizeRequest
 from server.service import Service
 
 router = APIRouter()
+
+# One event of a streamed completion, as OpenAPI 3.1 describes an event stream's events.
+SSE_EVENT = {
+    "type": "object",
+    "properties": {
+        "data": {
+            "type": "string",
+            "description": "a completion chunk (JSON), an error body (JSON), or [DONE]",
+        }
+    },
+    "required": ["data"],
+}
 
 
 def _service(request: Request) -> Service:
@@ -26,24 +38,39 @@ def _json(data: Any) -> Response:
     return Response(orjson.dumps(data), media_type="application/json")
 
 
-@router.get("/health")
+@router.get(
+    "/health",
+    response_model=None,
+    responses={200: {"model": HealthDocument}, **error_responses(503)},
+)
 async def health(request: Request) -> Response:
-    """200 once every model is loaded and its engine running; 503 before (or if loading failed)."""
+    """200 while at least one model serves; 503 before (or if none could load). The body gives
+    every model's state: loading, ready, or failed with the reason."""
     service = _service(request)
-    if not service.ready:
-        raise busy(service.load_error or "the models are still loading", status=503)
-    return _json({"status": "ok", "models": list(service.models)})
+    ready, document = service.health()
+    if ready:
+        return _json(document)
+    waiting = document["status"] == "loading"
+    reason = "the models are still loading" if waiting else "no model could be loaded"
+    error = busy(service.load_error or reason, status=503)
+    return Response(
+        orjson.dumps({**error.body(), **document}),
+        status_code=503,
+        headers=error.headers,
+        media_type="application/json",
+    )
 
 
-@router.get("/metrics")
+@router.get("/metrics", response_class=PlainTextResponse, responses=error_responses(401))
 async def metrics(request: Request) -> Response:
     return Response(_service(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
-@router.get("/v1/models")
+@router.get("/v1/models", response_model=None, responses=error_responses(401, 503))
 async def list_models(request: Request) -> Response:
     service = _service(request)
-    service.get(None)  # 503 while loading
+    if not service.ready:
+        service.get(None)  # raises the 503 that says why
     models = [
         {**served.describe(), "default": name == service.default_model}
         for name, served in service.models.items()
@@ -51,7 +78,9 @@ async def list_models(request: Request) -> Response:
     return _json({"object": "list", "data": models})
 
 
-@router.post("/v1/tokenize")
+@router.post(
+    "/v1/tokenize", response_model=None, responses=error_responses(400, 401, 404, 413, 503)
+)
 async def tokenize(body: TokenizeRequest, request: Request) -> Response:
     served = _service(request).get(body.model)
     tokenizer = served.tokenizer
@@ -63,6 +92,13 @@ async def tokenize(body: TokenizeRequest, request: Request) -> Response:
     return _json({"model": served.name, "tokens": ids, "count": len(ids), "max_model_len": limit})
 
 
-@router.post("/v1/completions")
+@router.post(
+    "/v1/completions",
+    response_model=None,
+    responses={
+        200: {"content": {"text/event-stream": {"schema": SSE_EVENT}}},
+        **error_responses(400, 401, 404, 413, 429, 500, 503, 504),
+    },
+)
 async def completions(body: CompletionRequest, request: Request) -> Response:
     return await create_completion(body, request, _service(request))

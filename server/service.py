@@ -1,14 +1,18 @@
 """Which checkpoints are served, loading them, and the per-app state routes read.
 
 A model's name is its checkpoint folder's name. Loading runs in a worker thread after the app
-has started, so ``/health`` can answer 503 until every model is loaded and its engine running.
+has started, one model after another (the default first), and each model loads — or fails — on
+its own: a broken checkpoint makes that model answer 503 with what is wrong, while the others
+serve. ``/health`` is 200 while at least one model is ready.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -154,62 +158,135 @@ def load_model(name: str, folder: Path, settings: Settings, metrics: Metrics) ->
     )
 
 
+class ModelState(StrEnum):
+    LOADING = "loading"
+    READY = "ready"
+    FAILED = "failed"
+
+
+@dataclass
+class ModelStatus:
+    """One model's state as ``/health`` reports it; ``message`` says why it failed."""
+
+    state: ModelState = ModelState.LOADING
+    message: str | None = None
+
+    def describe(self) -> dict[str, str]:
+        return {"state": self.state, **({"message": self.message} if self.message else {})}
+
+
+def load_failure(error: Exception, root: Path) -> str:
+    """What went wrong loading a model, with paths relative to the checkpoints folder (a
+    client has no business knowing where the server keeps its files)."""
+    message = str(error) if isinstance(error, ValueError) else f"{type(error).__name__}: {error}"
+    for prefix in {str(root.resolve()), str(root)}:
+        message = message.replace(prefix.rstrip("/") + "/", "")
+    return message
+
+
 class Service:
-    """What the routes need: settings, metrics and, once loaded, the models."""
+    """What the routes need: settings, metrics, each model's status and the ready models."""
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.metrics = Metrics()
-        self.models: dict[str, ServedModel] = {}  # empty until every model is loaded
+        self.models: dict[str, ServedModel] = {}  # the ready models, added as each loads
+        self.status: dict[str, ModelStatus] = {}  # every model to serve, ready or not
         self.default_model = ""
-        self.load_error: str | None = None
+        self.load_error: str | None = None  # set when no model could even be looked for
 
     @property
     def ready(self) -> bool:
+        """At least one model serves."""
         return bool(self.models)
 
+    @property
+    def settled(self) -> bool:
+        """Every model has loaded or failed (or there was nothing to load)."""
+        if self.load_error is not None:
+            return True
+        states = [status.state for status in self.status.values()]
+        return bool(states) and ModelState.LOADING not in states
+
     async def load(self) -> None:
-        """Load every model in a worker thread, then start their engines on this loop."""
+        """Load each model in a worker thread, then start its engine on this loop."""
         settings = self.settings
         try:
             folders = discover_checkpoints(settings.checkpoints, settings.models)
             self.default_model = choose_default(list(folders), settings.default_model)
-            # Only the engine threads compute in parallel (each sets its own thread count): an
-            # OpenMP team kept by this thread or the loader's slowed a 2-thread engine 3-4x.
-            torch.set_num_threads(1)
-
-            def load_all() -> dict[str, ServedModel]:
-                torch.set_num_threads(1)
-                return {
-                    name: load_model(name, folder, settings, self.metrics)
-                    for name, folder in folders.items()
-                }
-
-            models = await asyncio.to_thread(load_all)
-        except Exception as error:
-            self.load_error = f"{type(error).__name__}: {error}"
-            logger.exception("loading the models failed")
+        except ValueError as error:
+            self.load_error = load_failure(error, settings.checkpoints)
+            logger.error("no models to serve: %s", self.load_error)
             return
+        self.status = {name: ModelStatus() for name in folders}
+        # Only the engine threads compute in parallel (each sets its own thread count): an
+        # OpenMP team kept by this thread or the loader's slowed a 2-thread engine 3-4x.
+        torch.set_num_threads(1)
         loop = asyncio.get_running_loop()
-        for served in models.values():
-            served.engine.start(loop)
-        self.models = models
-        logger.info("serving %s (default %s)", list(models), self.default_model)
+        order = sorted(folders, key=lambda name: name != self.default_model)  # default first
+        for name in order:
+            await self._load_one(name, folders[name], loop)
+        ready = [name for name, status in self.status.items() if status.state == "ready"]
+        logger.info("serving %s (default %s)", ready, self.default_model)
+
+    async def _load_one(self, name: str, folder: Path, loop: asyncio.AbstractEventLoop) -> None:
+        started = time.perf_counter()
+
+        def load() -> ServedModel:
+            torch.set_num_threads(1)
+            return load_model(name, folder, self.settings, self.metrics)
+
+        try:
+            served = await asyncio.to_thread(load)
+        except Exception as error:
+            message = load_failure(error, self.settings.checkpoints)
+            self.status[name] = ModelStatus(ModelState.FAILED, message)
+            logger.error("model '%s' failed to load: %s", name, message)
+            return
+        served.engine.start(loop)
+        self.models[name] = served
+        self.status[name] = ModelStatus(ModelState.READY)
+        logger.info(
+            "model '%s' ready: %s, %s parameters, loaded in %.1f s",
+            name,
+            served.model.config.scheme,
+            f"{served.model.num_parameters():,}",
+            time.perf_counter() - started,
+        )
 
     async def close(self) -> None:
         for served in self.models.values():
             await served.engine.close()
 
+    def health(self) -> tuple[bool, dict[str, Any]]:
+        """(at least one model ready, the ``/health`` document)."""
+        states = {status.state for status in self.status.values()}
+        if self.ready:
+            overall = "ok" if states == {ModelState.READY} else "degraded"
+        else:
+            overall = "loading" if ModelState.LOADING in states else "failed"
+        models = {name: status.describe() for name, status in self.status.items()}
+        return self.ready, {"status": overall, "models": models}
+
     def get(self, name: str | None) -> ServedModel:
-        """The model a request names (None: the default); 503 while loading, 404 if unknown."""
-        if not self.ready:
-            raise busy(self.load_error or "the models are still loading", status=503)
-        served = self.models.get(name or self.default_model)
-        if served is None:
+        """The model a request names (None: the default); 503 while it loads or if it failed
+        to load, 404 if there is no such model."""
+        if self.load_error is not None:
+            raise busy(self.load_error, status=503)
+        wanted = name or self.default_model
+        served = self.models.get(wanted)
+        if served is not None:
+            return served
+        status = self.status.get(wanted)
+        if status is None:
+            if not self.status:
+                raise busy("the models are still loading", status=503)
             raise APIError(
                 404,
-                f"model {name!r} does not exist; available: {list(self.models)}",
+                f"model {name!r} does not exist; available: {list(self.status)}",
                 param="model",
                 code="model_not_found",
             )
-        return served
+        if status.state == ModelState.FAILED:
+            raise busy(f"model '{wanted}' failed to load: {status.message}", status=503)
+        raise busy(f"model '{wanted}' is still loading", status=503)

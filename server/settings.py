@@ -71,12 +71,32 @@ class Settings(BaseSettings):
         300.0, gt=0, description="seconds a request may take, queueing included"
     )
     api_key: SecretStr | None = Field(
-        None, description="require 'Authorization: Bearer KEY' on /v1/* (prefer the env var)"
+        None,
+        description=(
+            "require 'Authorization: Bearer KEY' on the routes of auth_scope (prefer the env "
+            "var; empty or blank is an error, unset means no key)"
+        ),
+    )
+    auth_scope: Literal["api", "all"] = Field(
+        "api",
+        description=(
+            "what the API key protects: api = /v1/*; all = every route but /health (also "
+            "/metrics, /docs, /openapi.json and the playground)"
+        ),
     )
     cors_origins: CommaList = Field(
         default_factory=list, description="origins allowed by CORS (default: none)"
     )
     max_body_bytes: int = Field(1_000_000, ge=1, description="largest request body accepted")
+
+    @field_validator("api_key")
+    @classmethod
+    def _key_not_blank(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is not None and not value.get_secret_value().strip():
+            raise ValueError(
+                "is empty or blank: set a real key, or unset ORDINAL_API_KEY to serve without one"
+            )
+        return value
 
     @field_validator("models", "cors_origins", mode="before")
     @classmethod

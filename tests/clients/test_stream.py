@@ -31,8 +31,8 @@ def server(checkpoints: Path) -> Iterator[Running]:
     with running_server(settings, wait_ready=False) as running:
         # Longer than running_server's own wait: on a busy shared machine loading took ~30 s.
         service = running.service
-        wait_for(lambda: service.ready or service.load_error is not None, "rope", timeout=180)
-        assert service.ready, service.load_error
+        wait_for(lambda: service.settled, "rope", timeout=180)
+        assert service.ready, service.health()
         yield running
 
 

@@ -7,6 +7,10 @@ import pytest
 import torch
 
 from model.sampling import (
+    MAX_REPETITION_PENALTY,
+    MIN_REPETITION_PENALTY,
+    MIN_TEMPERATURE,
+    FailureReason,
     RowSampler,
     SamplingBatch,
     SamplingParams,
@@ -272,3 +276,116 @@ def test_draws_without_top_k_or_top_p_match_the_distribution() -> None:
     assert torch.all(counts[expected == 0] == 0)
     total_variation = 0.5 * (counts / counts.sum() - expected).abs().sum().item()
     assert total_variation < 0.02
+
+
+# ---- a row that cannot be sampled fails alone ------------------------------------------------
+
+MIXED = [  # every path: vocabulary order, sorted, greedy, penalised
+    SamplingParams(temperature=0.9, seed=1),
+    SamplingParams(temperature=1.1, top_k=10, top_p=0.9, seed=2),
+    SamplingParams(temperature=0.0),
+    SamplingParams(temperature=0.8, min_p=0.05, repetition_penalty=1.3, seed=4),
+]
+
+
+class BrokenSampler(RowSampler):
+    def next_uniform(self) -> torch.Tensor:
+        raise RuntimeError("this row's generator broke")
+
+
+def draw_steps(rows: list[RowSampler], steps: int, bad_row: int | None, how: str) -> list:
+    """Each step's (tokens, failures) for ``rows``: the good rows get the same logits whether
+    or not row ``bad_row`` sits among them and fails the way ``how`` says."""
+    out = []
+    for step in range(steps):
+        logits = random_logits(len(MIXED), seed=300 + step)
+        if bad_row is not None:
+            bad = random_logits(1, seed=400 + step)
+            bad[0, 3] = math.nan if how == "nan" else bad[0, 3]
+            bad = torch.full_like(bad, math.inf) if how == "inf" else bad
+            logits = torch.cat([logits[:bad_row], bad, logits[bad_row:]])
+        seen = torch.zeros(len(rows), VOCAB, dtype=torch.bool)
+        seen[:, :5] = True
+        out.append(SamplingBatch(rows).draw(logits, seen))
+    return out
+
+
+@pytest.mark.parametrize("how", ["nan", "inf", "raises"])
+@pytest.mark.parametrize("bad_row", [0, 1, 2, 3, 4])
+def test_a_failing_row_fails_alone(how: str, bad_row: int) -> None:
+    """Rows beside a failing one draw exactly the tokens they draw without it."""
+    alone = draw_steps([RowSampler(p) for p in MIXED], 5, None, how)
+    rows = [RowSampler(p) for p in MIXED]
+    bad_params = SamplingParams(temperature=1.0, top_p=0.5, seed=9)
+    rows.insert(bad_row, BrokenSampler(bad_params) if how == "raises" else RowSampler(bad_params))
+    together = draw_steps(rows, 5, bad_row, how)
+    reason = FailureReason.SAMPLING_ERROR if how == "raises" else FailureReason.NON_FINITE_LOGITS
+    for (tokens, failures), (expected, none) in zip(together, alone, strict=True):
+        assert none == {} and failures == {bad_row: reason}
+        others = torch.cat([tokens[:bad_row], tokens[bad_row + 1 :]])
+        assert torch.equal(others, expected)
+        assert ((others >= 0) & (others < VOCAB)).all()
+
+
+def test_a_draw_that_raises_is_retried_row_by_row(monkeypatch: pytest.MonkeyPatch) -> None:
+    """When the batched draw itself raises, every row draws alone with the same uniform, so
+    the tokens are the ones the batched draw would have given."""
+    rows = [RowSampler(p) for p in MIXED]
+    logits = random_logits(len(rows), seed=7)
+    expected = SamplingBatch([RowSampler(p) for p in MIXED]).draw(logits).tokens
+    batched = SamplingBatch._draw
+
+    def fails_for_batches(self: SamplingBatch, logits: torch.Tensor, *args: object) -> torch.Tensor:
+        if len(self.rows) > 1:
+            raise RuntimeError("a batched kernel failed")
+        return batched(self, logits, *args)
+
+    monkeypatch.setattr(SamplingBatch, "_draw", fails_for_batches)
+    tokens, failures = SamplingBatch(rows).draw(logits)
+    assert failures == {} and torch.equal(tokens, expected)
+    with pytest.raises(ValueError, match=r"row 1 .* could not be sampled"):
+        rows[1] = BrokenSampler(MIXED[1])
+        SamplingBatch(rows).sample(logits)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1e-40, 1e-30, 9.99e-6])
+def test_a_temperature_below_the_minimum_is_greedy(temperature: float) -> None:
+    logits = random_logits(3, seed=11) * 30  # large logits: x / 1e-40 would be inf
+    row = RowSampler(SamplingParams(temperature=temperature, top_k=5, seed=1))
+    assert row.params.greedy
+    tokens, failures = SamplingBatch([row] * 3).draw(logits)
+    assert failures == {} and torch.equal(tokens, logits.argmax(dim=-1))
+    probs = filtered_probs(logits, **columns(3, temperature=temperature, top_k=5))
+    assert torch.equal(probs, torch.nn.functional.one_hot(logits.argmax(-1), VOCAB).float())
+
+
+def test_the_smallest_sampling_temperature_stays_finite() -> None:
+    logits = random_logits(2, seed=12) * 1000
+    row = RowSampler(SamplingParams(temperature=MIN_TEMPERATURE, seed=1))
+    assert not row.params.greedy
+    assert SamplingBatch([row, row]).draw(logits).failures == {}
+    probs = filtered_probs(logits, **columns(2, temperature=MIN_TEMPERATURE, top_p=0.5))
+    assert torch.isfinite(probs).all()
+
+
+@pytest.mark.parametrize("penalty", [MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY, 0.5, 2.0])
+def test_every_allowed_penalty_keeps_logits_finite(penalty: float) -> None:
+    logits = random_logits(2, seed=13) * 50
+    logits[:, 0] = 0.0  # 0 × a huge penalty would be NaN
+    seen = torch.ones(2, VOCAB, dtype=torch.bool)
+    penalised = apply_repetition_penalty(logits, seen, torch.full((2,), penalty))
+    assert torch.isfinite(penalised).all()
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("repetition_penalty", MIN_REPETITION_PENALTY / 2),
+        ("repetition_penalty", MAX_REPETITION_PENALTY * 2),
+        ("repetition_penalty", 1e-300),
+        ("top_k", 2**63),
+    ],
+)
+def test_values_the_sampler_cannot_hold_are_refused(field: str, value: object) -> None:
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})

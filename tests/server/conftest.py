@@ -109,7 +109,7 @@ def running_server(settings: Settings, wait_ready: bool = True) -> Iterator[Runn
     try:
         wait_for(lambda: server.started, "uvicorn to start")
         if wait_ready:
-            wait_for(lambda: running.service.ready, "the models to load")
+            wait_for(lambda: running.service.settled, "the models to load")
         yield running
     finally:
         server.should_exit = True

@@ -11,7 +11,6 @@ from typing import Any
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from pydantic import ValidationError
 
 import server.service
 from model.checkpoint import WEIGHTS_FILE, load_checkpoint
@@ -56,21 +55,82 @@ def test_health_is_503_until_the_models_are_loaded(
             assert "loading" in response.json()["error"]["message"]
         release.set()
         wait_for(lambda: running.service.ready, "the models to load")
-        assert client.get("/health").json() == {"status": "ok", "models": ["rope"]}
+        assert client.get("/health").json() == {
+            "status": "ok",
+            "models": {"rope": {"state": "ready"}},
+        }
 
 
-def test_a_model_that_fails_to_load_keeps_health_503(checkpoints: Path, tmp_path: Path) -> None:
-    shutil.copytree(checkpoints / "rope", tmp_path / "rope")
-    weights = tmp_path / "rope" / WEIGHTS_FILE
-    weights.write_bytes(weights.read_bytes()[:1000])
+def _break(folder: Path, how: str) -> str:
+    """Damage the checkpoint ``folder`` in one way; return what its 503 must mention."""
+    weights = folder / WEIGHTS_FILE
+    data = bytearray(weights.read_bytes())
+    if how == "truncated":
+        weights.write_bytes(data[: len(data) // 2])
+        return "truncated"
+    if how == "corrupted":  # bytes flipped inside the weight data: only the checksum can tell
+        data[-100:-90] = bytes(255 - byte for byte in data[-100:-90])
+        weights.write_bytes(bytes(data))
+        return "checksum"
+    config = folder / "config.json"
+    config.write_text(config.read_text().replace('"n_heads": 4', '"n_heads": 5'))
+    return "config.json"
+
+
+def test_broken_checkpoints_fail_alone(checkpoints: Path, tmp_path: Path) -> None:
+    """A truncated, a corrupted and a badly configured checkpoint beside healthy ones: the
+    healthy ones serve, each broken one answers 503 naming its file and what is wrong."""
+    broken = {"rope": "truncated", "alibi": "corrupted", "t5": "bad config"}
+    for name in (*broken, "none", "learned"):
+        shutil.copytree(checkpoints / name, tmp_path / name)
+    expected = {name: _break(tmp_path / name, how) for name, how in broken.items()}
     with (
-        running_server(test_settings(tmp_path), wait_ready=False) as running,
+        running_server(test_settings(tmp_path)) as running,
         httpx.Client(base_url=running.url, timeout=30) as client,
     ):
-        wait_for(lambda: running.service.load_error is not None, "loading to fail")
+        health = client.get("/health")
+        assert health.status_code == 200
+        states = health.json()["models"]
+        assert {name: state["state"] for name, state in states.items()} == {
+            "rope": "failed",
+            "alibi": "failed",
+            "t5": "failed",
+            "none": "ready",
+            "learned": "ready",
+        }
+        assert health.json()["status"] == "degraded"
+        for name in ("none", "learned"):
+            response = client.post(
+                "/v1/completions", json={"model": name, "prompt": "To be", "max_tokens": 3}
+            )
+            assert response.status_code == 200, response.text
+        for name, mention in expected.items():
+            assert mention in states[name]["message"], states[name]
+            assert str(tmp_path) not in states[name]["message"]  # no absolute paths
+            response = client.post("/v1/completions", json={"model": name, "prompt": "To be"})
+            assert response.status_code == 503
+            error = response.json()["error"]
+            assert error["type"] == "server_error" and error["code"] == "unavailable"
+            assert name in error["message"] and mention in error["message"], error
+        # rope (the default) failed, so a request naming no model says so
+        response = client.post("/v1/completions", json={"prompt": "To be"})
+        assert response.status_code == 503 and "rope" in response.json()["error"]["message"]
+        listed = [entry["id"] for entry in client.get("/v1/models").json()["data"]]
+        assert sorted(listed) == ["learned", "none"]
+
+
+def test_health_is_503_when_no_model_loads(checkpoints: Path, tmp_path: Path) -> None:
+    shutil.copytree(checkpoints / "rope", tmp_path / "rope")
+    _break(tmp_path / "rope", "truncated")
+    with (
+        running_server(test_settings(tmp_path)) as running,
+        httpx.Client(base_url=running.url, timeout=30) as client,
+    ):
         response = client.get("/health")
         assert response.status_code == 503
-        assert "truncated" in response.json()["error"]["message"]
+        body = response.json()
+        assert body["status"] == "failed" and "no model could be loaded" in body["error"]["message"]
+        assert "truncated" in body["models"]["rope"]["message"]
 
 
 def test_models_describe_each_scheme(
@@ -156,7 +216,7 @@ def test_settings_come_from_flags_over_environment(monkeypatch: pytest.MonkeyPat
 )
 def test_bad_settings_name_the_field(flag: str, value: str) -> None:
     args = build_parser().parse_args(["serve", flag, value])
-    with pytest.raises(ValidationError, match=flag.removeprefix("--").replace("-", "_")):
+    with pytest.raises(ValueError, match=flag.removeprefix("--").replace("-", "_")):
         settings_from_args(args)
 
 

@@ -65,7 +65,7 @@ def run_schedule(batch: DecodeBatch, jobs: list[Job], rng: random.Random) -> set
         if logits is None:
             continue
         finished = []
-        for job, token in zip(batch.members, batch.sample(logits).tolist(), strict=True):
+        for job, token in zip(batch.members, batch.sample(logits).tokens.tolist(), strict=True):
             assert job.state is not None
             job.state.append(token)
             if job.state.finished:

@@ -98,3 +98,17 @@ def test_geometry_writes_report_and_figures_within_a_minute(tmp_path: Path) -> N
     for name in report["figures"]:
         assert (tmp_path / name).read_bytes().startswith(b"\x89PNG"), name
     assert {entry["scheme"] for entry in report["schemes"]} == set(SCHEMES)
+
+
+@pytest.mark.parametrize("key", ["", "   ", "\t"])
+def test_an_empty_api_key_is_a_start_up_error(
+    key: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def must_not_serve(*args: object, **kwargs: object) -> NoReturn:
+        raise AssertionError("the server started with an empty API key")
+
+    monkeypatch.setattr(server.app.uvicorn, "run", must_not_serve)
+    monkeypatch.setenv("ORDINAL_API_KEY", key)
+    assert main(["serve"]) == 2
+    err = one_line_error(capsys, "serve")
+    assert "api_key" in err and "empty or blank" in err

@@ -163,6 +163,15 @@ def test_api_key_is_required_on_v1(small_server: Running, headers: dict[str, str
         assert client.get("/metrics").status_code == 200
 
 
+def test_auth_scope_all_protects_metrics_and_docs_too(checkpoints: Path) -> None:
+    settings = test_settings(checkpoints, models=["rope"], api_key=KEY, auth_scope="all")
+    with running_server(settings) as running, httpx.Client(base_url=running.url) as client:
+        for path in ("/metrics", "/docs", "/openapi.json", "/v1/models"):
+            assert_error(client.get(path), 401, None)
+            assert client.get(path, headers=AUTH).status_code == 200
+        assert client.get("/health").status_code == 200  # probes need no key
+
+
 def test_the_right_key_is_accepted(small_client: httpx.Client) -> None:
     assert small_client.get("/v1/models").status_code == 200
     response = small_client.post("/v1/completions", json={**OK, "max_tokens": 2})
@@ -251,10 +260,15 @@ def test_a_failing_step_fails_its_requests_not_the_engine(
     def broken(*args: Any, **kwargs: Any) -> None:
         raise RuntimeError("a device error")
 
+    registry = server.service.metrics.registry
+    labels = {"model": "lowrank", "reason": "model_error"}
+    before = registry.get_sample_value("ordinal_request_failures_total", labels)
     model.forward = broken
     try:
-        assert_error(client.post("/v1/completions", json=body), 500, None)
+        error = assert_error(client.post("/v1/completions", json=body), 500, None)
+        assert error["type"] == "server_error" and "the model failed" in error["message"]
     finally:
         del model.forward
     assert client.post("/v1/completions", json=body).status_code == 200
     assert server.engine("lowrank").in_flight == 0
+    assert registry.get_sample_value("ordinal_request_failures_total", labels) == before + 1

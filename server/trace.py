@@ -1,0 +1,220 @@
+"""``POST /v1/trace``: one prompt through the pipeline, every intermediate the playground draws.
+
+One forward pass of the served model — the same ``Transformer.forward`` the engine decodes with,
+given an :class:`~model.transformer.AttentionRecorder` — yields the logits at every position and
+each layer's attention weights. The positional pieces come from the model's own scheme module
+(``embedding``, ``rotation``, ``attention_bias``), and the next-token stages from
+:func:`model.sampling.sampling_stages`, which runs the sampler's own filter steps. Nothing here
+re-implements a part of the model.
+
+The forward runs in a worker thread (``asyncio.to_thread``) under ``torch.inference_mode``, beside
+the model's engine thread, which it does not queue behind. That is acceptable for a small
+explanatory request bounded at :data:`~server.schemas.MAX_TRACE_TOKENS` tokens; a later issue
+moves the engine into its own process, and the trace will then go through it.
+
+Response size: attention holds layers × heads × T² floats; for the shipped models (4 layers,
+4 heads) that is about 54 kB of JSON at T = 19, 2.2 MB at T = 128 and 9 MB at the 256-token limit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from typing import Any
+
+import numpy as np
+import orjson
+import torch
+from pydantic import BaseModel, Field
+from torch import Tensor
+
+from model.positional import positions_table
+from model.sampling import sampling_stages
+from model.transformer import AttentionRecorder
+from server.completions import prompt_ids_of
+from server.errors import APIError
+from server.schemas import MAX_TRACE_TOKENS, TraceRequest
+from server.service import ServedModel
+
+# ---- the response, as documented in the OpenAPI spec ---------------------------------------
+
+
+class TraceToken(BaseModel):
+    id: int
+    text: str = Field(description="the token as logprobs name it (specials by name)")
+
+
+class TraceEmbedding(BaseModel):
+    token_norm: list[float] = Field(description="[T] ‖token embedding‖ per position")
+    position_norm: list[float] | None = Field(
+        description="[T] ‖positional vector‖ per position; null unless the scheme adds one"
+    )
+    position_vectors: list[list[float]] | None = Field(
+        description="[T][d_model] the vector added at each position; null unless additive"
+    )
+
+
+class StageToken(BaseModel):
+    id: int
+    text: str
+    prob: float
+
+
+class TraceStage(BaseModel):
+    name: str = Field(
+        description="logits (softmax of the raw logits), repetition_penalty, temperature, "
+        "top_k, top_p or min_p — in the order the sampler applies them"
+    )
+    kept: int = Field(description="tokens with non-zero probability after this stage")
+    top: list[StageToken] = Field(description="the most probable tokens (non-zero), descending")
+
+
+class TraceNextToken(BaseModel):
+    greedy: bool = Field(description="temperature below 1e-5: the argmax is taken")
+    stages: list[TraceStage] = Field(
+        description="the last stage is the distribution /v1/completions draws from"
+    )
+
+
+class TraceResponse(BaseModel):
+    """What one forward pass over the prompt shows (T = prompt tokens, counting <|bos|>)."""
+
+    object: str = "trace"
+    model: str
+    scheme: str
+    context_length: int = Field(description="the length the model was trained at")
+    limit: int = Field(description="the most tokens a trace of this model takes")
+    n_layers: int
+    n_heads: int
+    tokens: list[TraceToken]
+    positions: list[int]
+    embedding: TraceEmbedding
+    attention: list[list[list[list[float]]]] = Field(
+        description="[layers][heads][T][T] softmax weights; row q sums to 1 over keys ≤ q "
+        "(the weights past q are 0)"
+    )
+    position_bias: list[list[list[float | None]]] | None = Field(
+        description="[heads][T][T] the additive score bias of alibi and t5 (null above the "
+        "diagonal, where keys are masked); null for the other schemes"
+    )
+    rotation: list[list[float]] | None = Field(
+        description="[T][rotary_dim/2] rope's rotation angle in radians (unwrapped) per "
+        "position and dimension pair; null for the other schemes"
+    )
+    next_token: TraceNextToken
+    surprisal: list[float | None] = Field(
+        description="[T] −log₂ p(token | prefix) of each prompt token (null for <|bos|>)"
+    )
+
+
+# ---- computing it ---------------------------------------------------------------------------
+
+
+async def create_trace(body: TraceRequest, served: ServedModel, threads: int) -> bytes:
+    """The JSON of :class:`TraceResponse` for ``body`` (400 if the prompt is too long)."""
+    prompt_ids = prompt_ids_of(body, served)
+    limit = trace_limit(served)
+    if len(prompt_ids) > limit:
+        raise APIError(
+            400,
+            f"the prompt is {len(prompt_ids)} tokens long (counting <|bos|>) but a trace of "
+            f"model '{served.name}' takes at most {limit}",
+            param="prompt",
+            code="context_length_exceeded",
+        )
+    trace = await asyncio.to_thread(_trace, body, served, prompt_ids, threads)
+    return orjson.dumps(trace, option=orjson.OPT_SERIALIZE_NUMPY)
+
+
+def trace_limit(served: ServedModel) -> int:
+    """At most MAX_TRACE_TOKENS, and never past what the model serves."""
+    return min(MAX_TRACE_TOKENS, served.max_context)
+
+
+def _trace(
+    body: TraceRequest, served: ServedModel, prompt_ids: list[int], threads: int
+) -> dict[str, Any]:
+    torch.set_num_threads(threads)  # thread counts belong to the calling (worker) thread
+    model, vocab, names = served.model, served.vocab, served.token_strings
+    device = next(model.parameters()).device
+    ids = torch.tensor(prompt_ids, device=device)  # [T]
+    positions = positions_table(len(prompt_ids), device)  # [1, T]
+    scheme = model.positional
+    with torch.inference_mode():
+        recorder = AttentionRecorder()
+        logits = model(ids.unsqueeze(0), recorder=recorder)[0, :, :vocab].float()  # [T, V]
+        token_vectors = model.token_embedding(ids).float()  # [T, d_model]
+        position_vectors = scheme.embedding(positions)  # [1, T, d_model] or None
+        rotation = scheme.rotation(positions)  # (cos, sin) [1, 1, T, rot] or None
+        bias = scheme.attention_bias(positions, positions[0])  # [1, H, T, T] or None
+        attention = torch.cat(recorder.weights).float()  # [L, H, T, T] (batch of one)
+
+        seen = torch.zeros(logits.shape[-1], dtype=torch.bool, device=device)
+        seen[ids] = True
+        params = body.sampling_params(vocab)
+        stages = sampling_stages(logits[-1], params, seen)
+        logprobs = torch.log_softmax(logits[:-1], dim=-1).gather(-1, ids[1:, None])[:, 0]
+
+    top = min(body.top, vocab)
+    vectors = None if position_vectors is None else position_vectors[0].float()
+    return {
+        "object": "trace",
+        "model": served.name,
+        "scheme": model.config.scheme,
+        "context_length": model.config.context_length,
+        "limit": trace_limit(served),
+        "n_layers": model.config.n_layers,
+        "n_heads": model.config.n_heads,
+        "tokens": [{"id": token, "text": names[token]} for token in prompt_ids],
+        "positions": list(range(len(prompt_ids))),
+        "embedding": {
+            "token_norm": _array(token_vectors.norm(dim=-1)),
+            "position_norm": None if vectors is None else _array(vectors.norm(dim=-1)),
+            "position_vectors": None if vectors is None else _array(vectors),
+        },
+        "attention": _array(attention),
+        "position_bias": None if bias is None else _causal(bias[0].float()),
+        "rotation": None if rotation is None else _angles(rotation),
+        "next_token": {
+            "greedy": params.greedy,
+            "stages": [_stage(stage.name, stage.probs, top, names) for stage in stages],
+        },
+        "surprisal": [None, *(-logprobs.cpu() / math.log(2)).tolist()],
+    }
+
+
+def _array(tensor: Tensor) -> np.ndarray:
+    """float32 on the host: orjson writes each float32 in its shortest form."""
+    return np.ascontiguousarray(tensor.detach().to("cpu", torch.float32).numpy())
+
+
+def _causal(bias: Tensor) -> np.ndarray:
+    """bias [H, T, T] with the masked keys (after the query) as NaN, which orjson writes null."""
+    length = bias.shape[-1]
+    allowed = torch.ones(length, length, dtype=torch.bool, device=bias.device).tril()
+    return _array(bias.masked_fill(~allowed, float("nan")))
+
+
+def _angles(rotation: tuple[Tensor, Tensor]) -> np.ndarray:
+    """The rotation's angle per position and pair → [T, rot/2] radians.
+
+    cos/sin [1, 1, T, rot] in the NeoX half-split layout (the pair i is columns i and
+    i + rot/2). atan2 gives each angle modulo 2π; unwrapping along positions recovers
+    position × frequency, since no frequency turns by π or more in one position.
+    """
+    cos, sin = (part[0, 0].float().cpu() for part in rotation)
+    half = cos.shape[-1] // 2
+    wrapped = torch.atan2(sin[:, :half], cos[:, :half]).double().numpy()
+    return np.unwrap(wrapped, axis=0).astype(np.float32)
+
+
+def _stage(name: str, probs: Tensor, top: int, names: list[str]) -> dict[str, Any]:
+    """One stage: probs [V] → its kept count and its ``top`` most probable non-zero tokens."""
+    probs = probs.cpu()
+    values, ids = probs.topk(top)
+    shown = [
+        {"id": token, "text": names[token], "prob": value}
+        for value, token in zip(values.tolist(), ids.tolist(), strict=True)
+        if value > 0
+    ]
+    return {"name": name, "kept": int((probs > 0).sum()), "top": shown}

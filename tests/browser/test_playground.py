@@ -1,0 +1,152 @@
+"""The playground in a real headless Chromium: it loads cleanly and offline, streams a
+generation, compares models in columns, draws attention heatmaps and sampling-stage bars."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+
+from tests.browser.conftest import Watched
+from tests.server.conftest import Running
+
+PROMPT = "To be, or not to be, that is the question"
+
+BARS = "#stages-chart svg g[aria-label=bar] rect"
+CELLS = "#attention-chart svg g[aria-label=cell] rect"
+
+
+def set_value(page: Any, selector: str, value: object) -> None:
+    """Set an input (slider, textarea) as a user would: new value, then an input event."""
+    page.eval_on_selector(
+        selector,
+        "(e, v) => { e.value = v; e.dispatchEvent(new Event('input', {bubbles: true})); }",
+        str(value),
+    )
+
+
+def test_the_page_loads_clean_and_offline(watched: Watched, playground: Running) -> None:
+    page = watched.open()
+    assert page.title() == "ordinal playground"
+    options = page.eval_on_selector_all("#model option", "os => os.map(o => o.value)")
+    assert sorted(options) == sorted(playground.service.models)
+    for view in ("compare", "inside", "generate"):
+        page.click(f"button[data-view={view}]")
+        page.wait_for_selector(f"#view-{view}:not([hidden])")
+    page.wait_for_selector(CELLS, state="attached")  # the Inside view traced the prompt
+    assert watched.requests, "the page made no request at all"
+    hosts = {request.url.split("/")[2] for request in watched.requests}
+    assert hosts == {playground.url.removeprefix("http://")}
+
+
+def test_a_generation_streams_tokens_into_the_page(watched: Watched, playground: Running) -> None:
+    page = watched.open()
+    page.select_option("#model", "rope")
+    set_value(page, "#prompt", PROMPT)
+    set_value(page, "#max_tokens", 24)
+    set_value(page, "#seed", 7)
+    page.click("#generate")
+    page.wait_for_selector("#generate:not([disabled])")
+    tokens = page.eval_on_selector_all("#output .tok", "ts => ts.map(t => t.textContent)")
+    assert len(tokens) >= 1
+    sent = [r for r in watched.requests if r.url.endswith("/v1/completions")]
+    assert len(sent) == 1 and '"stream":true' in sent[0].post_data
+    # The same request unstreamed gives the same text: the page showed the real tokens.
+    settings = page.evaluate("JSON.parse(JSON.stringify(" + SETTINGS_JS + "))")
+    ids = httpx.post(f"{playground.url}/v1/tokenize", json={"model": "rope", "prompt": PROMPT})
+    body = {
+        "model": "rope",
+        "prompt": ids.json()["tokens"],
+        "max_tokens": 24,
+        "seed": 7,
+        **settings,
+    }
+    expected = httpx.post(f"{playground.url}/v1/completions", json=body).json()
+    assert "".join(tokens) == expected["choices"][0]["text"]
+    # Clicking a token shows its alternatives before and after each sampling stage.
+    page.click("#output .tok:not(:empty) >> nth=0")
+    page.wait_for_selector("#alternatives svg g[aria-label=bar] rect")
+    assert page.locator("#alternatives").inner_text().count("kept") >= 2
+
+
+SETTINGS_JS = """({temperature: +temperature.value, top_k: +top_k.value, top_p: +top_p.value,
+min_p: +min_p.value, repetition_penalty: +repetition_penalty.value})"""
+
+
+def test_compare_with_three_models_shows_three_columns(watched: Watched) -> None:
+    page = watched.open()
+    page.click("button[data-view=compare]")
+    checked = page.eval_on_selector_all(
+        "#compare-models input:checked", "bs => bs.map(b => b.value)"
+    )
+    assert sorted(checked) == ["alibi", "none", "rope"]
+    set_value(page, "#prompt", PROMPT)
+    set_value(page, "#max_tokens", 20)
+    page.click("#compare")
+    page.wait_for_selector("#compare:not([disabled])")
+    columns = page.locator("#columns .column")
+    assert columns.count() == 3
+    for index in range(3):
+        column = columns.nth(index)
+        generated = column.locator(".text-output > .tok")
+        assert generated.count() >= 1, column.inner_text()
+        assert column.locator(".prompt-text .tok").count() > 1  # the prompt, shaded
+
+
+def test_compare_shows_a_table_schemes_400_as_a_message(watched: Watched) -> None:
+    page = watched.open()
+    page.click("button[data-view=compare]")
+    page.click("#no-models")
+    page.check("#compare-models input[value=learned]")
+    page.check("#compare-models input[value=alibi]")
+    # 92 tokens: past the tiny learned model's 64 positions, within alibi's 128-token context.
+    set_value(page, "#prompt", " ".join([PROMPT] * 4))
+    set_value(page, "#max_tokens", 20)
+    page.click("#compare")
+    page.wait_for_selector("#compare:not([disabled])")
+    learned = page.locator(".column[data-model=learned] .error")
+    assert "context holds 64 tokens" in learned.inner_text()
+    assert page.locator(".column[data-model=alibi] .error").count() == 0
+    # Chromium logs the 400 response itself as a console error; that one is expected.
+    watched.errors[:] = [e for e in watched.errors if "status of 400" not in e]
+
+
+def inside(page: Any, model: str = "alibi") -> int:
+    """Open the Inside view on ``model`` and PROMPT; returns the trace's token count."""
+    page.select_option("#model", model)
+    set_value(page, "#prompt", PROMPT)
+    page.click("button[data-view=inside]")
+    page.wait_for_function("document.querySelector('#trace-stats').textContent.includes('tokens')")
+    page.wait_for_selector(CELLS, state="attached")
+    return int(page.inner_text("#trace-stats").split()[0])
+
+
+def drawn(page: Any, selector: str) -> int:
+    return int(page.get_attribute(selector, "data-drawn") or 0)
+
+
+def test_inside_draws_the_attention_heatmap_and_redraws_per_head(watched: Watched) -> None:
+    page = watched.open()
+    length = inside(page)
+    fills = page.eval_on_selector_all(CELLS, "rs => rs.map(r => r.getAttribute('fill'))")
+    assert len(fills) == length * (length + 1) // 2  # the causal T×T triangle
+    assert page.locator("#position-chart svg g[aria-label=cell] rect").count() == len(fills)
+    before = drawn(page, "#attention-chart")
+    page.select_option("#head", "1")
+    page.wait_for_function(f"+document.querySelector('#attention-chart').dataset.drawn > {before}")
+    assert page.get_attribute("#attention-chart", "data-head") == "1"
+    again = page.eval_on_selector_all(CELLS, "rs => rs.map(r => r.getAttribute('fill'))")
+    assert len(again) == len(fills) and again != fills
+
+
+def test_moving_the_temperature_slider_changes_the_bars(watched: Watched) -> None:
+    page = watched.open()
+    inside(page, "rope")
+    page.wait_for_selector(BARS, state="attached")
+    widths = page.eval_on_selector_all(BARS, "rs => rs.map(r => r.getAttribute('width'))")
+    before = drawn(page, "#stages-chart")
+    set_value(page, "#temperature", 1.9)
+    page.wait_for_function(f"+document.querySelector('#stages-chart').dataset.drawn > {before}")
+    after = page.eval_on_selector_all(BARS, "rs => rs.map(r => r.getAttribute('width'))")
+    assert after != widths
+    assert page.inner_text("output[for=temperature]") == "1.9"
