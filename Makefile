@@ -4,20 +4,30 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# torch: the CPU build unless told otherwise (PyPI's plain Linux wheel would pull several GB of
+# CUDA libraries). On a CUDA machine: `make setup TORCH=torch==2.13.0` (PyPI's wheel bundles
+# CUDA), or a build of PyTorch's index, e.g. TORCH=torch==2.13.0+cu128
+# TORCH_INDEX=https://download.pytorch.org/whl/cu128. `make clean` first to change an existing venv.
+TORCH ?= torch==2.13.0+cpu
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+# `make serve PORT=8100` serves there; unset, --port is not passed (ORDINAL_PORT or 8000 applies).
+PORT ?=
 
-.PHONY: setup test lint format serve checkpoints bench clean browser ui mutation
+.PHONY: setup test lint format serve checkpoints bench clean browser nginx ui mutation
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	# CPU machines: this takes the CPU build of torch that lies on disk (no CUDA download).
-	$(PY) -m pip install --quiet torch==2.13.0
+	# $(TORCH) from the configured indexes and find-links (a CPU wheel on disk is found there),
+	# else from $(TORCH_INDEX): PyPI itself has no +cpu builds.
+	$(PY) -m pip install --quiet '$(TORCH)' || \
+		$(PY) -m pip install --quiet '$(TORCH)' --extra-index-url '$(TORCH_INDEX)'
 	$(PY) -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
 setup: $(STAMP)
 
-test: $(STAMP) browser
+test: $(STAMP) browser nginx
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest
 
@@ -27,6 +37,13 @@ browser:
 	@command -v chromium >/dev/null || { command -v apt-get >/dev/null && \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; } || \
 		echo "chromium is not installed: the browser tests will skip (they fail under CI)"
+
+# The scale-out test runs Debian's nginx in front of two servers; installed here when missing.
+# Without it (no apt-get) that test skips, but not in CI.
+nginx:
+	@command -v nginx >/dev/null || [ -x /usr/sbin/nginx ] || { command -v apt-get >/dev/null && \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nginx; } || \
+		echo "nginx is not installed: the nginx test will skip (it fails under CI)"
 
 # The playground has no build step; this refreshes its vendored chart libraries from npm.
 D3_VERSION := 7.9.2
@@ -49,7 +66,7 @@ format: $(STAMP)
 	$(VENV)/bin/ruff check --fix . && $(VENV)/bin/ruff format .
 
 serve: $(STAMP)
-	$(VENV)/bin/ordinal serve
+	$(VENV)/bin/ordinal serve $(if $(PORT),--port $(PORT))
 
 # Rebuilds every shipped checkpoint (about 9 minutes each on 2 CPU cores), then scores them.
 SCHEMES := none integer binary sinusoidal learned rope alibi t5 mds lowrank
@@ -58,7 +75,7 @@ checkpoints: $(STAMP)
 		$(VENV)/bin/ordinal train --scheme $$scheme --out checkpoints/$$scheme || exit 1; \
 	done
 	$(VENV)/bin/ordinal eval $(addprefix checkpoints/,$(SCHEMES)) \
-		--plot checkpoints/loss_by_position.png --table checkpoints/results.md
+		--plot checkpoints/loss_by_position.png --table checkpoints/results.md --save
 
 # Speed figures into docs/benchmarks.md (transformers is a bench-only extra).
 bench: $(STAMP)

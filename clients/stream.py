@@ -2,7 +2,9 @@
 
     python clients/stream.py "ROMEO:" --url http://127.0.0.1:8000 --model rope --max-tokens 200
 
-The text goes to stdout chunk by chunk; time to first token and tokens/s go to stderr at the end.
+Without ``--url`` the server is ``$ORDINAL_URL``, else ``http://127.0.0.1:$ORDINAL_PORT`` (the
+variable ``ordinal serve`` listens on), else ``http://127.0.0.1:8000``. The text goes to stdout
+chunk by chunk; time to first token and tokens/s go to stderr at the end.
 Only HTTP is spoken here (no import of ``model`` or ``server``), so this file also works as a
 standalone example of the streaming API.
 """
@@ -24,6 +26,14 @@ PROG = "stream.py"
 SAMPLING_OPTIONS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "stop")
 
 
+def default_url(environ: dict[str, str] | None = None) -> str:
+    """``$ORDINAL_URL``, else the local server on ``$ORDINAL_PORT`` (default 8000)."""
+    environ = dict(os.environ) if environ is None else environ
+    if environ.get("ORDINAL_URL"):
+        return environ["ORDINAL_URL"].rstrip("/")
+    return f"http://127.0.0.1:{environ.get('ORDINAL_PORT') or 8000}"
+
+
 class ServerError(Exception):
     """The server answered with an error status or sent an error in the middle of the stream."""
 
@@ -31,7 +41,12 @@ class ServerError(Exception):
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     parser.add_argument("prompt")
-    parser.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL")
+    parser.add_argument(
+        "--url",
+        default=default_url(),
+        help="server base URL (default: $ORDINAL_URL, else http://127.0.0.1:$ORDINAL_PORT, "
+        "else port 8000; now %(default)s)",
+    )
     parser.add_argument("--model", help="checkpoint name (default: the server's default)")
     parser.add_argument("--max-tokens", type=int, default=200)
     parser.add_argument("--temperature", type=float)

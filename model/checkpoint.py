@@ -70,7 +70,8 @@ from safetensors.torch import load as load_tensors
 from safetensors.torch import save as serialise_tensors
 from tokenizers import Tokenizer
 
-from model.config import ConfigError, ModelConfig
+from model.chat import DEFAULT_TEMPLATE, TOKENIZER_CONFIG_FILE
+from model.config import ConfigError, ModelConfig, write_json_atomic
 from model.tokenizer import load_tokenizer
 from model.transformer import Transformer
 
@@ -162,6 +163,10 @@ def save_checkpoint(
                 for extra in path.iterdir():
                     if extra.name not in CHECKPOINT_FILES and extra.is_file():
                         shutil.copy2(extra, staging / extra.name)
+            if not (staging / TOKENIZER_CONFIG_FILE).exists():  # a checkpoint's own is kept
+                write_json_atomic(
+                    staging / TOKENIZER_CONFIG_FILE, {"chat_template": DEFAULT_TEMPLATE}
+                )
             for file in staging.iterdir():
                 file.chmod(0o644)
             _fsync_folder(staging)

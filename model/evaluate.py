@@ -5,22 +5,32 @@ tokens that each start with <|bos|> (``model.data.ValidationStream``). Bits per 
 the total negative log-likelihood by ln 2 × the characters those tokens stand for, so models with
 different tokenizers compare fairly. A scheme whose table ends before a window does is reported
 as unsupported at that length, with the reason, rather than crashed.
+
+Nothing is written into a checkpoint unless asked (``--save``), and then eval.json is left
+byte-identical when it was made from the same weights and the new figures agree with it to
+float rounding (threads and batch sizes change the last bits of a sum). Each eval.json records
+``weights_sha256``, the SHA-256 of the tensors in model.safetensors (its data section, the same
+digest the file's metadata holds), which ``--reuse`` compares: content, not file times, which a
+``git clone`` does not keep. The options are ``ordinal eval``'s (ordinal.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from tqdm import tqdm
 
-from model.checkpoint import load_checkpoint
+from model.checkpoint import WEIGHTS_FILE, data_section, load_checkpoint
 from model.config import write_json_atomic
 from model.corpus import load_corpus
 from model.data import IGNORE_INDEX, ValidationStream, validation_stream
@@ -28,37 +38,27 @@ from model.transformer import Transformer
 
 EVAL_FILE = "eval.json"
 MULTIPLES = (1, 2, 4)
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of ``ordinal eval``."""
-    parser.add_argument("checkpoints", nargs="+", type=Path, help="checkpoint folders")
-    parser.add_argument("--plot", type=Path, help="write a PNG of loss by position to this path")
-    parser.add_argument(
-        "--multiples",
-        type=int,
-        nargs="+",
-        default=list(MULTIPLES),
-        help="window lengths as multiples of the training context (default 1 2 4)",
-    )
-    parser.add_argument("--table", type=Path, help="write a markdown table of the results here")
-    parser.add_argument(
-        "--reuse",
-        action="store_true",
-        help="use a checkpoint's eval.json when it is newer than its weights (replot, retable)",
-    )
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--batch-size", type=int, default=16)
+# Relative difference under which a new figure counts as the saved one (float rounding).
+SAME_FIGURE = 1e-6
 
 
 @torch.no_grad()
 def token_losses(
-    model: Transformer, inputs: torch.Tensor, targets: torch.Tensor, batch_size: int = 16
+    model: Transformer,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    batch_size: int = 16,
+    progress: tqdm | None = None,
 ) -> torch.Tensor:
-    """Per-token negative log-likelihood in nats → [N, W] (0 where the target is ignored)."""
+    """Per-token negative log-likelihood in nats → [N, W] (0 where the target is ignored).
+
+    ``progress``, when given, advances by one per window scored.
+    """
     device = model.token_embedding.weight.device
     losses = []
     for start in range(0, len(inputs), batch_size):
+        if progress is not None:
+            progress.update(len(inputs[start : start + batch_size]))
         logits = model(inputs[start : start + batch_size].to(device)).float()
         chunk_targets = targets[start : start + batch_size].to(device)
         losses.append(
@@ -70,7 +70,11 @@ def token_losses(
 
 
 def score_windows(
-    model: Transformer, stream: ValidationStream, window: int, batch_size: int = 16
+    model: Transformer,
+    stream: ValidationStream,
+    window: int,
+    batch_size: int = 16,
+    progress: tqdm | None = None,
 ) -> dict[str, Any]:
     """Loss, bits per character and mean loss at each position for windows of ``window`` tokens."""
     limit = model.positional.max_positions
@@ -82,7 +86,7 @@ def score_windows(
             f"a {window}-token window needs positions up to {window - 1}",
         }
     inputs, targets = stream.windows(window)
-    losses = token_losses(model, inputs, targets, batch_size)
+    losses = token_losses(model, inputs, targets, batch_size, progress)
     scored = targets != IGNORE_INDEX
     total = float(losses[scored].sum())
     per_position = losses.sum(0) / scored.sum(0).clamp(min=1)
@@ -96,17 +100,37 @@ def score_windows(
     }
 
 
+def weights_digest(path: Path) -> str:
+    """SHA-256 of the tensors in ``path``'s model.safetensors (its data section)."""
+    weights = path / WEIGHTS_FILE
+    if not weights.is_file():
+        raise ValueError(f"{path} is not a checkpoint: {WEIGHTS_FILE} is missing")
+    return hashlib.sha256(data_section(weights.read_bytes())).hexdigest()
+
+
 def evaluate_checkpoint(
     path: Path, multiples: list[int], device: str = "cpu", batch_size: int = 16
 ) -> dict[str, Any]:
-    """Score one checkpoint on the validation plays and write eval.json into it."""
-    model, tokenizer = load_checkpoint(path, device=device)
+    """Score one checkpoint on the validation plays (a progress bar on stderr) → its report."""
+    digest = weights_digest(path) if (path / WEIGHTS_FILE).is_file() else None
+    model, tokenizer = load_checkpoint(path, device=_device(device))
     stream = validation_stream(tokenizer, load_corpus().validation)
     context = model.config.context_length
-    results = {f"{m}x": score_windows(model, stream, m * context, batch_size) for m in multiples}
-    report = {
+    limit = model.positional.max_positions
+    windows = sum(
+        len(stream.windows(m * context)[0])
+        for m in multiples
+        if limit is None or m * context <= limit
+    )
+    with tqdm(total=windows, desc=model.config.scheme, unit="window", leave=False) as progress:
+        results = {
+            f"{m}x": score_windows(model, stream, m * context, batch_size, progress)
+            for m in multiples
+        }
+    return {
         "checkpoint": str(path),
         "scheme": model.config.scheme,
+        "weights_sha256": digest,
         "parameters": model.num_parameters(),
         "context_length": context,
         "validation_tokens": len(stream.tokens),
@@ -115,8 +139,68 @@ def evaluate_checkpoint(
         "bpc": results.get("1x", {}).get("bpc"),
         "results": results,
     }
-    write_json_atomic(path / EVAL_FILE, report)
+
+
+def _device(name: str) -> str:
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return name
+
+
+def same_results(old: dict[str, Any], new: dict[str, Any]) -> bool:
+    """Whether two reports are of the same weights with figures equal to float rounding."""
+    if old.get("weights_sha256") != new.get("weights_sha256") or set(old) != set(new):
+        return False
+    return _close(
+        {k: v for k, v in old.items() if k != "checkpoint"},
+        {k: v for k, v in new.items() if k != "checkpoint"},
+    )
+
+
+def _close(old: Any, new: Any) -> bool:
+    if isinstance(old, dict) and isinstance(new, dict):
+        return old.keys() == new.keys() and all(_close(old[k], new[k]) for k in old)
+    if isinstance(old, list) and isinstance(new, list):
+        return len(old) == len(new) and all(map(_close, old, new))
+    if isinstance(old, float) or isinstance(new, float):
+        if isinstance(old, bool) or isinstance(new, bool):
+            return old == new
+        scale = max(abs(old), abs(new), 1e-12)
+        return isinstance(old, int | float) and abs(old - new) <= SAME_FIGURE * scale
+    return old == new
+
+
+def saved_report(path: Path, multiples: list[int]) -> dict[str, Any] | None:
+    """``path``'s eval.json when it was made from these very weights and has every multiple,
+    restricted to ``multiples``; None otherwise."""
+    saved = path / EVAL_FILE
+    if not saved.is_file():
+        return None
+    try:
+        report = json.loads(saved.read_text())
+    except json.JSONDecodeError:
+        return None
+    wanted = [f"{m}x" for m in multiples]
+    if report.get("weights_sha256") != weights_digest(path) or not set(wanted) <= set(
+        report.get("results", {})
+    ):
+        return None
+    report["results"] = {key: report["results"][key] for key in wanted}
     return report
+
+
+def save_report(path: Path, report: dict[str, Any]) -> bool:
+    """Write ``report`` as ``path``'s eval.json unless the file already says the same (see
+    same_results); True when it was written."""
+    saved = path / EVAL_FILE
+    if saved.is_file():
+        try:
+            if same_results(json.loads(saved.read_text()), report):
+                return False
+        except json.JSONDecodeError:
+            pass
+    write_json_atomic(saved, report)
+    return True
 
 
 def plot_loss_by_position(reports: list[dict[str, Any]], path: Path) -> None:
@@ -177,23 +261,41 @@ def results_table(reports: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _newer(path: Path, than: Path) -> bool:
-    return than.exists() and path.stat().st_mtime >= than.stat().st_mtime
+def checkpoint_folders(paths: list[Path]) -> list[Path]:
+    """The folders among ``paths``; files (checkpoints/README.md, a PNG) are skipped with a note on
+    stderr, so ``ordinal eval checkpoints/*`` works. A missing path stays in, to fail loudly."""
+    folders = []
+    for path in paths:
+        if path.is_file():
+            print(
+                f"ordinal eval: skipping {path}: a file, not a checkpoint folder", file=sys.stderr
+            )
+        else:
+            folders.append(path)
+    if not folders:
+        raise ValueError(f"no checkpoint folders among {', '.join(map(str, paths))}")
+    return folders
 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """``ordinal eval``: score each checkpoint (or reuse its eval.json), print a line per
+    checkpoint, then write what was asked: eval.json files, the plot, the table."""
     reports = []
-    for path in args.checkpoints:
-        saved = path / EVAL_FILE
-        if args.reuse and saved.exists() and _newer(saved, path / "model.safetensors"):
-            report = json.loads(saved.read_text())
-        else:
+    for path in checkpoint_folders(args.checkpoints):
+        report = saved_report(path, args.multiples) if args.reuse else None
+        reused = report is not None
+        if report is None:
             report = evaluate_checkpoint(path, args.multiples, args.device, args.batch_size)
         cells = [
             f"{k}: " + (f"bpc {r['bpc']:.3f}" if r["supported"] else "unsupported")
             for k, r in report["results"].items()
         ]
-        print(f"{report['scheme']:>10}  " + "  ".join(cells))
+        note = ""
+        if args.save and not reused:
+            note = f"  (wrote {path / EVAL_FILE})" if save_report(path, report) else "  (unchanged)"
+        elif reused:
+            note = f"  (from {path / EVAL_FILE})"
+        print(f"{report['scheme']:>10}  " + "  ".join(cells) + note)
         reports.append(report)
     if args.plot:
         plot_loss_by_position(reports, args.plot)

@@ -5,7 +5,12 @@ shipped checkpoints compare fairly: only ``positional`` differs. AdamW with line
 cosine decay, gradient clipping and accumulation; periodic validation; a tqdm bar with loss and
 tokens/s; resumable from the last saved state (``--resume``); the checkpoint folder and the
 metrics JSON are written atomically. Runs on CPU by default, and unchanged under ``torchrun``
-(DistributedDataParallel, one process per GPU): each rank takes its slice of the same global batch.
+(DistributedDataParallel; gloo on CPU, NCCL on GPUs, one process per device): each rank takes its
+slice of the same global batch, and the loss is the mean over the global batch's scored tokens,
+so N processes follow one process's loss curve to float rounding (dropout aside: each process
+draws its own masks, so compare with ``dropout`` 0). The options are ``ordinal train``'s
+(ordinal.py): that module restates ``TrainConfig``'s defaults and ``DEFAULT_MODEL``'s sizes so
+its ``--help`` needs no torch, and tests/server/test_cli.py checks that both agree.
 """
 
 from __future__ import annotations
@@ -139,44 +144,6 @@ class TrainConfig:
         return self.min_lr + 0.5 * (self.lr - self.min_lr) * (1 + math.cos(math.pi * progress))
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of ``ordinal train``."""
-    parser.add_argument("--scheme", required=True, help="positional scheme to train")
-    parser.add_argument("--out", required=True, type=Path, help="checkpoint folder to write")
-    parser.add_argument("--config", type=Path, help='JSON file: {"model": {...}, "train": {...}}')
-    parser.add_argument(
-        "--tokenizer",
-        type=Path,
-        default=Path("runs/tokenizer.json"),
-        help="tokenizer.json to use; trained on the training split if missing",
-    )
-    parser.add_argument(
-        "--state-dir",
-        type=Path,
-        help="where resumable training state goes (default runs/<out name>)",
-    )
-    parser.add_argument("--resume", action="store_true", help="continue from the saved state")
-    parser.add_argument(
-        "--stop-at",
-        type=int,
-        help="save and stop after this step (the schedule still runs to --steps; resume later)",
-    )
-    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
-    parser.add_argument(
-        "--storage-dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"]
-    )
-    parser.add_argument(
-        "--positional",
-        type=json.loads,
-        default=None,
-        help="scheme parameters as JSON, e.g. '{\"base\": 500}'",
-    )
-    for field in dataclasses.fields(TrainConfig):
-        parser.add_argument(f"--{field.name.replace('_', '-')}", type=type(field.default))
-    for name in MODEL_SIZE_FLAGS:
-        parser.add_argument(f"--{name.replace('_', '-')}", type=int)
-
-
 def read_config_file(path: Path) -> dict[str, dict[str, Any]]:
     """The --config file: a JSON object whose only keys are "model" and "train", each an object."""
     try:
@@ -280,17 +247,52 @@ def validation_loss(
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Train per ``args`` (see add_arguments); returns the metrics written beside the checkpoint."""
+    """Train per ``args`` (``ordinal train``'s options, ordinal.py); returns the metrics written
+    beside the checkpoint.
+
+    Under ``torchrun`` (``WORLD_SIZE`` set) each process joins the process group (gloo on CPU,
+    NCCL on CUDA), wraps the model in DistributedDataParallel and trains on its slice of every
+    global batch; rank 0 alone prints and saves.
+    """
     model_config, train_config = configs_from_args(args)
-    distributed = "WORLD_SIZE" in os.environ
-    rank, world = 0, 1
-    device = torch.device(args.device)
-    if distributed:
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-        rank, world = dist.get_rank(), dist.get_world_size()
-        if device.type == "cuda":
-            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-            torch.cuda.set_device(device)
+    device = resolve_device(args.device)
+    if "WORLD_SIZE" not in os.environ:
+        return _train(args, model_config, train_config, device, rank=0, world=1)
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    try:
+        return _train(
+            args, model_config, train_config, device, dist.get_rank(), dist.get_world_size()
+        )
+    finally:
+        dist.destroy_process_group()
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` → cuda when available, else cpu; any other name as given."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def _global_sum(value: torch.Tensor, world: int) -> torch.Tensor:
+    """``value`` summed over every process (itself when there is one)."""
+    if world > 1:
+        dist.all_reduce(value)
+    return value
+
+
+def _train(
+    args: argparse.Namespace,
+    model_config: ModelConfig,
+    train_config: TrainConfig,
+    device: torch.device,
+    rank: int,
+    world: int,
+) -> dict[str, Any]:
+    """The training loop of ``run``, in process ``rank`` of ``world``."""
     if train_config.batch_size % world:
         raise ConfigError(
             f"batch_size ({train_config.batch_size}) must divide by the number of "
@@ -327,8 +329,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         betas=(0.9, 0.95),
         fused=device.type == "cuda",
     )
-    trainable = model
-    if distributed:
+    trainable: torch.nn.Module = model
+    if world > 1:
         trainable = torch.nn.parallel.DistributedDataParallel(
             model, device_ids=[device] if device.type == "cuda" else None
         )
@@ -370,36 +372,42 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for step in progress:
         for group in optimizer.param_groups:
             group["lr"] = train_config.lr_at(step)
-        loss_sum = 0.0
+        step_loss = torch.zeros((), dtype=torch.float64, device=device)
         for micro in range(train_config.grad_accum):
             inputs, targets = sequences.batch(
                 step * train_config.grad_accum + micro, train_config.batch_size
             )
             inputs = inputs[rank * micro_batch : (rank + 1) * micro_batch].to(device)
             targets = targets[rank * micro_batch : (rank + 1) * micro_batch].to(device)
+            # The mean over the global batch's scored tokens, whatever share each process has:
+            # DDP averages the gradients of `world` processes, so each scales its sum by world.
+            scored = _global_sum((targets != IGNORE_INDEX).sum(), world).clamp(min=1)
             logits = trainable(inputs)
-            loss = F.cross_entropy(
-                logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX
+            loss_sum = F.cross_entropy(
+                logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
             )
-            (loss / train_config.grad_accum).backward()
-            loss_sum += loss.item() / train_config.grad_accum
+            (loss_sum * world / scored / train_config.grad_accum).backward()
+            step_loss += loss_sum.detach().double() / scored / train_config.grad_accum
         torch.nn.utils.clip_grad_norm_(model.parameters(), train_config.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        step_loss_value = _global_sum(step_loss, world).item()
 
         metrics["tokens_seen"] += tokens_per_step
         metrics["wall_seconds"] = wall_before + time.perf_counter() - clock
-        metrics["train_loss"].append([step + 1, round(loss_sum, 4)])
+        metrics["train_loss"].append([step + 1, round(step_loss_value, 4)])
         progress.set_postfix(
-            loss=f"{loss_sum:.3f}",
+            loss=f"{step_loss_value:.3f}",
             tok_s=f"{metrics['tokens_seen'] / max(metrics['wall_seconds'], 1e-9):.0f}",
             refresh=False,
         )
         last = step + 1 in (train_config.steps, args.stop_at)
         if (step + 1) % train_config.eval_every == 0 or last:
+            # Every process holds the same weights, so each scores the same windows alike.
             val = validation_loss(model, val_inputs, val_targets, device)
             metrics["val_loss"].append([step + 1, round(val, 4)])
-            progress.write(f"step {step + 1}: val loss {val:.4f}")
+            if rank == 0:
+                progress.write(f"step {step + 1}: val loss {val:.4f}")
         if rank == 0 and ((step + 1) % train_config.save_every == 0 or last):
             metrics["tokens_per_second"] = metrics["tokens_seen"] / metrics["wall_seconds"]
             metrics["step"] = step + 1
@@ -408,8 +416,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             _save_state(state_path, model, optimizer, metrics, step + 1)
         if step + 1 == args.stop_at:
             break
-    if distributed:
-        dist.destroy_process_group()
     return metrics
 
 

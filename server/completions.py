@@ -39,9 +39,21 @@ async def create_completion(
     served = service.get(body.model)
     prompt_ids, job = build_job(body, served)
     writer = CompletionWriter(body, served, prompt_ids)
+    return await respond(job, writer, served, request, service)
+
+
+async def respond(
+    job: Job | None,
+    writer: CompletionWriter,
+    served: ServedModel,
+    request: Request,
+    service: Service,
+) -> Response:
+    """Run ``job`` and answer with what ``writer`` makes of its events: SSE chunks if the
+    request streams, one JSON body if not. Completions and chat differ only in the writer."""
     close = _submit(job, served, service.settings.request_timeout) if job else _nothing
     pieces = writer.read(job)
-    if body.stream:
+    if writer.body.stream:
         return JobStreamingResponse(_sse(pieces, writer), on_close=close)
     try:
         return await _until_disconnect(_collect(pieces, writer), request)

@@ -115,7 +115,7 @@ class Engine:
                 "queued); retry shortly"
             )
         self._submitted += 1
-        self.metrics.queue_depth.inc()
+        self.metrics.waiting.inc()
         self._inbox.put(("submit", job))
 
     def cancel(self, job: Job) -> None:
@@ -164,12 +164,13 @@ class Engine:
         """A cancelled job leaves wherever it is."""
         if job.stage == "queued":
             self._waiting.remove(job)
-            self.metrics.queue_depth.dec()
+            self.metrics.waiting.dec()
         elif job.stage == "running":
             self.batch.remove([job])
-            self.metrics.running_batch_size.set(len(self.batch))
+            self.metrics.running.set(len(self.batch))
         else:
             return
+        self.metrics.finished["abort"].inc()
         self._release(job)
 
     def _release(self, job: Job) -> None:
@@ -183,16 +184,18 @@ class Engine:
         if joining:
             new_logits = self.batch.prefill(joining)
             logits = new_logits if logits is None else torch.cat([logits, new_logits])
-            self.metrics.running_batch_size.set(len(self.batch))
+            self.metrics.running.set(len(self.batch))
         if logits is None:
             return
         tokens, failures = self.batch.sample(logits)
         logprobs = self.batch.logprobs(logits, tokens)
-        deliveries, ending = self._advance(tokens.tolist(), logprobs, failures)
-
         now = time.perf_counter()
         for job in joining:
+            job.first_token_at = now
             self.metrics.time_to_first_token.observe(now - job.submitted_at)
+            self.metrics.prefill_time.observe(now - job.admitted_at)
+        deliveries, ending = self._advance(tokens.tolist(), logprobs, failures, now)
+
         if decoding:
             self.metrics.inter_token_latency.observe(now - self._last_step)
         self._last_step = now
@@ -209,10 +212,16 @@ class Engine:
         while self._waiting and len(joining) < self.batch.free:
             job = self._waiting.popleft()
             job.stage = "running"
+            job.admitted_at = time.perf_counter()
             self._admitted.append(job)
-            self.metrics.queue_depth.dec()
+            self.metrics.waiting.dec()
+            self.metrics.queue_time.observe(job.admitted_at - job.submitted_at)
+            self.metrics.prompt_tokens.inc(len(job.prompt_ids))
+            self.metrics.request_prompt_tokens.observe(len(job.prompt_ids))
             if job.state is None:  # only the prompt to score
                 scores = self._score(job)
+                now = time.perf_counter()
+                self.metrics.finish("length", job.submitted_at, now, now, generated=0)
                 self._release(job)  # before the reply, so its reader finds the engine done
                 self._deliver([(job.events, scores)])
                 continue
@@ -230,6 +239,7 @@ class Engine:
         tokens: list[int],
         logprobs: StepLogprobs | None,
         failures: dict[int, FailureReason],
+        now: float,
     ) -> tuple[Delivery, bool]:
         """Hand each row's token to its job; fail the rows that could not be sampled; let
         finished jobs leave; return the events and whether any job left."""
@@ -247,6 +257,10 @@ class Engine:
             events.append((job.events, TokenEvent(token, text, state.finish_reason)))
             if state.finish_reason is not None:
                 leaving.append(job)
+                generated = len(state.generated_ids)
+                self.metrics.finish(
+                    state.finish_reason, job.submitted_at, job.first_token_at, now, generated
+                )
         if logprobs is not None:
             for row, chosen, values, ids in zip(*logprobs, strict=True):
                 if (delivery := events[row]) is not None:
@@ -256,7 +270,7 @@ class Engine:
                     )
                     events[row] = (delivery[0], event)
         deliveries = [delivery for delivery in events if delivery is not None]
-        self.metrics.generated_tokens.inc(len(deliveries))
+        self.metrics.generation_tokens.inc(len(deliveries))
         for row, reason in failures.items():
             logger.error("model '%s': request failed alone: %s", self.name, reason)
             self.metrics.failures[reason].inc()
@@ -264,7 +278,7 @@ class Engine:
             deliveries.append((members[row].events, Failure(error)))
         if leaving:
             self.batch.remove(leaving)
-            self.metrics.running_batch_size.set(len(self.batch))
+            self.metrics.running.set(len(self.batch))
             for job in leaving:
                 self._release(job)
         return deliveries, bool(leaving)
@@ -272,9 +286,9 @@ class Engine:
     def _fail(self, jobs: list[Job], error: APIError) -> None:
         for job in jobs:
             if job.stage == "queued":
-                self.metrics.queue_depth.dec()
+                self.metrics.waiting.dec()
             self._release(job)
-        self.metrics.running_batch_size.set(len(self.batch))
+        self.metrics.running.set(len(self.batch))
         self._deliver([(job.events, Failure(error)) for job in jobs])
 
     def _deliver(self, deliveries: Delivery) -> None:

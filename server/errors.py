@@ -122,7 +122,7 @@ def validation_error(errors: list[dict]) -> APIError:
     if len(location) < 2:  # the body itself: missing, or not an object
         return APIError(400, "the request body must be a JSON object", code="invalid_body")
     param = str(location[1])
-    reasons = [_reason(e) for e in errors if tuple(e.get("loc", ()))[1:2] == (param,)]
+    reasons = [_reason(e) for e in errors if tuple(map(str, e.get("loc", ())))[1:2] == (param,)]
     message = f"{param}: " + " or ".join(dict.fromkeys(reasons))
     return APIError(400, message, param=param, code="invalid_value")
 

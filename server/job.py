@@ -66,6 +66,7 @@ class Job:
         self.logprobs = logprobs
         self.score_prompt = score_prompt
         self.submitted_at = time.perf_counter()
+        self.admitted_at = self.first_token_at = 0.0  # set by the engine
         self.events: asyncio.Queue[Event] = asyncio.Queue()
         self.closed = False  # loop side: the final event was read, or the job was cancelled
         self.stage = "new"  # engine side: new → queued → running → done

@@ -1,15 +1,32 @@
 """Prometheus metrics, in a registry of their own per app (two apps in one process never mix).
 
+The per-model set follows vLLM's names and meanings under the ``ordinal_`` prefix
+(``vllm:num_requests_running`` → ``ordinal_num_requests_running``, and so on), so a dashboard
+built for vLLM needs only the prefix changed. HTTP answers are counted by route template and
+status, so health probes and scrapes never mix with completions; the process collector adds
+CPU, memory and open files.
+
+A request's phases, each a histogram: queue (arrival → a batch row), prefill (row → first token),
+decode (first → last token) and end to end (arrival → last token). Inter-token latency is
+observed once per decode step: the time between two consecutive steps is what every sequence
+in the batch saw between two tokens.
+
 Engines get their label children bound once (:class:`ModelMetrics`), so a decode step touches
-no label lookup. Inter-token latency is observed once per decode step: the time between two
-consecutive steps is the latency every sequence in the batch saw between two tokens.
+no label lookup.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    generate_latest,
+)
 
 from model.sampling import FailureReason
 
@@ -18,70 +35,121 @@ MODEL_ERROR = "model_error"  # the batch's forward pass raised: every row in it 
 TIMEOUT = "timeout"  # the request outlived the request timeout
 SHUTDOWN = "shutdown"  # the server stopped while the request was running or queued
 FAILURE_REASONS = (*(reason.value for reason in FailureReason), MODEL_ERROR, TIMEOUT, SHUTDOWN)
+# How a request that did not fail ended (vLLM's ``finished_reason``): "abort" = the client left.
+FINISHED_REASONS = ("stop", "length", "abort")
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+REQUEST_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
+TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 
 
 @dataclass(frozen=True)
 class ModelMetrics:
     """One model's metrics, labels already applied."""
 
+    running: Gauge  # sequences decoding now
+    waiting: Gauge  # requests waiting for a batch row
+    prompt_tokens: Counter
+    generation_tokens: Counter
+    finished: dict[str, Counter]  # finished_reason → counter, every one of FINISHED_REASONS
+    failures: dict[str, Counter]  # reason → counter, every one of FAILURE_REASONS
     time_to_first_token: Histogram
     inter_token_latency: Histogram
-    generated_tokens: Counter
-    queue_depth: Gauge
-    running_batch_size: Gauge
-    failures: dict[str, Counter]  # reason → counter, every reason of FAILURE_REASONS
+    e2e_latency: Histogram
+    queue_time: Histogram
+    prefill_time: Histogram
+    decode_time: Histogram
+    request_prompt_tokens: Histogram
+    request_generation_tokens: Histogram
+
+    def finish(
+        self, reason: str, submitted: float, first_token: float, now: float, generated: int
+    ) -> None:
+        """A request ended with ``reason`` ("stop"/"length") at ``now``: its whole-request
+        figures. Times are ``time.perf_counter()`` values."""
+        self.finished[reason].inc()
+        self.e2e_latency.observe(now - submitted)
+        self.decode_time.observe(now - first_token)
+        self.request_generation_tokens.observe(generated)
 
 
 class Metrics:
     """The service's metrics and the registry they are exported from."""
 
     def __init__(self) -> None:
-        self.registry = CollectorRegistry()
-        registry = self.registry
+        self.registry = registry = CollectorRegistry()
+        ProcessCollector(registry=registry)  # process_cpu_seconds_total, memory, open fds
+        model = ["model"]
+
+        def latency(name: str, doc: str, buckets: tuple[float, ...] = REQUEST_BUCKETS) -> Histogram:
+            return Histogram(f"ordinal_{name}", doc, model, buckets=buckets, registry=registry)
+
+        def tokens(name: str, doc: str) -> Histogram:
+            return Histogram(
+                f"ordinal_{name}", doc, model, buckets=TOKEN_BUCKETS, registry=registry
+            )
+
         self.requests = Counter(
-            "ordinal_requests", "HTTP requests answered, by status code", ["status"],
-            registry=registry,
-        )  # fmt: skip
-        self.time_to_first_token = Histogram(
-            "ordinal_time_to_first_token_seconds",
-            "From a request's arrival to its first generated token",
-            ["model"],
-            buckets=LATENCY_BUCKETS,
+            "ordinal_requests",
+            "HTTP requests answered, by route template (unmatched for none) and status code",
+            ["route", "status"],
             registry=registry,
         )
-        self.inter_token_latency = Histogram(
-            "ordinal_inter_token_latency_seconds",
-            "Time between consecutive decode steps (one observation per step)",
-            ["model"],
-            buckets=LATENCY_BUCKETS,
+        self.running = Gauge(
+            "ordinal_num_requests_running", "Sequences decoding now", model, registry=registry
+        )
+        self.waiting = Gauge(
+            "ordinal_num_requests_waiting", "Requests waiting for a row", model, registry=registry
+        )
+        self.prompt_tokens = Counter(
+            "ordinal_prompt_tokens", "Prompt tokens prefilled", model, registry=registry
+        )
+        self.generation_tokens = Counter(
+            "ordinal_generation_tokens", "Tokens generated", model, registry=registry
+        )
+        self.finished = Counter(
+            "ordinal_request_success",
+            "Requests that ended without failing, by finished_reason (stop, length, abort)",
+            ["model", "finished_reason"],
             registry=registry,
         )
-        self.generated_tokens = Counter(
-            "ordinal_generated_tokens", "Tokens generated", ["model"], registry=registry
-        )
-        self.queue_depth = Gauge(
-            "ordinal_queue_depth", "Requests waiting for a batch row", ["model"], registry=registry
-        )
-        self.running_batch_size = Gauge(
-            "ordinal_running_batch_size", "Sequences decoding now", ["model"], registry=registry
-        )
-        self.request_failures = Counter(
+        self.failures = Counter(
             "ordinal_request_failures",
             "Requests that failed after reaching an engine, by reason",
             ["model", "reason"],
             registry=registry,
         )
+        self.time_to_first_token = latency(
+            "time_to_first_token_seconds", "Arrival to first token", LATENCY_BUCKETS
+        )
+        self.inter_token_latency = latency(
+            "inter_token_latency_seconds", "Between decode steps (one per step)", LATENCY_BUCKETS
+        )
+        self.e2e_latency = latency("e2e_request_latency_seconds", "Arrival to last token")
+        self.queue_time = latency("request_queue_time_seconds", "Arrival to a batch row")
+        self.prefill_time = latency("request_prefill_time_seconds", "Batch row to first token")
+        self.decode_time = latency("request_decode_time_seconds", "First to last token")
+        self.request_prompt_tokens = tokens("request_prompt_tokens", "Prompt tokens per request")
+        self.request_generation_tokens = tokens(
+            "request_generation_tokens", "Generated tokens per finished request"
+        )
 
     def for_model(self, name: str) -> ModelMetrics:
         return ModelMetrics(
-            self.time_to_first_token.labels(name),
-            self.inter_token_latency.labels(name),
-            self.generated_tokens.labels(name),
-            self.queue_depth.labels(name),
-            self.running_batch_size.labels(name),
-            {reason: self.request_failures.labels(name, reason) for reason in FAILURE_REASONS},
+            running=self.running.labels(name),
+            waiting=self.waiting.labels(name),
+            prompt_tokens=self.prompt_tokens.labels(name),
+            generation_tokens=self.generation_tokens.labels(name),
+            finished={reason: self.finished.labels(name, reason) for reason in FINISHED_REASONS},
+            failures={reason: self.failures.labels(name, reason) for reason in FAILURE_REASONS},
+            time_to_first_token=self.time_to_first_token.labels(name),
+            inter_token_latency=self.inter_token_latency.labels(name),
+            e2e_latency=self.e2e_latency.labels(name),
+            queue_time=self.queue_time.labels(name),
+            prefill_time=self.prefill_time.labels(name),
+            decode_time=self.decode_time.labels(name),
+            request_prompt_tokens=self.request_prompt_tokens.labels(name),
+            request_generation_tokens=self.request_generation_tokens.labels(name),
         )
 
     def render(self) -> bytes:

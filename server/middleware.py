@@ -19,7 +19,8 @@ logger = logging.getLogger("ordinal.server")
 
 
 class CountRequests:
-    """Counts every answered HTTP request by status code."""
+    """Counts every answered HTTP request by route template and status code (the template, not
+    the raw path, so a scan of random paths cannot grow the label set)."""
 
     def __init__(self, app: ASGIApp, counter: Counter) -> None:
         self.app, self.counter = app, counter
@@ -30,7 +31,9 @@ class CountRequests:
 
         async def counting_send(message: Message) -> None:
             if message["type"] == "http.response.start":
-                self.counter.labels(str(message["status"])).inc()
+                route = scope.get("route")  # set by the router once a route matched
+                template = getattr(route, "path", None) or "unmatched"
+                self.counter.labels(template, str(message["status"])).inc()
             await send(message)
 
         await self.app(scope, receive, counting_send)

@@ -1,25 +1,39 @@
-"""The playground: ``GET /`` (one page), its static files, and ``POST /v1/trace``.
+"""The playground: ``GET /`` (one page), its static files, ``POST /v1/trace`` and the geometry
+reports (``GET /v1/geometry``, ``/v1/geometry/{corpus}``, ``/v1/geometry/{corpus}/{figure}``).
 
 The page is plain HTML, CSS and JavaScript in ``server/static`` (no build step); its charts use
 the vendored d3 and Observable Plot in ``server/static/vendor``. Nothing is fetched from the
 network: the page talks only to this server's own endpoints (``/v1/models``,
-``/v1/completions`` with streaming, ``/v1/trace``).
+``/v1/completions`` with streaming, ``/v1/trace``, ``/v1/geometry``).
+
+The geometry routes serve, read-only, what ``ordinal geometry`` wrote into
+:data:`GEOMETRY_REPORTS` (the committed ``docs/geometry/<corpus>/``): ``report.json`` byte for
+byte and the PNG figures it lists, so the Encodings view shows the measured numbers, never
+copies of them. They are routes rather than a static mount so that only a report and the figures
+it names are reachable (not the folder's other files), and a missing report is a documented 404 in
+the API's error shape.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
+import orjson
 from fastapi import APIRouter, Request
+from pydantic import BaseModel, Field
 from starlette.responses import FileResponse, Response
 from starlette.staticfiles import StaticFiles
 
-from server.errors import error_responses
+from server.errors import APIError, error_responses
 from server.schemas import TraceRequest
 from server.service import Service
 from server.trace import TraceResponse, create_trace
 
 STATIC = Path(__file__).parent / "static"
+# Where `ordinal geometry` reports live in a checkout: one folder per corpus.
+GEOMETRY_REPORTS = Path(__file__).resolve().parent.parent / "docs" / "geometry"
+REPORT_FILE = "report.json"  # model.geometry.report.REPORT_FILE (not imported: matplotlib)
 
 router = APIRouter()
 
@@ -51,3 +65,102 @@ async def trace(body: TraceRequest, request: Request) -> Response:
     served = service.get(body.model)
     content = await create_trace(body, served, service.settings.threads)
     return Response(content, media_type="application/json")
+
+
+# ---- the geometry reports -----------------------------------------------------------------
+
+
+class GeometryEntry(BaseModel):
+    corpus: str = Field(description="the folder's name: synthetic or shakespeare")
+    n_positions: int
+    schemes: list[str] = Field(description="the labels of the schemes measured, in order")
+    figures: list[str] = Field(description="PNG names, each at /v1/geometry/{corpus}/{figure}")
+
+
+class GeometryList(BaseModel):
+    object: str = "list"
+    data: list[GeometryEntry]
+
+
+def _report_path(corpus: str) -> Path:
+    """report.json of ``corpus``, or a 404 when no such report was written."""
+    path = GEOMETRY_REPORTS / corpus / REPORT_FILE
+    if corpus not in _corpora() or not path.is_file():
+        raise APIError(
+            404,
+            f"no geometry report for corpus '{corpus}' (have: {', '.join(_corpora()) or 'none'}; "
+            f"`ordinal geometry --corpus {corpus} --out docs/geometry/{corpus}` writes one)",
+            param="corpus",
+            code="report_not_found",
+        )
+    return path
+
+
+def _corpora() -> list[str]:
+    if not GEOMETRY_REPORTS.is_dir():
+        return []
+    return sorted(p.parent.name for p in GEOMETRY_REPORTS.glob(f"*/{REPORT_FILE}"))
+
+
+def _read_report(corpus: str) -> dict[str, Any]:
+    return orjson.loads(_report_path(corpus).read_bytes())
+
+
+@router.get(
+    "/v1/geometry",
+    response_model=GeometryList,
+    responses=error_responses(401),
+)
+async def geometry_reports() -> GeometryList:
+    """The geometry reports this server has (``ordinal geometry``'s, one per corpus)."""
+    entries = []
+    for corpus in _corpora():
+        report = _read_report(corpus)
+        entries.append(
+            GeometryEntry(
+                corpus=corpus,
+                n_positions=report["corpus"]["n_positions"],
+                schemes=[row["label"] for row in report["schemes"]],
+                figures=report["figures"],
+            )
+        )
+    return GeometryList(data=entries)
+
+
+@router.get(
+    "/v1/geometry/{corpus}",
+    response_model=None,
+    responses={
+        200: {
+            "description": "report.json as `ordinal geometry` wrote it (model/geometry/report.py"
+            " documents its fields: corpus, hellinger, mds, rank_stress_table, schemes, "
+            "requirements, figures, and paper_comparison for synthetic)",
+            "content": {"application/json": {"schema": {"type": "object"}}},
+        },
+        **error_responses(401, 404),
+    },
+)
+async def geometry_report(corpus: str) -> FileResponse:
+    """The geometry report of ``corpus``, byte for byte."""
+    return FileResponse(_report_path(corpus), media_type="application/json")
+
+
+@router.get(
+    "/v1/geometry/{corpus}/{figure}",
+    response_model=None,
+    responses={
+        200: {"description": "the PNG", "content": {"image/png": {}}},
+        **error_responses(401, 404),
+    },
+)
+async def geometry_figure(corpus: str, figure: str) -> FileResponse:
+    """One figure of the report of ``corpus``: only a name its ``figures`` lists."""
+    figures = _read_report(corpus)["figures"]
+    if figure not in figures:
+        raise APIError(
+            404,
+            f"the {corpus} report has no figure '{figure}' (it has: {', '.join(figures)})",
+            param="figure",
+            code="figure_not_found",
+        )
+    return FileResponse(GEOMETRY_REPORTS / corpus / figure, media_type="image/png")

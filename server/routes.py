@@ -10,9 +10,10 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.responses import PlainTextResponse, Response
 
 from model.generate import encode_prompt
+from server.chat import create_chat_completion
 from server.completions import create_completion
 from server.errors import busy, error_responses
-from server.schemas import CompletionRequest, HealthDocument, TokenizeRequest
+from server.schemas import ChatRequest, CompletionRequest, HealthDocument, TokenizeRequest
 from server.service import Service
 
 router = APIRouter()
@@ -92,13 +93,17 @@ async def tokenize(body: TokenizeRequest, request: Request) -> Response:
     return _json({"model": served.name, "tokens": ids, "count": len(ids), "max_model_len": limit})
 
 
-@router.post(
-    "/v1/completions",
-    response_model=None,
-    responses={
-        200: {"content": {"text/event-stream": {"schema": SSE_EVENT}}},
-        **error_responses(400, 401, 404, 413, 429, 500, 503, 504),
-    },
-)
+GENERATION_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {"content": {"text/event-stream": {"schema": SSE_EVENT}}},
+    **error_responses(400, 401, 404, 413, 429, 500, 503, 504),
+}
+
+
+@router.post("/v1/completions", response_model=None, responses=GENERATION_RESPONSES)
 async def completions(body: CompletionRequest, request: Request) -> Response:
     return await create_completion(body, request, _service(request))
+
+
+@router.post("/v1/chat/completions", response_model=None, responses=GENERATION_RESPONSES)
+async def chat_completions(body: ChatRequest, request: Request) -> Response:
+    return await create_chat_completion(body, request, _service(request))

@@ -19,6 +19,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInf
 from model.sampling import MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY, SamplingParams
 
 MAX_STOPS = 4
+MAX_MESSAGES = 256
 MAX_LOGPROBS = 5
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default; lowered to the room left when the context is short
 
@@ -46,12 +47,21 @@ class StreamOptions(StrictBody):
     include_usage: bool = False
 
 
-class PromptRequest(StrictBody):
-    """A prompt for a model and the sampling settings its next token is drawn with: the fields
-    completions and traces share, validated the same way."""
+def _stop_list(value: str | list[str] | None) -> list[str]:
+    stops = [value] if isinstance(value, str) else list(value or [])
+    if len(stops) > MAX_STOPS or "" in stops:
+        raise ValueError(f"must be at most {MAX_STOPS} non-empty strings")
+    return stops
+
+
+Stops = Annotated[Text | list[Text] | None, AfterValidator(_stop_list)]  # normalised to a list
+
+
+class SamplingRequest(StrictBody):
+    """A model and the sampling settings its next tokens are drawn with: the fields every
+    generating endpoint shares, validated the same way."""
 
     model: Text | None = None  # None: the server's default model
-    prompt: Prompt
     temperature: float = Field(1.0, ge=0, le=2, allow_inf_nan=False)
     top_p: float = Field(1.0, gt=0, le=1, allow_inf_nan=False)
     top_k: int = Field(0, ge=0)  # at or past the vocabulary's size = off, like 0
@@ -73,13 +83,20 @@ class PromptRequest(StrictBody):
         )
 
 
+class PromptRequest(SamplingRequest):
+    """A prompt (text, or token ids) and its sampling settings: what completions and traces
+    read."""
+
+    prompt: Prompt
+
+
 class CompletionRequest(PromptRequest):
     """``POST /v1/completions``, as in OpenAI's legacy completions API."""
 
     echo: bool = False  # declared before max_tokens, whose check reads it
     max_tokens: int | None = Field(None, ge=0)
     seed: int | None = Field(None, ge=0, lt=2**64)
-    stop: Text | list[Text] | None = None
+    stop: Stops = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
@@ -97,14 +114,6 @@ class CompletionRequest(PromptRequest):
             raise ValueError("must be ≥ 1 (0 is allowed only with echo, to score the prompt)")
         return value
 
-    @field_validator("stop")
-    @classmethod
-    def _few_non_empty_stops(cls, value: str | list[str] | None) -> list[str]:
-        stops = [value] if isinstance(value, str) else list(value or [])
-        if len(stops) > MAX_STOPS or "" in stops:
-            raise ValueError(f"must be at most {MAX_STOPS} non-empty strings")
-        return stops
-
     @property
     def stops(self) -> list[str]:
         """``stop`` as a list (the validator has normalised it)."""
@@ -113,6 +122,58 @@ class CompletionRequest(PromptRequest):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+
+# A speaker's name, as the plays write them ("FIRST CITIZEN", "LADY MACBETH", "Romeo").
+Speaker = Annotated[str, Field(pattern=r"^[A-Za-z][A-Za-z .'-]{0,39}$")]
+
+
+class TextPart(StrictBody):
+    type: Literal["text"]
+    text: Text
+
+
+class ChatMessage(StrictBody):
+    """One message of a chat: a speech. ``developer`` is OpenAI's newer name for ``system``."""
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Text | list[TextPart]
+    name: Speaker | None = None  # who speaks it; default per role (model.chat.DEFAULT_SPEAKERS)
+
+    @property
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatRequest(SamplingRequest):
+    """``POST /v1/chat/completions``, as in OpenAI's chat completions API."""
+
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
+    max_tokens: int | None = Field(None, ge=1)  # OpenAI's older name of max_completion_tokens
+    max_completion_tokens: int | None = Field(None, ge=1)
+    seed: int | None = Field(None, ge=0, lt=2**64)
+    stop: Stops = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # needs logprobs: true
+    n: Literal[1] = 1
+    user: Text | None = None
+    ignore_eos: bool = False
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _only_with_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and not info.data.get("logprobs"):
+            raise ValueError("needs logprobs: true")
+        return value
+
+    @property
+    def token_budget(self) -> int | None:
+        """The most tokens the reply may have (None: as many as the context has room for)."""
+        return self.max_completion_tokens or self.max_tokens
 
 
 class ModelHealth(BaseModel):
@@ -145,7 +206,13 @@ class TraceRequest(PromptRequest):
     through each sampling stage for these settings (validated exactly like completions).
 
     ``top``: how many of the most probable tokens each stage lists (capped at the vocabulary;
-    the whole vocabulary lists every token).
+    the whole vocabulary lists every token). ``attention``: false leaves the attention weights
+    out, for a caller that wants only the positional pieces or the next token.
     """
 
     top: int = Field(DEFAULT_TRACE_TOP, ge=1, le=2**16)
+    attention: bool = Field(
+        True,
+        description="include every layer's attention weights (most of the response: "
+        "layers × heads × T(T+1)/2 numbers); false answers attention null",
+    )

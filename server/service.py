@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from tokenizers import Tokenizer
 
+from model.chat import ChatTemplate
 from model.checkpoint import CONFIG_FILE, load_checkpoint
 from model.positional import TABLE_SCHEMES
 from model.tokenizer import special_ids, token_bytes
@@ -101,6 +102,7 @@ class ServedModel:
     bos: int
     eos: int
     created: int
+    chat_template: ChatTemplate
 
     @property
     def vocab(self) -> int:
@@ -155,6 +157,7 @@ def load_model(name: str, folder: Path, settings: Settings, metrics: Metrics) ->
         bos=specials.bos,
         eos=specials.eos,
         created=int(folder.stat().st_mtime),
+        chat_template=ChatTemplate.from_checkpoint(folder),
     )
 
 

@@ -12,8 +12,24 @@ the model's engine thread, which it does not queue behind. That is acceptable fo
 explanatory request bounded at :data:`~server.schemas.MAX_TRACE_TOKENS` tokens; a later issue
 moves the engine into its own process, and the trace will then go through it.
 
-Response size: attention holds layers × heads × T² floats; for the shipped models (4 layers,
-4 heads) that is about 54 kB of JSON at T = 19, 2.2 MB at T = 128 and 9 MB at the 256-token limit.
+Response size: attention holds layers × heads × T(T+1)/2 weights, so it is sent as the causal
+lower triangle only (row q lists keys 0..q), as is alibi's and t5's bias; those matrices and the
+positional vectors are rounded to :data:`SIGNIFICANT_DIGITS` significant digits (a relative error
+of at most 5e-4, far below what a heatmap shows; a row of weights still sums to 1 within 1e-3).
+The small fields (norms, rotation angles, stage probabilities, surprisal) stay exact float32.
+For the shipped models (4 layers, 4 heads, d_model 128), bytes of JSON for rope / alibi:
+
+======  =======================  ======================  ===================
+tokens  before (full T×T, f32)   now                     now, attention off
+======  =======================  ======================  ===================
+19      54 kB / 60 kB            32 kB / 33 kB           6.5 kB / 9.2 kB
+128     2.26 MB / 2.64 MB        1.24 MB / 1.42 MB       29 kB / 246 kB
+256     9.07 MB / 10.7 MB        5.01 MB / 5.83 MB       55 kB / 950 kB
+======  =======================  ======================  ===================
+
+The limit stays at 256 so that the Generate view's alternatives (prompt + default 120 tokens)
+are traced on the whole prefix the sampler saw; the views that draw no attention ask with
+``attention: false``.
 """
 
 from __future__ import annotations
@@ -36,6 +52,8 @@ from server.errors import APIError
 from server.schemas import MAX_TRACE_TOKENS, TraceRequest
 from server.service import ServedModel
 
+SIGNIFICANT_DIGITS = 4  # of the attention weights, the biases and the positional vectors
+
 # ---- the response, as documented in the OpenAPI spec ---------------------------------------
 
 
@@ -50,7 +68,8 @@ class TraceEmbedding(BaseModel):
         description="[T] ‖positional vector‖ per position; null unless the scheme adds one"
     )
     position_vectors: list[list[float]] | None = Field(
-        description="[T][d_model] the vector added at each position; null unless additive"
+        description="[T][d_model] the vector added at each position (4 significant digits); "
+        "null unless additive"
     )
 
 
@@ -89,13 +108,15 @@ class TraceResponse(BaseModel):
     tokens: list[TraceToken]
     positions: list[int]
     embedding: TraceEmbedding
-    attention: list[list[list[list[float]]]] = Field(
-        description="[layers][heads][T][T] softmax weights; row q sums to 1 over keys ≤ q "
-        "(the weights past q are 0)"
+    attention: list[list[list[list[float]]]] | None = Field(
+        description="[layers][heads][T][q+1] softmax weights, the causal lower triangle: row q "
+        "lists keys 0..q (the masked keys after q have weight 0 and are left out) and sums to 1; "
+        "4 significant digits; null when the request's attention is false"
     )
-    position_bias: list[list[list[float | None]]] | None = Field(
-        description="[heads][T][T] the additive score bias of alibi and t5 (null above the "
-        "diagonal, where keys are masked); null for the other schemes"
+    position_bias: list[list[list[float]]] | None = Field(
+        description="[heads][T][q+1] the additive score bias of alibi and t5, the causal lower "
+        "triangle (row q lists keys 0..q; later keys are masked); 4 significant digits; null "
+        "for the other schemes"
     )
     rotation: list[list[float]] | None = Field(
         description="[T][rotary_dim/2] rope's rotation angle in radians (unwrapped) per "
@@ -141,13 +162,12 @@ def _trace(
     positions = positions_table(len(prompt_ids), device)  # [1, T]
     scheme = model.positional
     with torch.inference_mode():
-        recorder = AttentionRecorder()
+        recorder = AttentionRecorder() if body.attention else None
         logits = model(ids.unsqueeze(0), recorder=recorder)[0, :, :vocab].float()  # [T, V]
         token_vectors = model.token_embedding(ids).float()  # [T, d_model]
         position_vectors = scheme.embedding(positions)  # [1, T, d_model] or None
         rotation = scheme.rotation(positions)  # (cos, sin) [1, 1, T, rot] or None
         bias = scheme.attention_bias(positions, positions[0])  # [1, H, T, T] or None
-        attention = torch.cat(recorder.weights).float()  # [L, H, T, T] (batch of one)
 
         seen = torch.zeros(logits.shape[-1], dtype=torch.bool, device=device)
         seen[ids] = True
@@ -170,10 +190,11 @@ def _trace(
         "embedding": {
             "token_norm": _array(token_vectors.norm(dim=-1)),
             "position_norm": None if vectors is None else _array(vectors.norm(dim=-1)),
-            "position_vectors": None if vectors is None else _array(vectors),
+            "position_vectors": None if vectors is None else _rounded(vectors),
         },
-        "attention": _array(attention),
-        "position_bias": None if bias is None else _causal(bias[0].float()),
+        # [L, H, T, T] (a batch of one)
+        "attention": None if recorder is None else _lower_triangle(torch.cat(recorder.weights)),
+        "position_bias": None if bias is None else _lower_triangle(bias[0].float()),
         "rotation": None if rotation is None else _angles(rotation),
         "next_token": {
             "greedy": params.greedy,
@@ -188,11 +209,34 @@ def _array(tensor: Tensor) -> np.ndarray:
     return np.ascontiguousarray(tensor.detach().to("cpu", torch.float32).numpy())
 
 
-def _causal(bias: Tensor) -> np.ndarray:
-    """bias [H, T, T] with the masked keys (after the query) as NaN, which orjson writes null."""
-    length = bias.shape[-1]
-    allowed = torch.ones(length, length, dtype=torch.bool, device=bias.device).tril()
-    return _array(bias.masked_fill(~allowed, float("nan")))
+def round_significant(values: np.ndarray, digits: int = SIGNIFICANT_DIGITS) -> np.ndarray:
+    """``values`` rounded to ``digits`` significant digits, as float32 (whose shortest form,
+    which orjson writes, is then at most ``digits`` digits long). Zeros and NaN stay as they are.
+    """
+    wide = values.astype(np.float64)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        magnitude = np.floor(np.log10(np.abs(wide)))
+    magnitude[~np.isfinite(magnitude)] = 0  # zeros (and NaN, which stays NaN)
+    scale = 10.0 ** (digits - 1 - magnitude)
+    return (np.round(wide * scale) / scale).astype(np.float32)
+
+
+def _rounded(tensor: Tensor) -> np.ndarray:
+    return round_significant(_array(tensor))
+
+
+def _lower_triangle(matrices: Tensor) -> list[Any]:
+    """[..., T, T] → nested lists [...][T] of rows, row q holding columns 0..q (rounded).
+
+    orjson writes each row, a float32 array, directly; the leading dimensions become lists."""
+    values = _rounded(matrices)
+    length = values.shape[-1]
+    flat = values.reshape(-1, length, length)
+    rows = [[square[q, : q + 1] for q in range(length)] for square in flat]
+    shaped: list[Any] = rows
+    for size in reversed(values.shape[:-2][1:]):
+        shaped = [shaped[i : i + size] for i in range(0, len(shaped), size)]
+    return shaped
 
 
 def _angles(rotation: tuple[Tensor, Tensor]) -> np.ndarray:

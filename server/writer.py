@@ -39,6 +39,8 @@ def decode_with_offsets(table: list[bytes], ids: list[int]) -> tuple[str, list[i
 class CompletionWriter:
     """Turns one job's events into pieces and pieces into OpenAI JSON."""
 
+    OBJECT, CHUNK_OBJECT, ID_PREFIX = "text_completion", "text_completion", "cmpl"
+
     def __init__(self, body: CompletionRequest, served: ServedModel, prompt_ids: list[int]):
         self.body = body
         self.prompt_ids = prompt_ids
@@ -54,7 +56,7 @@ class CompletionWriter:
             )
         self.offset = len(self.prompt_text)  # text_offset of the next generated token
         self.completion_tokens = 0
-        self.id, self.created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        self.id, self.created = f"{self.ID_PREFIX}-{uuid.uuid4().hex}", int(time.time())
         self.model = served.name
         # One chunk dict reused for every event: only the choice's fields change.
         self._choice: dict[str, Any] = {
@@ -120,7 +122,7 @@ class CompletionWriter:
     def _envelope(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {
             "id": self.id,
-            "object": "text_completion",
+            "object": self.CHUNK_OBJECT if self.body.stream else self.OBJECT,
             "created": self.created,
             "model": self.model,
             "choices": choices,
@@ -154,4 +156,54 @@ class CompletionWriter:
                     logprobs[key].extend(values)
         text = "".join(text for text, _, _ in pieces)
         choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": pieces[-1][2]}
+        return {**self._envelope([choice]), "usage": self.usage()}
+
+
+class ChatWriter(CompletionWriter):
+    """The same pieces in OpenAI's chat format: ``chat.completion`` with a ``message``, or
+    ``chat.completion.chunk`` events whose ``delta`` carries the role first, then the text."""
+
+    OBJECT, CHUNK_OBJECT, ID_PREFIX = "chat.completion", "chat.completion.chunk", "chatcmpl"
+
+    def __init__(self, body: CompletionRequest, served: ServedModel, prompt_ids: list[int]):
+        super().__init__(body, served, prompt_ids)
+        self.token_bytes = served.token_bytes
+        self._role_sent = False
+
+    def _token_piece(self, event: TokenEvent) -> Piece:
+        self.completion_tokens += 1
+        logprobs = None
+        if event.logprob is not None:
+            top = zip(event.top_ids or [], event.top_values or [], strict=True)
+            entry = self._entry(event.token, event.logprob)
+            entry["top_logprobs"] = [self._entry(token, value) for token, value in top]
+            logprobs = {"content": [entry]}
+        return event.text, logprobs, event.finish_reason
+
+    def _entry(self, token: int, logprob: float) -> dict[str, Any]:
+        return {
+            "token": self.name(token),
+            "logprob": logprob,
+            "bytes": list(self.token_bytes[token]),
+        }
+
+    def chunk(self, piece: Piece) -> bytes:
+        text, logprobs, finish_reason = piece
+        delta: dict[str, str] = {"content": text} if text or not finish_reason else {}
+        if not self._role_sent:
+            delta, self._role_sent = {"role": "assistant", **delta}, True
+        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        chunk = self._envelope([choice])
+        if self.body.include_usage:
+            chunk["usage"] = None
+        return b"data: " + orjson.dumps(chunk) + b"\n\n"
+
+    def result(self, pieces: list[Piece]) -> dict[str, Any]:
+        content = [entry for _, part, _ in pieces if part for entry in part["content"]]
+        choice = {
+            "index": 0,
+            "message": {"role": "assistant", "content": "".join(text for text, _, _ in pieces)},
+            "logprobs": {"content": content} if self.body.logprobs is not None else None,
+            "finish_reason": pieces[-1][2],
+        }
         return {**self._envelope([choice]), "usage": self.usage()}

@@ -1,28 +1,37 @@
-"""The deployment files: Dockerfile, .dockerignore and docker-compose.yml.
+"""The deployment files: Dockerfile, .dockerignore, docker-compose.yml and deploy/.
 
 No Docker engine runs here, so the files are checked for what the project relies on: the compose
 file against a JSON schema of those parts (and by ``docker compose config`` when a compose tool is
 installed), its settings against the server's real ones, and both health checks by running them
-against a small local HTTP server.
+against a small local HTTP server. The nginx config is run for real: Debian's nginx (``make
+test`` installs it) in front of two ``ordinal serve`` processes on loopback ports; without nginx
+that test skips, except under CI (``CI`` set), where it fails.
 """
 
 from __future__ import annotations
 
 import http.server
+import itertools
 import json
+import os
 import re
 import shlex
 import shutil
 import subprocess
 import sys
 import threading
+import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import jsonschema
 import pytest
 import yaml
+
+from tests.server.conftest import free_socket, sse_events
 
 REPO = Path(__file__).resolve().parents[1]
 CPU_TORCH_INDEX = "https://download.pytorch.org/whl/cpu"
@@ -187,10 +196,49 @@ def test_compose_environment_is_valid_settings(
 
 def test_containers_listen_where_ports_and_healthcheck_point() -> None:
     exposed = {arg for name, arg in dockerfile_instructions() if name == "EXPOSE"}
-    for service in load_compose()["services"].values():
+    for name in ("ordinal", "ordinal-gpu"):
+        service = load_compose()["services"][name]
         container_ports = {mapping.split(":")[-1] for mapping in service["ports"]}
         assert container_ports == {interpolate(service["environment"]["ORDINAL_PORT"])}
         assert container_ports <= exposed
+
+
+def test_scale_profile_puts_replicas_behind_nginx() -> None:
+    services = load_compose()["services"]
+    replica, nginx = services["ordinal-replica"], services["nginx"]
+    assert replica["profiles"] == nginx["profiles"] == ["scale"]
+    jsonschema.validate({**replica, "ports": ["1:1"]}, SERVICE_SCHEMA)  # a server like the others
+    assert "ports" not in replica  # reached through nginx only, so replicas > 1 cannot clash
+    assert int(interpolate(str(replica["deploy"]["replicas"]))) == 2
+    assert nginx["depends_on"]["ordinal-replica"]["condition"] == "service_healthy"
+    assert "./deploy/nginx.conf.template:/etc/ordinal/nginx.conf.template:ro" in nginx["volumes"]
+    environment = nginx["environment"]
+    host, port = environment["UPSTREAM"].split(":")
+    assert host == "ordinal-replica" and port == replica["environment"]["ORDINAL_PORT"]
+    assert nginx["ports"] == [f"{environment['NGINX_LISTEN']}:{environment['NGINX_LISTEN']}"]
+
+
+@pytest.mark.skipif(shutil.which("envsubst") is None, reason="envsubst (gettext-base) missing")
+def test_compose_renders_the_nginx_config_like_the_test_does(tmp_path: Path) -> None:
+    """The nginx service's envsubst leaves nginx's own variables alone and yields the config the
+    nginx test runs, with the replica service as the one upstream name."""
+    nginx = load_compose()["services"]["nginx"]
+    script = nginx["command"][2].replace("$$", "$")  # compose's escape for a literal $
+    envsubst = re.search(r"envsubst '[^']*'", script)[0]
+    rendered = subprocess.run(
+        f"{envsubst} < {NGINX_TEMPLATE}",
+        shell=True,
+        env={**nginx["environment"], "PATH": os.environ["PATH"], "host": "WRONG"},
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    environment = nginx["environment"]
+    expected = render_nginx_config(
+        environment["NGINX_LISTEN"], [environment["UPSTREAM"]], environment["NGINX_ACCESS_LOG"]
+    )
+    assert rendered == expected
+    assert "proxy_set_header Host $host;" in rendered
 
 
 def compose_tool() -> list[str] | None:
@@ -241,7 +289,7 @@ def test_image_leaves_out_checkpoints_and_local_state() -> None:
 
 
 def test_serve_command_is_accepted_by_the_cli() -> None:
-    from server.cli import build_parser
+    from ordinal import build_parser
 
     args = build_parser().parse_args(SERVE_COMMAND[1:])
     assert (args.command, args.host) == ("serve", "0.0.0.0")
@@ -297,3 +345,172 @@ def test_healthcheck_passes_only_when_health_answers_ok(
         timeout=30,
     )
     assert (result.returncode == 0) == healthy, result.stderr
+
+
+# ----------------------------------------------------------------------------------------------
+# nginx in front of two replicas (deploy/nginx.conf.template)
+
+NGINX_TEMPLATE = REPO / "deploy" / "nginx.conf.template"
+FORWARD_SECONDS = 0.02  # each forward pass of the replicas' model is slowed to this at least
+# A replica: `ordinal serve ARGS` with every forward pass slowed, so a stream's timing shows.
+SLOW_REPLICA = f"""
+import sys, time
+import model.transformer
+forward = model.transformer.Transformer.forward
+def slow(self, *args, **kwargs):
+    time.sleep({FORWARD_SECONDS})
+    return forward(self, *args, **kwargs)
+model.transformer.Transformer.forward = slow
+import ordinal
+sys.exit(ordinal.main(sys.argv[1:]))
+"""
+
+
+def render_nginx_config(listen: str, upstreams: list[str], access_log: str) -> str:
+    """The template with its variables set: the ``${UPSTREAM}`` line once per replica."""
+    lines = []
+    for line in NGINX_TEMPLATE.read_text().splitlines():
+        if "${UPSTREAM}" in line and not line.lstrip().startswith("#"):
+            lines += [line.replace("${UPSTREAM}", upstream) for upstream in upstreams]
+        else:  # a comment names them all
+            lines.append(line.replace("${UPSTREAM}", " ".join(upstreams)))
+    text = "\n".join(lines) + "\n"
+    return text.replace("${NGINX_LISTEN}", listen).replace("${NGINX_ACCESS_LOG}", access_log)
+
+
+def nginx_binary() -> str | None:
+    """Debian puts nginx in /usr/sbin, which a non-root PATH may lack."""
+    return shutil.which("nginx") or shutil.which("nginx", path="/usr/sbin:/usr/local/sbin")
+
+
+@pytest.fixture
+def nginx() -> str:
+    binary = nginx_binary()
+    if binary is None:
+        if os.environ.get("CI"):
+            pytest.fail("nginx is not installed (make test installs it with apt-get)")
+        pytest.skip("nginx is not installed: `make nginx` (apt-get install nginx) to run this")
+    return binary
+
+
+def free_port() -> int:
+    with free_socket() as sock:
+        return sock.getsockname()[1]
+
+
+def wait_until_healthy(url: str, process: subprocess.Popen[str], timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise AssertionError(f"{process.args} exited: {process.communicate()[1][-2000:]}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise TimeoutError(f"{url} did not become healthy in {timeout} s")
+
+
+def test_nginx_config_renders_one_upstream_line_per_replica() -> None:
+    text = render_nginx_config("127.0.0.1:1", ["127.0.0.1:2", "127.0.0.1:3"], "off")
+    servers = re.findall(r"^\s*server (\S+) (.*);$", text, flags=re.M)
+    assert [(address, rest.split()[:2]) for address, rest in servers] == [
+        ("127.0.0.1:2", ["max_fails=2", "fail_timeout=10s"]),
+        ("127.0.0.1:3", ["max_fails=2", "fail_timeout=10s"]),
+    ]
+    assert re.search(r"^\s*proxy_buffering off;$", text, flags=re.M)  # SSE passes unbuffered
+    assert "${" not in "".join(line for line in text.splitlines() if "#" not in line)
+
+
+def test_nginx_spreads_requests_over_two_replicas_and_streams_unbuffered(
+    nginx: str, checkpoints: Path, tmp_path: Path
+) -> None:
+    ports = [free_port(), free_port()]
+    environment = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    environment.pop("ORDINAL_API_KEY", None)
+    processes: list[subprocess.Popen[str]] = []
+    try:
+        for port in ports:
+            serve = ["serve", "--checkpoints", str(checkpoints), "--models", "rope"]
+            serve += ["--port", str(port), "--device", "cpu", "--threads", "1"]
+            serve += ["--stream-interval", "0"]
+            processes.append(
+                subprocess.Popen(
+                    [sys.executable, "-c", SLOW_REPLICA, *serve],
+                    cwd=REPO,
+                    env=environment,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                )
+            )
+        for port, process in zip(ports, processes, strict=True):
+            wait_until_healthy(f"http://127.0.0.1:{port}", process)
+
+        listen = free_port()
+        prefix = tmp_path / "nginx"
+        prefix.mkdir()
+        (prefix / "tmp").mkdir()
+        access_log = prefix / "access.log"
+        upstreams = [f"127.0.0.1:{port}" for port in ports]
+        config = prefix / "nginx.conf"
+        config.write_text(render_nginx_config(f"127.0.0.1:{listen}", upstreams, str(access_log)))
+        checked = subprocess.run(
+            [nginx, "-t", "-p", f"{prefix}/", "-c", str(config), "-e", "stderr"],
+            capture_output=True,
+            text=True,
+        )
+        assert checked.returncode == 0, checked.stderr
+        process = subprocess.Popen(
+            [nginx, "-p", f"{prefix}/", "-c", str(config), "-e", "stderr", "-g", "daemon off;"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        processes.append(process)
+        front = f"http://127.0.0.1:{listen}"
+        wait_until_healthy(front, process, timeout=30)
+
+        with httpx.Client(base_url=front, timeout=60) as client:
+            for seed in range(20):
+                body = {"model": "rope", "prompt": "ROMEO:", "max_tokens": 1, "seed": seed}
+                response = client.post("/v1/completions", json=body)
+                assert response.status_code == 200, response.text
+                assert response.json()["choices"][0]["text"] is not None
+
+            tokens = 20
+            body = {"model": "rope", "prompt": "ROMEO:", "max_tokens": tokens, "stream": True}
+            body |= {"ignore_eos": True, "temperature": 0}
+            arrivals: list[float] = []
+            with client.stream("POST", "/v1/completions", json=body) as response:
+                assert response.status_code == 200
+                assert response.headers["content-type"].startswith("text/event-stream")
+                for event in sse_events(response.iter_lines()):
+                    if event == "[DONE]":
+                        break
+                    if any(choice.get("text") for choice in event.get("choices", [])):
+                        arrivals.append(time.perf_counter())
+
+        served = Counter(
+            re.search(r"upstream=(\S+)", line)[1]
+            for line in access_log.read_text().splitlines()
+            if '"POST /v1/completions' in line
+        )
+        assert set(served) == set(upstreams), served  # both replicas answered
+        assert sum(served.values()) == 21
+        # Token by token: the first token arrived while the rest were still being generated
+        # (each takes at least FORWARD_SECONDS), not all at once when the stream ended.
+        # (A token can carry no text yet: part of a character, held back until it completes.)
+        assert len(arrivals) > tokens // 2
+        assert arrivals[-1] - arrivals[0] > 0.5 * (tokens - 1) * FORWARD_SECONDS
+        gaps = [later - earlier for earlier, later in itertools.pairwise(arrivals)]
+        assert sum(gap > FORWARD_SECONDS / 2 for gap in gaps) >= tokens // 3
+    finally:
+        for process in reversed(processes):
+            process.terminate()
+        for process in processes:
+            try:
+                process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                process.kill()

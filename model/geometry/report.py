@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 from matplotlib.figure import Figure
+from tqdm import tqdm
 
 from model.config import ModelConfig, write_json_atomic, write_text_atomic
 from model.data import boundary_sequences, encode_documents
@@ -293,6 +294,17 @@ def _corpus_sections(geometry: CorpusGeometry, mds: MDSResult, seed: int) -> dic
     }
 
 
+# What write_report's progress bar counts, in order.
+GEOMETRY_STAGES = ("corpus", "schemes", "requirements", "rank and stress", "figures")
+
+
+def _advance(progress: tqdm) -> None:
+    """Mark the current stage done and name the next one."""
+    progress.update()
+    if progress.n < len(GEOMETRY_STAGES):
+        progress.set_postfix_str(GEOMETRY_STAGES[progress.n])
+
+
 def write_report(
     out_dir: str | Path,
     corpus: str = "synthetic",
@@ -317,6 +329,9 @@ def write_report(
         raise GeometryInputError(f"corpus must be one of {list(CORPORA)}, got {corpus!r}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    # One bar over the stages (on stderr); the corpus and the schemes take most of the time.
+    progress = tqdm(total=len(GEOMETRY_STAGES), desc="geometry", unit="stage", leave=False)
+    progress.set_postfix_str(GEOMETRY_STAGES[0])
     trained = checkpoint_schemes(checkpoints)
     # Trained tables end at their context; analyse no further than every checkpoint reaches.
     reach = [scheme.config.context_length for _, scheme in trained]
@@ -326,11 +341,14 @@ def write_report(
     if corpus == "shakespeare" and tokenizer_path is None and checkpoints:
         tokenizer_path = Path(checkpoints[0]) / "tokenizer.json"
     geometry = load_corpus_geometry(corpus, n, seed, tokenizer_path)
+    _advance(progress)
 
     mds = classical_mds(geometry.hellinger)
     labelled = trained or untrained_schemes(geometry, d_model, seed)
     diagnostics = [scheme_diagnostics(label, s, geometry.hellinger) for label, s in labelled]
+    _advance(progress)
     requirements = requirement_table([scheme for _, scheme in labelled], n)
+    _advance(progress)
     table_width = trained[0][1].config.d_model if trained else d_model
     ranks = sorted({rank for rank in TABLE_RANKS if rank < n} | {n - 1})
 
@@ -345,6 +363,7 @@ def write_report(
             for (label, _), row in zip(labelled, requirements, strict=True)
         ],
     }
+    _advance(progress)
     if corpus == "synthetic" and n == DEFAULT_N_POSITIONS["synthetic"]:
         measured = synthetic_figures(synthetic_corpus(seed=seed), noise_seed=seed)
         report["paper_comparison"] = {
@@ -362,6 +381,8 @@ def write_report(
     }
     for name, figure in figures.items():
         _save(figure, out / name)
+    _advance(progress)
+    progress.close()
     report["figures"] = sorted(figures)
     report = _json_ready(report)
     write_json_atomic(out / REPORT_FILE, report)

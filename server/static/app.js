@@ -1,5 +1,5 @@
 // The ordinal playground. It talks only to this server: /v1/models, /v1/tokenize,
-// /v1/completions (streamed, Server-Sent Events) and /v1/trace. Charts are Observable Plot
+// /v1/completions (streamed, Server-Sent Events), /v1/trace and /v1/geometry. Charts are Observable Plot
 // marks (cell = heatmap, bar = bars, line), on the d3 vendored beside it; the page draws no
 // SVG or canvas of its own.
 /* global d3, Plot */
@@ -38,6 +38,8 @@ const state = {
   abort: null, // AbortController of the running Generate or Compare
   lastTrace: null, // {key, trace}
   traceTimer: null,
+  reports: new Map(), // corpus → report.json of `ordinal geometry` (GET /v1/geometry/{corpus})
+  positional: new Map(), // model → its trace without attention, over its training length
 };
 
 // ---- talking to the server ----------------------------------------------------------------
@@ -45,12 +47,19 @@ const state = {
 class ServerError extends Error {}
 
 async function post(path, body, signal) {
-  const response = await fetch(path, {
+  return answer(await fetch(path, {
     method: "POST",
     headers: { "Content-Type": "application/json" },
     body: JSON.stringify(body),
     signal,
-  });
+  }));
+}
+
+async function get(path) {
+  return answer(await fetch(path));
+}
+
+async function answer(response) {
   const data = await response.json();
   if (!response.ok) throw new ServerError(data.error ? data.error.message : response.statusText);
   return data;
@@ -159,6 +168,7 @@ function showView(view) {
     section.hidden = section.id !== `view-${view}`;
   }
   if (view === "inside") runTrace();
+  if (view === "encodings") drawEncodings();
 }
 
 // ---- Generate -----------------------------------------------------------------------------
@@ -253,6 +263,7 @@ async function showAlternatives(index, span) {
       prompt: prefix.slice(-256),
       ...generation.settings,
       top: 12,
+      attention: false,
     });
     const heading = document.createElement("h2");
     heading.textContent = `Token ${index + 1}: “${visible(span.textContent)}” — the alternatives before and after each stage`;
@@ -385,16 +396,7 @@ function drawPipeline(trace) {
   })];
   const vectors = trace.embedding.position_vectors;
   if (vectors) {
-    const cells = vectors.flatMap((row, position) => row.map((value, dim) => ({ position, dim, value })));
-    // A symmetric domain at the 99th percentile of |value|, so that a few large entries do not
-    // wash out the rest (integer's grow without bound).
-    const extent = d3.quantile(cells, 0.99, (d) => Math.abs(d.value)) || 1;
-    parts.push(Plot.plot({
-      width: 460, height: 280, marginLeft: 44,
-      x: { label: "dimension", ticks: 8 }, y: { label: "position", reverse: false, ticks: 8 },
-      color: { type: "linear", scheme: "RdBu", domain: [-extent, extent], clamp: true, legend: true, label: "value added" },
-      marks: [Plot.raster(cells, { x: "dim", y: "position", fill: "value", interpolate: "none", imageRendering: "pixelated", width: vectors[0].length, height: length })],
-    }));
+    parts.push(vectorHeatmap(vectors, 460, 280));
   } else {
     parts.push(note(positionNote(trace.scheme)));
   }
@@ -404,6 +406,35 @@ function drawPipeline(trace) {
   fillSelect($("layer"), trace.n_layers, "layer");
   fillSelect($("head"), trace.n_heads, "head");
   drawAttention();
+}
+
+// The positional vectors [T][d_model] as a position × dimension heatmap.
+function vectorHeatmap(vectors, width, height, title) {
+  const cells = vectors.flatMap((row, position) => row.map((value, dim) => ({ position, dim, value })));
+  // A symmetric domain at the 99th percentile of |value|, so that a few large entries do not
+  // wash out the rest (integer's grow without bound).
+  const extent = d3.quantile(cells, 0.99, (d) => Math.abs(d.value)) || 1;
+  return Plot.plot({
+    title, width, height, marginLeft: 44,
+    x: { label: "dimension", ticks: 8 }, y: { label: "position", reverse: false, ticks: 8 },
+    color: { type: "linear", scheme: "RdBu", domain: [-extent, extent], clamp: true, legend: true, label: "value added" },
+    marks: [Plot.raster(cells, { x: "dim", y: "position", fill: "value", interpolate: "none", imageRendering: "pixelated", width: vectors[0].length, height: vectors.length })],
+  });
+}
+
+// rope's rotation angles [T][pairs] (mod 2π) as a position × dimension-pair heatmap.
+function rotationChart(rotation, height, title) {
+  const cells = rotation.flatMap((row, position) => row.map((angle, pair) => ({
+    position, pair, angle: ((angle % (2 * Math.PI)) + 2 * Math.PI) % (2 * Math.PI),
+  })));
+  const every = rotation.length <= 24 ? 2 : 16;
+  return Plot.plot({
+    title, width: 360, height, marginLeft: 44, padding: 0,
+    x: { type: "band", label: "dimension pair (fast → slow) →", tickFormat: (i) => (i % 4 === 0 ? i : "") },
+    y: { type: "band", label: "↓ position", tickFormat: (i) => (i % every === 0 ? i : "") },
+    color: { type: "linear", domain: [0, 2 * Math.PI], scheme: "Sinebow", label: "angle (rad)", legend: true },
+    marks: [Plot.cell(cells, { x: "pair", y: "position", fill: "angle", inset: 0 })],
+  });
 }
 
 function positionNote(scheme) {
@@ -471,18 +502,8 @@ function drawAttention() {
       scheme: "PuOr", type: "diverging", pivot: 0, label: "added to the score", size,
     }));
   } else if (trace.rotation) {
-    const cells = trace.rotation.flatMap((row, position) => row.map((angle, pair) => ({
-      position, pair, angle: ((angle % (2 * Math.PI)) + 2 * Math.PI) % (2 * Math.PI),
-    })));
-    const every = trace.rotation.length <= 24 ? 2 : 16;
-    side.replaceChildren(Plot.plot({
-      title: "rope: rotation angle per dimension pair (mod 2π), all heads and layers",
-      width: 360, height: size + 60, marginLeft: 44, padding: 0,
-      x: { type: "band", label: "dimension pair (fast → slow) →", tickFormat: (i) => (i % 4 === 0 ? i : "") },
-      y: { type: "band", label: "↓ position", tickFormat: (i) => (i % every === 0 ? i : "") },
-      color: { type: "linear", domain: [0, 2 * Math.PI], scheme: "Sinebow", label: "angle (rad)", legend: true },
-      marks: [Plot.cell(cells, { x: "pair", y: "position", fill: "angle", inset: 0 })],
-    }));
+    side.replaceChildren(rotationChart(trace.rotation, size + 60,
+      "rope: rotation angle per dimension pair (mod 2π), all heads and layers"));
   } else {
     side.replaceChildren(note(
       trace.embedding.position_vectors
@@ -490,6 +511,207 @@ function drawAttention() {
         : positionNote(trace.scheme),
     ));
   }
+}
+
+// ---- Encodings ----------------------------------------------------------------------------
+// Per scheme: its positional vectors, bias or rotation over the training length (a trace of the
+// served model, without attention), how they depend on distance, and what `ordinal geometry`
+// measured (GET /v1/geometry/{corpus}: the committed report.json and its figures, unchanged).
+
+const REQUIREMENT_COLUMNS = [
+  ["bounded", "bounded_growth", "bounded (growth 4n/n)"],
+  ["unique", "min_separation", "unique (min separation)"],
+  ["length_independent", "length_drift", "length-independent (drift)"],
+  ["smooth", "smoothness", "smooth (max step / median)"],
+  ["relative_recoverable", "relative_error", "relative recoverable (error)"],
+  ["beyond_max_positions", null, "past max_positions"],
+];
+const DIAGNOSTICS = [
+  ["stress", "stress"],
+  ["scale_free_stress", "scale-free stress"],
+  ["monotonicity_violation_rate", "monotonicity violations"],
+  ["min_separation", "min separation"],
+];
+const FIGURE_CAPTIONS = {
+  "hellinger.png": "Hellinger distance between the token distributions at each pair of positions",
+  "eigenspectrum.png": "eigenvalues of the MDS Gram matrix: how many dimensions position needs",
+  "mds_scatter.png": "the positions in the top two MDS coordinates",
+  "stress.png": "stress of every scheme against the corpus geometry",
+  "dot_products.png": "mean PE_i·PE_i+k against the offset, per scheme",
+  "requirements.png": "the five requirements, measured, per scheme",
+};
+
+const formatNumber = (value) => (value === null || value === undefined ? "n/a" : typeof value === "number" ? d3.format(".3~g")(value) : String(value));
+const verdict = (value) => (value === true ? "yes" : value === false ? "no" : "n/a");
+
+async function positionalTrace(name) {
+  if (!state.positional.has(name)) {
+    const entry = modelInfo(name);
+    const { tokens } = await post("/v1/tokenize", { model: name, prompt: LONG_PROMPT });
+    // The positional pieces do not depend on the tokens: any prompt of the training length will do.
+    const length = Math.min(entry.context_length, entry.max_context, 256) - 1;
+    const prompt = Array.from({ length }, (_, i) => tokens[1 + (i % (tokens.length - 1))]);
+    state.positional.set(name, await post("/v1/trace", { model: name, prompt, attention: false, top: 1 }));
+  }
+  return state.positional.get(name);
+}
+
+async function geometryReport(corpus) {
+  if (!state.reports.has(corpus)) state.reports.set(corpus, await get(`/v1/geometry/${corpus}`));
+  return state.reports.get(corpus);
+}
+
+async function drawEncodings() {
+  const name = model();
+  const corpus = $("corpus").value;
+  const stats = $("encodings-stats");
+  stats.textContent = "loading…";
+  try {
+    const [trace, report] = await Promise.all([positionalTrace(name), corpus ? geometryReport(corpus) : null]);
+    if (name !== model() || corpus !== $("corpus").value) return; // a later choice is drawing
+    drawPositional(trace);
+    if (report) drawReport(report, trace.scheme);
+    const view = $("view-encodings");
+    view.dataset.scheme = trace.scheme;
+    view.dataset.drawn = String(Number(view.dataset.drawn || 0) + 1);
+    stats.textContent = `${trace.model}: ${trace.scheme}, positions 0–${trace.tokens.length - 1} (its training length)`;
+  } catch (error) {
+    stats.textContent = "";
+    showError($("encoding-chart"), error);
+  }
+}
+
+function drawPositional(trace) {
+  const length = trace.tokens.length;
+  const left = $("encoding-chart");
+  const right = $("distance-chart");
+  const vectors = trace.embedding.position_vectors;
+  if (vectors) {
+    left.replaceChildren(vectorHeatmap(vectors, 520, 330, `${trace.scheme}: the vector added at each position`));
+    // The same profile the report measures: mean PE_i·PE_i+k over i, over the mean ‖PE_i‖².
+    const dot = (a, b) => d3.sum(a, (value, i) => value * b[i]);
+    const norm = d3.mean(vectors, (v) => dot(v, v));
+    const points = d3.range(length).map((k) => ({
+      distance: k, value: d3.mean(d3.range(length - k), (i) => dot(vectors[i], vectors[i + k])) / norm,
+    }));
+    right.replaceChildren(distancePlot(points, {
+      title: "dot product vs distance: mean PE_i·PE_i+k / mean ‖PE_i‖²", y: "dot product",
+    }));
+  } else if (trace.position_bias) {
+    const heads = trace.position_bias.length;
+    const size = heads > 4 ? 150 : 190;
+    left.replaceChildren(...trace.position_bias.map((matrix, head) => biasRaster(matrix, head, size)));
+    // Row T−1 of each head: the bias the last query adds to a key d positions back.
+    const points = trace.position_bias.flatMap((matrix, head) => matrix[length - 1].map((value, key) => ({
+      distance: length - 1 - key, value, head: `head ${head}`,
+    })));
+    right.replaceChildren(distancePlot(points, {
+      title: `score bias vs distance (${trace.scheme === "alibi" ? "−slope × distance" : "learned per bucket"})`,
+      y: "added to the score", stroke: "head",
+    }));
+  } else if (trace.rotation) {
+    left.replaceChildren(rotationChart(trace.rotation, 330, "rope: the rotation angle per position and dimension pair (mod 2π)"));
+    // q·k of one unit vector rotated at two positions d apart: the mean over pairs of cos(d·θ).
+    const points = trace.rotation.map((angles, distance) => ({ distance, value: d3.mean(angles, Math.cos) }));
+    right.replaceChildren(distancePlot(points, {
+      title: "dot product vs distance: (R(i)·u)·(R(i+d)·u) for a unit all-equal u", y: "dot product",
+    }));
+  } else {
+    left.replaceChildren(note(positionNote(trace.scheme)));
+    right.replaceChildren(note("No positional vectors and no bias: every distance looks the same to attention."));
+  }
+  left.dataset.drawn = String(Number(left.dataset.drawn || 0) + 1);
+}
+
+function biasRaster(matrix, head, size) {
+  const length = matrix.length;
+  const cells = matrix.flatMap((row, q) => row.map((value, k) => ({ q, k, value })));
+  return Plot.plot({
+    title: `head ${head}`, width: size + 40, height: size + 40, marginLeft: 34, marginBottom: 34,
+    x: { domain: [0, length], label: "key →", ticks: 4 },
+    y: { domain: [0, length], label: "↓ query", ticks: 4, reverse: true },
+    // Each head on its own scale, from its most negative bias to 0 (white): alibi's slopes
+    // differ by powers of two, and one shared scale would leave the gentle heads blank.
+    color: { type: "linear", scheme: "Purples", reverse: true, domain: [d3.min(cells, (d) => d.value), 0], legend: true, label: "bias", width: size },
+    marks: [Plot.raster(cells, { x: (d) => d.k + 0.5, y: (d) => d.q + 0.5, fill: "value", width: length, height: length, interpolate: "none", imageRendering: "pixelated" })],
+  });
+}
+
+function distancePlot(points, { title, y, stroke }) {
+  return Plot.plot({
+    title, width: 440, height: 330, marginLeft: 50,
+    x: { label: "distance (positions) →" }, y: { label: y, grid: true },
+    color: stroke ? { legend: true } : undefined,
+    marks: [Plot.ruleY([0]), Plot.lineY(points, { x: "distance", y: "value", stroke: stroke ?? "#3b5bdb", tip: true })],
+  });
+}
+
+function drawReport(report, scheme) {
+  const corpus = report.corpus;
+  $("report-what").textContent = `corpus ${corpus.name}: ${corpus.n_sequences.toLocaleString()} sequences, ${corpus.n_positions} positions — ${report.schemes.some((s) => s.label.includes("(")) ? "the shipped checkpoints" : "every scheme untrained"}`;
+  const own = report.schemes.find((entry) => entry.scheme === scheme);
+
+  // dot product vs offset, as measured: every scheme, the chosen one drawn over the rest
+  const lines = report.schemes.flatMap((entry) => (entry.dot_product_by_offset ?? [])
+    .map((value, offset) => ({ offset, value, label: entry.label, chosen: entry.scheme === scheme }))
+    .filter((d) => d.value !== null));
+  $("profile-chart").replaceChildren(Plot.plot({
+    title: `measured: mean PE_i·PE_i+k / mean ‖PE_i‖² (${scheme} in colour)`,
+    width: 460, height: 300, marginLeft: 44,
+    x: { label: "offset k →" }, y: { label: "dot product", grid: true },
+    marks: [
+      Plot.ruleY([0]),
+      Plot.lineY(lines.filter((d) => !d.chosen), { x: "offset", y: "value", z: "label", stroke: "#ccc", strokeWidth: 1 }),
+      Plot.lineY(lines.filter((d) => d.chosen), { x: "offset", y: "value", stroke: "#e8590c", strokeWidth: 2.5, tip: true }),
+    ],
+  }));
+
+  const diagnostics = document.createElement("table");
+  diagnostics.className = "measured";
+  diagnostics.innerHTML = "<caption></caption><tbody></tbody>";
+  diagnostics.caption.textContent = own ? `${own.label} against the corpus geometry` : `no ${scheme} in this report`;
+  for (const [key, label] of own ? DIAGNOSTICS : []) {
+    const row = diagnostics.tBodies[0].insertRow();
+    row.insertCell().textContent = label;
+    row.insertCell().textContent = own.error ? own.error : formatNumber(own[key]);
+  }
+  $("diagnostics").replaceChildren(diagnostics);
+
+  // the five requirements, measured: every scheme, the chosen one highlighted
+  const table = document.createElement("table");
+  table.className = "requirements";
+  const head = table.createTHead().insertRow();
+  for (const label of ["encoding", ...REQUIREMENT_COLUMNS.map(([, , text]) => text)]) {
+    const cell = document.createElement("th");
+    cell.textContent = label;
+    head.append(cell);
+  }
+  const body = table.createTBody();
+  for (const entry of report.requirements) {
+    const row = body.insertRow();
+    row.classList.toggle("chosen", entry.scheme === scheme);
+    row.dataset.scheme = entry.scheme;
+    row.insertCell().textContent = entry.label;
+    for (const [flag, measure] of REQUIREMENT_COLUMNS) {
+      const cell = row.insertCell();
+      cell.className = `verdict-${verdict(entry[flag]).replace("/", "")}`;
+      cell.textContent = verdict(entry[flag]) + (measure ? ` (${formatNumber(entry[measure])})` : "");
+    }
+  }
+  $("requirements-table").replaceChildren(table);
+
+  const figures = report.figures.map((figure) => {
+    const element = document.createElement("figure");
+    const image = new Image();
+    image.src = `/v1/geometry/${encodeURIComponent(corpus.name)}/${encodeURIComponent(figure)}`;
+    image.alt = FIGURE_CAPTIONS[figure] ?? figure;
+    image.loading = "lazy";
+    const caption = document.createElement("figcaption");
+    caption.textContent = FIGURE_CAPTIONS[figure] ?? figure;
+    element.append(image, caption);
+    return element;
+  });
+  $("figures").replaceChildren(...figures);
 }
 
 // ---- Compare ------------------------------------------------------------------------------
@@ -647,7 +869,15 @@ async function start() {
       if (state.view === "inside") scheduleTrace();
     });
   }
-  select.addEventListener("change", () => { showInfo(); if (state.view === "inside") scheduleTrace(); });
+  select.addEventListener("change", () => {
+    showInfo();
+    if (state.view === "inside") scheduleTrace();
+    if (state.view === "encodings") drawEncodings();
+  });
+  const reports = await get("/v1/geometry");
+  $("corpus").replaceChildren(...reports.data.map((entry) => new Option(`${entry.corpus} (${entry.n_positions} positions)`, entry.corpus)));
+  if (reports.data.some((entry) => entry.corpus === "shakespeare")) $("corpus").value = "shakespeare";
+  $("corpus").addEventListener("change", drawEncodings);
   $("prompt").addEventListener("input", () => { if (state.view === "inside") scheduleTrace(); });
   $("generate").addEventListener("click", generate);
   $("stop").addEventListener("click", stopRunning);

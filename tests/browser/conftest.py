@@ -14,10 +14,9 @@ from urllib.parse import urlsplit
 
 import pytest
 
+from tests.browser.pages import CHROMIUM, launch
 from tests.server.conftest import Running, running_server, test_settings
 
-CHROMIUM = os.environ.get("ORDINAL_CHROMIUM", "/usr/bin/chromium")
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking"]
 LOCAL_HOSTS = {"127.0.0.1", "localhost", "[::1]", "::1"}
 
 
@@ -38,9 +37,7 @@ def browser() -> Iterator[Any]:
     except ImportError:
         _missing("the playwright package is not installed (it is in the dev extra)")
     with sync_playwright() as playwright:
-        chromium = playwright.chromium.launch(
-            executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS
-        )
+        chromium = launch(playwright)
         yield chromium
         chromium.close()
 

@@ -2,6 +2,7 @@
 
     .venv/bin/ordinal serve --port 8765 &     # the shipped checkpoints
     .venv/bin/python -m tests.browser.screenshots --url http://127.0.0.1:8765 --out docs/playground
+    .venv/bin/python -m tests.browser.screenshots --url http://127.0.0.1:8765 --only encodings
 
 Not a test: the pictures depend on the shipped models, and a person looks at them.
 """
@@ -13,17 +14,9 @@ from pathlib import Path
 
 from playwright.sync_api import Page, sync_playwright
 
-from tests.browser.conftest import CHROMIUM, CHROMIUM_ARGS
+from tests.browser.pages import launch, open_encodings, open_inside, set_value
 
 PROMPT = "ROMEO:\nBut soft, what light through yonder window breaks? It is the"
-
-
-def set_value(page: Page, selector: str, value: object) -> None:
-    page.eval_on_selector(
-        selector,
-        "(e, v) => { e.value = v; e.dispatchEvent(new Event('input', {bubbles: true})); }",
-        str(value),
-    )
 
 
 def generate(page: Page, out: Path) -> None:
@@ -50,38 +43,47 @@ def compare(page: Page, out: Path) -> None:
 
 
 def inside(page: Page, out: Path, model: str, name: str) -> None:
-    page.click("button[data-view=generate]")
-    page.select_option("#model", model)
-    set_value(page, "#prompt", PROMPT)
-    page.click("button[data-view=inside]")
-    page.wait_for_function(
-        "document.querySelector('#trace-stats').textContent.includes('tokens')", timeout=30_000
-    )
+    open_inside(page, model, PROMPT)
     page.select_option("#layer", "1")
     page.wait_for_timeout(500)
     page.screenshot(path=out / name, full_page=True)
+
+
+def encodings(page: Page, out: Path, model: str, name: str) -> None:
+    open_encodings(page, model)
+    page.wait_for_function(  # the report's figures have loaded
+        "[...document.querySelectorAll('#figures img')].every(i => i.complete && i.naturalWidth)",
+        timeout=30_000,
+    )
+    page.screenshot(path=out / name, full_page=True)
+
+
+SHOTS = {
+    "generate": lambda page, out: generate(page, out),
+    "inside": lambda page, out: [
+        inside(page, out, model, f"inside-{model}.png") for model in ("rope", "alibi", "learned")
+    ],
+    "encodings": lambda page, out: encodings(page, out, "alibi", "encodings.png"),
+    "compare": lambda page, out: compare(page, out),
+}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--url", default="http://127.0.0.1:8765")
     parser.add_argument("--out", type=Path, default=Path("docs/playground"))
+    parser.add_argument(
+        "--only", nargs="+", choices=sorted(SHOTS), default=list(SHOTS), help="views to shoot"
+    )
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(
-            executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS
-        )
+        browser = launch(playwright)
         page = browser.new_page(viewport={"width": 1400, "height": 900})
-        page.goto(args.url + "/")
-        page.wait_for_selector("body[data-ready=true]")
-        generate(page, args.out)
-        inside(page, args.out, "rope", "inside-rope.png")
-        inside(page, args.out, "alibi", "inside-alibi.png")
-        inside(page, args.out, "learned", "inside-learned.png")
-        page.goto(args.url + "/")
-        page.wait_for_selector("body[data-ready=true]")
-        compare(page, args.out)
+        for view in args.only:
+            page.goto(args.url + "/")  # each view from a fresh page
+            page.wait_for_selector("body[data-ready=true]")
+            SHOTS[view](page, args.out)
         browser.close()
     for path in sorted(args.out.glob("*.png")):
         print(path, path.stat().st_size)

@@ -1,5 +1,6 @@
 """The playground in a real headless Chromium: it loads cleanly and offline, streams a
-generation, compares models in columns, draws attention heatmaps and sampling-stage bars."""
+generation, compares models in columns, draws attention heatmaps and sampling-stage bars, and
+draws each scheme's encoding beside its measured geometry report."""
 
 from __future__ import annotations
 
@@ -8,21 +9,13 @@ from typing import Any
 import httpx
 
 from tests.browser.conftest import Watched
+from tests.browser.pages import drawn, open_encodings, open_inside, set_value
 from tests.server.conftest import Running
 
 PROMPT = "To be, or not to be, that is the question"
 
 BARS = "#stages-chart svg g[aria-label=bar] rect"
 CELLS = "#attention-chart svg g[aria-label=cell] rect"
-
-
-def set_value(page: Any, selector: str, value: object) -> None:
-    """Set an input (slider, textarea) as a user would: new value, then an input event."""
-    page.eval_on_selector(
-        selector,
-        "(e, v) => { e.value = v; e.dispatchEvent(new Event('input', {bubbles: true})); }",
-        str(value),
-    )
 
 
 def test_the_page_loads_clean_and_offline(watched: Watched, playground: Running) -> None:
@@ -113,16 +106,9 @@ def test_compare_shows_a_table_schemes_400_as_a_message(watched: Watched) -> Non
 
 def inside(page: Any, model: str = "alibi") -> int:
     """Open the Inside view on ``model`` and PROMPT; returns the trace's token count."""
-    page.select_option("#model", model)
-    set_value(page, "#prompt", PROMPT)
-    page.click("button[data-view=inside]")
-    page.wait_for_function("document.querySelector('#trace-stats').textContent.includes('tokens')")
+    open_inside(page, model, PROMPT)
     page.wait_for_selector(CELLS, state="attached")
     return int(page.inner_text("#trace-stats").split()[0])
-
-
-def drawn(page: Any, selector: str) -> int:
-    return int(page.get_attribute(selector, "data-drawn") or 0)
 
 
 def test_inside_draws_the_attention_heatmap_and_redraws_per_head(watched: Watched) -> None:
@@ -150,3 +136,44 @@ def test_moving_the_temperature_slider_changes_the_bars(watched: Watched) -> Non
     after = page.eval_on_selector_all(BARS, "rs => rs.map(r => r.getAttribute('width'))")
     assert after != widths
     assert page.inner_text("output[for=temperature]") == "1.9"
+
+
+def test_encodings_draws_a_scheme_and_redraws_for_another(watched: Watched) -> None:
+    page = watched.open()
+    open_encodings(page, "alibi")
+    view = "#view-encodings"
+    assert page.get_attribute(view, "data-scheme") == "alibi"
+    # alibi: one bias heatmap per head, its bias against distance (a line per head).
+    assert page.locator("#encoding-chart svg g[aria-label=raster] image").count() == 4
+    assert page.locator("#distance-chart svg g[aria-label=line] path").count() == 4
+    # The report: the chosen row highlighted in the ten-row requirement table, the six figures.
+    rows = page.locator("#requirements-table tbody tr")
+    assert rows.count() == 10
+    assert page.eval_on_selector_all(
+        "#requirements-table tr.chosen", "rs => rs.map(r => r.dataset.scheme)"
+    ) == ["alibi"]
+    page.wait_for_function(
+        "[...document.querySelectorAll('#figures img')].length === 6 && "
+        "[...document.querySelectorAll('#figures img')].every(i => i.complete && i.naturalWidth)"
+    )
+    chosen = page.inner_text("#requirements-table tr.chosen")
+    report = httpx.get(f"{page.url.rstrip('/')}/v1/geometry/shakespeare").json()
+    alibi = next(row for row in report["requirements"] if row["scheme"] == "alibi")
+    assert f"({alibi['min_separation']:.3g})" in chosen  # the report's number, not a copy
+    before = drawn(page, view)
+    open_encodings(page, "learned")
+    assert drawn(page, view) > before
+    assert page.get_attribute(view, "data-scheme") == "learned"
+    # learned: its vectors as one position × dimension heatmap, the dot product by distance.
+    assert page.locator("#encoding-chart svg g[aria-label=raster] image").count() == 1
+    assert page.locator("#distance-chart svg g[aria-label=line] path").count() == 1
+    assert page.eval_on_selector_all(
+        "#requirements-table tr.chosen", "rs => rs.map(r => r.dataset.scheme)"
+    ) == ["learned"]
+    open_encodings(page, "rope")
+    assert page.locator("#encoding-chart svg g[aria-label=cell] rect").count() > 0  # angles
+    page.select_option("#corpus", "synthetic")
+    page.wait_for_function(  # the synthetic report: every scheme untrained, 32 positions
+        "document.querySelector('#report-what').textContent.startsWith('corpus synthetic')"
+    )
+    assert page.locator("#figures img[src*=synthetic]").count() == 6

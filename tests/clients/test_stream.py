@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from clients.stream import main
+from clients.stream import default_url, main
 from tests.server.conftest import (
     Running,
     free_socket,
@@ -151,3 +151,20 @@ def test_ctrl_c_exits_130_without_a_traceback() -> None:
         connection.close()
     assert client.returncode == 130
     assert "Traceback" not in err
+
+
+def test_the_server_comes_from_ordinal_url_or_ordinal_port(
+    server: Running, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert default_url({}) == "http://127.0.0.1:8000"
+    assert default_url({"ORDINAL_PORT": "8100"}) == "http://127.0.0.1:8100"
+    both = {"ORDINAL_PORT": "8100", "ORDINAL_URL": "http://10.0.0.1:9/"}
+    assert default_url(both) == "http://10.0.0.1:9"
+
+    port = server.url.rsplit(":", 1)[1]
+    for name, value in [("ORDINAL_URL", server.url), ("ORDINAL_PORT", port)]:
+        monkeypatch.delenv("ORDINAL_URL", raising=False)
+        monkeypatch.setenv(name, value)
+        argv = ["ROMEO:", "--model", "rope", "--api-key", "sesame", "--max-tokens", "3"]
+        assert main(argv) == 0, capsys.readouterr().err
+        assert TIMING.search(capsys.readouterr().err)

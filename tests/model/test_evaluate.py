@@ -1,5 +1,7 @@
 """``ordinal eval``: eval.json's fields, bits per character from characters (not tokens), table
-schemes reporting longer windows as unsupported, and the loss-by-position plot.
+schemes reporting longer windows as unsupported, the loss-by-position plot, files among the
+checkpoints skipped, eval.json written only with --save (and then byte-identical when nothing
+changed), and --reuse trusting the weights' hash, not file times.
 
 Tiny random checkpoints are scored on a few dozen validation speeches (``load_corpus`` is
 monkeypatched), so the whole file takes a few seconds.
@@ -8,8 +10,10 @@ monkeypatched), so the whole file takes a few seconds.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,11 +23,12 @@ import torch
 from tokenizers import Tokenizer
 
 import model.evaluate
-from model.checkpoint import save_checkpoint
+from model.checkpoint import data_section, save_checkpoint
 from model.corpus import Corpus, load_corpus
-from model.evaluate import EVAL_FILE, add_arguments
+from model.evaluate import EVAL_FILE
 from model.tokenizer import count_characters, special_ids, train_tokenizer
 from model.transformer import Transformer
+from ordinal import eval_options
 from tests.model.conftest import tiny_config
 
 CONTEXT = tiny_config().context_length
@@ -52,13 +57,31 @@ def evaluated(
         torch.manual_seed(seed)
         config = tiny_config(scheme, max_positions=CONTEXT)
         save_checkpoint(folder / scheme, Transformer(config), tokenizer)
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
     names = [str(folder / scheme) for scheme in UNBOUNDED_SCHEMES + TABLE_SCHEMES]
-    args = parser.parse_args([*names, "--plot", str(folder / "plots" / "loss.png")])
+    args = eval_args(*names, "--plot", str(folder / "plots" / "loss.png"), "--save")
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(model.evaluate, "load_corpus", lambda: Corpus((), validation))
         yield model.evaluate.run(args), folder
+
+
+def eval_args(*argv: str) -> argparse.Namespace:
+    """``ordinal eval``'s options, parsed."""
+    parser = argparse.ArgumentParser()
+    eval_options(parser)
+    return parser.parse_args(argv)
+
+
+@pytest.fixture
+def one_checkpoint(
+    tmp_path: Path, tokenizer: Tokenizer, validation: tuple[str, ...]
+) -> Iterator[Path]:
+    """A tiny rope checkpoint in a folder beside a README.md, scored on the small validation."""
+    torch.manual_seed(0)
+    save_checkpoint(tmp_path / "rope", Transformer(tiny_config("rope")), tokenizer)
+    (tmp_path / "README.md").write_text("not a checkpoint\n")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(model.evaluate, "load_corpus", lambda: Corpus((), validation))
+        yield tmp_path / "rope"
 
 
 def test_eval_json_carries_every_field(
@@ -125,3 +148,84 @@ def test_tables_as_long_as_the_context_report_longer_windows_unsupported(
 def test_plot_is_written(evaluated: tuple[list[dict[str, Any]], Path]) -> None:
     _, folder = evaluated
     assert (folder / "plots" / "loss.png").read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+
+
+def test_files_among_the_checkpoints_are_skipped_with_a_note(
+    one_checkpoint: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    readme = one_checkpoint.parent / "README.md"
+    reports = model.evaluate.run(eval_args(str(readme), str(one_checkpoint), "--multiples", "1"))
+    assert [report["scheme"] for report in reports] == ["rope"]
+    captured = capsys.readouterr()
+    assert f"skipping {readme}" in captured.err
+    assert "rope" in captured.out
+
+
+def test_only_files_is_an_error(one_checkpoint: Path) -> None:
+    with pytest.raises(ValueError, match="no checkpoint folders"):
+        model.evaluate.run(eval_args(str(one_checkpoint.parent / "README.md")))
+
+
+def test_nothing_is_written_unless_asked(one_checkpoint: Path) -> None:
+    before = sorted(path.name for path in one_checkpoint.iterdir())
+    model.evaluate.run(eval_args(str(one_checkpoint), "--multiples", "1"))
+    assert sorted(path.name for path in one_checkpoint.iterdir()) == before
+    assert not (one_checkpoint / EVAL_FILE).exists()
+
+
+def test_saving_again_leaves_eval_json_byte_identical(one_checkpoint: Path) -> None:
+    args = eval_args(str(one_checkpoint), "--multiples", "1", "2", "--save")
+    model.evaluate.run(args)
+    saved = (one_checkpoint / EVAL_FILE).read_bytes()
+    report = json.loads(saved)
+    assert (
+        report["weights_sha256"]
+        == hashlib.sha256(
+            data_section((one_checkpoint / "model.safetensors").read_bytes())
+        ).hexdigest()
+    )
+
+    # float noise (another thread count or batch size) below the tolerance: the file stays
+    noisy = json.loads(saved)
+    noisy["results"]["1x"]["loss"] *= 1 + 1e-9
+    (one_checkpoint / EVAL_FILE).write_text(json.dumps(noisy, indent=2))
+    noisy_bytes = (one_checkpoint / EVAL_FILE).read_bytes()
+    model.evaluate.run(
+        eval_args(str(one_checkpoint), "--multiples", "1", "2", "--save", "--batch-size", "3")
+    )
+    assert (one_checkpoint / EVAL_FILE).read_bytes() == noisy_bytes
+
+    model.evaluate.run(args)  # and an unchanged run rewrites nothing either
+    assert (one_checkpoint / EVAL_FILE).read_bytes() == noisy_bytes
+
+
+def test_reuse_checks_the_weights_hash_not_file_times(
+    one_checkpoint: Path, tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    args = eval_args(str(one_checkpoint), "--multiples", "1", "--save")
+    first = model.evaluate.run(args)[0]
+    # a clone's file times: eval.json older than the weights. Same weights → reused.
+    os.utime(one_checkpoint / EVAL_FILE, (0, 0))
+    calls: list[Path] = []
+    original = model.evaluate.evaluate_checkpoint
+
+    def counting(path: Path, *rest: Any) -> dict[str, Any]:
+        calls.append(path)
+        return original(path, *rest)
+
+    monkeypatch.setattr(model.evaluate, "evaluate_checkpoint", counting)
+    reuse = eval_args(str(one_checkpoint), "--multiples", "1", "--reuse")
+    assert model.evaluate.run(reuse)[0]["results"] == first["results"]
+    assert calls == []
+    # a multiple it lacks → evaluated
+    model.evaluate.run(eval_args(str(one_checkpoint), "--multiples", "1", "2", "--reuse"))
+    assert calls == [one_checkpoint]
+
+    # other weights, eval.json newer than them → evaluated all the same
+    torch.manual_seed(1)
+    save_checkpoint(one_checkpoint, Transformer(tiny_config("rope")), tokenizer)
+    os.utime(one_checkpoint / EVAL_FILE)
+    second = model.evaluate.run(reuse)[0]
+    assert calls == [one_checkpoint, one_checkpoint]
+    assert second["weights_sha256"] != first["weights_sha256"]
+    assert second["results"]["1x"]["loss"] != first["results"]["1x"]["loss"]

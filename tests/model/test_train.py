@@ -1,5 +1,6 @@
 """``ordinal train``: a short run learns, a resumed run equals an uninterrupted one, the mds scheme
-gets the training corpus's geometry, and a bad config is a one-line error.
+gets the training corpus's geometry, a bad config is a one-line error, and two processes under
+``torchrun`` (gloo, DDP) follow one process's loss curve with the same global batch.
 
 Training runs on a slice of the training split (monkeypatched ``load_corpus``) so the whole file
 takes seconds; the code under test is unchanged: it trains its tokenizer, encodes, samples and
@@ -11,7 +12,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
-from collections.abc import Iterator
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,21 +31,31 @@ from model.data import TrainingSequences, boundary_sequences, encode_documents
 from model.geometry.corpus import measure_corpus
 from model.geometry.metrics import pairwise_distances
 from model.tokenizer import load_tokenizer, special_ids
-from model.train import METRICS_FILE, STATE_FILE, add_arguments, prepare_tokenizer
-from server.cli import main
+from model.train import METRICS_FILE, STATE_FILE, prepare_tokenizer
+from ordinal import main, train_options
+
+REPO = Path(__file__).resolve().parents[2]
+# The venv's own torchrun (torch's launcher), else one on PATH.
+TORCHRUN = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or shutil.which(
+    "torchrun"
+)
 
 STEPS, BATCH, CONTEXT, VOCAB = 30, 8, 32, 300
 TINY_MODEL = ["--d-model", "32", "--n-layers", "1", "--n-heads", "2", "--d-ff", "64"]
 
 
-@pytest.fixture(scope="module")
-def small_corpus() -> Iterator[Corpus]:
+def small() -> Corpus:
     """Every speech of a few training plays and a few dozen validation speeches."""
     full = load_corpus()
-    small = Corpus(train=full.train[:3000], validation=full.validation[:40])
+    return Corpus(train=full.train[:3000], validation=full.validation[:40])
+
+
+@pytest.fixture(scope="module")
+def small_corpus() -> Iterator[Corpus]:
+    small_one = small()
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(model.train, "load_corpus", lambda: small)
-        yield small
+        patch.setattr(model.train, "load_corpus", lambda: small_one)
+        yield small_one
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +69,7 @@ def tokenizer_path(tmp_path_factory: pytest.TempPathFactory, small_corpus: Corpu
 def train_args(folder: Path, tokenizer: Path, *extra: str, scheme: str = "rope") -> Any:
     """Parsed ``ordinal train`` options for a tiny model writing into ``folder``."""
     parser = argparse.ArgumentParser()
-    add_arguments(parser)
+    train_options(parser)
     flags = [
         *("--scheme", scheme, "--out", str(folder / "ck"), "--state-dir", str(folder / "state")),
         *("--tokenizer", str(tokenizer), *TINY_MODEL, "--vocab-size", str(VOCAB)),
@@ -184,3 +199,61 @@ def test_bad_config_file_is_a_one_line_error(
     assert err.startswith("ordinal train: error:") and named in err
     assert "Traceback" not in err
     assert not (tmp_path / "ck").exists()
+
+
+@pytest.mark.skipif(
+    shutil.which("torchrun", path=Path(sys.executable).parent) is None
+    and shutil.which("torchrun") is None,
+    reason="torchrun is not installed",
+)
+def test_torchrun_two_processes_follow_one_process_loss_curve(
+    tmp_path: Path, tokenizer_path: Path, small_corpus: Corpus
+) -> None:
+    """Same global batch (8: 4 per process), same seed, dropout 0: the loss curve, validation
+    losses and final weights of DDP over gloo equal one process's within float rounding."""
+    (tmp_path / "config.json").write_text(json.dumps({"model": {"dropout": 0.0}}))
+    extra = ["--config", str(tmp_path / "config.json"), "--storage-dtype", "float32"]
+    extra += ["--steps", "8", "--eval-every", "4"]
+    one = model.train.run(train_args(tmp_path / "one", tokenizer_path, *extra))
+
+    args = train_args(tmp_path / "two", tokenizer_path, *extra)
+    argv = ["train", "--scheme", "rope", *to_flags(args)]
+    command = [str(TORCHRUN), "--standalone", "--nproc_per_node", "2", "-m", __name__, *argv]
+    environment = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    result = subprocess.run(
+        command, cwd=REPO, env=environment, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("step 8: val loss") == 1  # printed by rank 0 only
+    two = json.loads((tmp_path / "two" / "ck" / METRICS_FILE).read_text())
+
+    assert [step for step, _ in two["train_loss"]] == list(range(1, 9))
+    np.testing.assert_allclose(losses(two), losses(one), atol=2e-4)  # rounded to 4 places
+    np.testing.assert_allclose(
+        [v for _, v in two["val_loss"]], [v for _, v in one["val_loss"]], atol=2e-4
+    )
+    assert two["tokens_seen"] == one["tokens_seen"]
+    one_model, _ = load_checkpoint(tmp_path / "one" / "ck", device="cpu")
+    two_model, _ = load_checkpoint(tmp_path / "two" / "ck", device="cpu")
+    torch.testing.assert_close(two_model.state_dict(), one_model.state_dict(), atol=1e-5, rtol=1e-4)
+
+
+def to_flags(args: argparse.Namespace) -> list[str]:
+    """The ``ordinal train`` flags that reproduce ``args`` (given options only)."""
+    flags = []
+    for name, value in vars(args).items():
+        if name == "scheme" or value is None or value is False:
+            continue
+        flags += [f"--{name.replace('_', '-')}"] + ([] if value is True else [str(value)])
+    return flags
+
+
+def run_on_the_small_corpus(argv: Sequence[str]) -> int:
+    """``ordinal ARGV`` with the small corpus: what each torchrun process runs."""
+    corpus = small()
+    model.train.load_corpus = lambda: corpus  # type: ignore[assignment]
+    return main(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(run_on_the_small_corpus(sys.argv[1:]))

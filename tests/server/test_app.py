@@ -18,6 +18,7 @@ from model.generate import encode_prompt
 from model.positional import TABLE_SCHEMES
 from server.app import add_arguments, settings_from_args
 from server.cli import build_parser, main
+from server.metrics import FAILURE_REASONS
 from server.settings import Settings
 from tests.server.conftest import (
     CONTEXT_LENGTH,
@@ -156,30 +157,78 @@ def metric_values(client: httpx.Client) -> dict[tuple[str, str], float]:
     response = client.get("/metrics")
     assert response.status_code == 200
     assert response.headers["content-type"].startswith("text/plain")
-    values = {}
+    values = {}  # labels in the exposition's (alphabetical) order
     for family in text_string_to_metric_families(response.text):
         for sample in family.samples:
             values[(sample.name, ",".join(sample.labels.values()))] = sample.value
     return values
 
 
-def test_metrics_count_requests_and_tokens(client: httpx.Client) -> None:
+def test_metrics_count_a_scripted_mix_of_requests(
+    server: Running, client: httpx.Client, gate: Any
+) -> None:
+    """Every metric of the vLLM-style set moves by exactly what a known mix of requests did:
+    two that end by length (one generating, one only scoring its prompt), one by a stop string,
+    one whose client leaves, one 400 — and probes and scrapes counted under their own routes."""
+    model, url = "t5", "/v1/completions"
     before = metric_values(client)
-    response = client.post("/v1/completions", json={"model": "t5", "prompt": "a", "max_tokens": 5})
-    generated = response.json()["usage"]["completion_tokens"]
-    client.post("/v1/completions", json={"model": "t5", "prompt": 7})  # a 400
+    plain = {"model": model, "prompt": "To be", "max_tokens": 6, "temperature": 0, "seed": 1}
+    greedy = client.post(url, json={**plain, "ignore_eos": True}).json()
+    text = greedy["choices"][0]["text"]
+    stop = next(text[i : i + 2] for i in range(1, len(text) - 1) if text[i : i + 2].strip())
+    stopped = client.post(url, json={**plain, "stop": stop}).json()
+    assert stopped["choices"][0]["finish_reason"] == "stop"
+    scored = client.post(
+        url,
+        json={"model": model, "prompt": "To be or", "max_tokens": 0, "echo": True, "logprobs": 1},
+    ).json()
+    assert client.post(url, json={**plain, "top_p": 7}).status_code == 400
+    for _ in range(3):
+        assert client.get("/health").status_code == 200
+
+    engine = server.engine(model)
+    held = gate(model)
+    with (
+        httpx.Client(base_url=server.url, timeout=0.3) as impatient,  # leaves mid-request
+        pytest.raises(httpx.ReadTimeout),
+    ):
+        impatient.post(url, json={**plain, "prompt": "a", "max_tokens": 50})
+    wait_for(lambda: not engine._inbox.empty(), "the server to notice the client left")
+    held.open()
+    wait_for(lambda: engine.in_flight == 0, "the row to be freed")
     after = metric_values(client)
 
-    def grew(key: tuple[str, str]) -> float:
-        return after[key] - before.get(key, 0.0)
+    def grew(name: str, labels: str = model) -> float:
+        return after.get((name, labels), 0.0) - before.get((name, labels), 0.0)
 
-    assert grew(("ordinal_requests_total", "200")) >= 2  # the completion and the first scrape
-    assert grew(("ordinal_requests_total", "400")) == 1
-    assert grew(("ordinal_generated_tokens_total", "t5")) == generated
-    assert grew(("ordinal_time_to_first_token_seconds_count", "t5")) == 1
-    assert grew(("ordinal_inter_token_latency_seconds_count", "t5")) == generated - 1
-    assert after[("ordinal_queue_depth", "t5")] == 0
-    assert after[("ordinal_running_batch_size", "t5")] == 0
+    finished = [greedy, stopped, scored]
+    prompt_tokens = sum(r["usage"]["prompt_tokens"] for r in finished) + 2  # + <|bos|> a
+    generated = sum(r["usage"]["completion_tokens"] for r in finished)
+    assert grew("ordinal_requests_total", f"{url},200") == 3
+    assert grew("ordinal_requests_total", f"{url},400") == 1
+    assert grew("ordinal_requests_total", "/health,200") == 3
+    assert grew("ordinal_requests_total", "/metrics,200") == 1  # the first scrape
+    assert grew("ordinal_prompt_tokens_total") == prompt_tokens
+    assert grew("ordinal_generation_tokens_total") == generated + 1  # + the step it left in
+    assert grew("ordinal_request_success_total", f"length,{model}") == 2
+    assert grew("ordinal_request_success_total", f"stop,{model}") == 1
+    assert grew("ordinal_request_success_total", f"abort,{model}") == 1
+    assert sum(grew("ordinal_request_failures_total", f"{model},{r}") for r in FAILURE_REASONS) == 0
+    for histogram, count in [
+        ("ordinal_e2e_request_latency_seconds", 3),
+        ("ordinal_request_decode_time_seconds", 3),
+        ("ordinal_request_generation_tokens", 3),
+        ("ordinal_request_queue_time_seconds", 4),
+        ("ordinal_request_prompt_tokens", 4),
+        ("ordinal_request_prefill_time_seconds", 3),  # the three that got a first token
+        ("ordinal_time_to_first_token_seconds", 3),
+    ]:
+        assert grew(f"{histogram}_count") == count, histogram
+    assert grew("ordinal_request_prompt_tokens_sum") == prompt_tokens
+    assert grew("ordinal_request_generation_tokens_sum") == generated
+    assert after[("ordinal_num_requests_waiting", model)] == 0
+    assert after[("ordinal_num_requests_running", model)] == 0
+    assert after[("process_cpu_seconds_total", "")] > 0
 
 
 def test_tokenize(client: httpx.Client, server: Running) -> None:

@@ -1,21 +1,35 @@
-"""The ``ordinal`` command: help for every subcommand, bad input as a one-line message with exit
-status 2 (never a traceback), Ctrl-C as 130, and ``ordinal geometry`` writing its report."""
+"""The ``ordinal`` command: help for every subcommand (fast: no torch, FastAPI or matplotlib;
+choices and defaults shown, and those defaults the code's own), bad input as a one-line message
+with exit status 2 (never a traceback), Ctrl-C as 130, and ``ordinal geometry`` writing its
+report."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import resource
+import subprocess
+import sys
 import time
+import typing
 from pathlib import Path
 from typing import NoReturn
 
 import pytest
 
 import model.evaluate
+import model.train
+import ordinal
 import server.app
+from model.checkpoint import DTYPES
+from model.geometry import report as geometry_report
 from model.geometry.report import REPORT_FILE
 from model.positional import SCHEMES
-from server.cli import COMMANDS, main
+from ordinal import COMMANDS, build_parser, main
+from server.settings import Settings
+
+HEAVY = ("torch", "fastapi", "uvicorn", "matplotlib", "model", "server.app")
 
 
 def one_line_error(capsys: pytest.CaptureFixture[str], command: str) -> str:
@@ -112,3 +126,83 @@ def test_an_empty_api_key_is_a_start_up_error(
     assert main(["serve"]) == 2
     err = one_line_error(capsys, "serve")
     assert "api_key" in err and "empty or blank" in err
+
+
+@pytest.mark.parametrize("command", ["", *COMMANDS])
+def test_help_loads_nothing_heavy_and_takes_under_a_second(command: str) -> None:
+    code = (
+        "import sys, ordinal\n"
+        "try:\n"
+        f"    ordinal.main({[command, '--help'] if command else ['--help']!r})\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        f"print(sorted(m for m in {HEAVY!r} if m in sys.modules), file=sys.stderr)\n"
+    )
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    assert result.stdout.startswith("usage: ordinal"), result.stderr
+    assert result.stderr.strip() == "[]"  # only the module that runs a command imports them
+    cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+    assert cpu < 1.0  # CPU time, immune to a busy machine (about 0.2 s here)
+
+
+@pytest.mark.parametrize(
+    ("command", "shown"),
+    [
+        ("serve", ["--device {auto,cpu,cuda}", "--dtype {float32,bfloat16,float16}"]),
+        ("train", ["--device {auto,cpu,cuda}", "--storage-dtype {float32,bfloat16,float16}"]),
+        ("eval", ["--device {auto,cpu,cuda}", "(default: 1 2 4)"]),
+        ("geometry", ["--corpus {synthetic,shakespeare}", "(default: synthetic)"]),
+    ],
+)
+def test_help_shows_choices_and_defaults(
+    command: str, shown: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    for text in shown:
+        assert text in out
+
+
+def test_the_help_states_the_codes_own_defaults() -> None:
+    """ordinal.py restates defaults so that --help needs no torch: they must be the code's."""
+    train = {field.name: field.default for field in dataclasses.fields(model.train.TrainConfig)}
+    assert train == ordinal.TRAIN_DEFAULTS
+    sizes = {name: model.train.DEFAULT_MODEL[name] for name in model.train.MODEL_SIZE_FLAGS}
+    assert sizes == ordinal.MODEL_SIZE_DEFAULTS
+    assert tuple(SCHEMES) == ordinal.SCHEMES
+    assert ordinal.CORPORA == geometry_report.CORPORA
+    assert ordinal.EVAL_MULTIPLES == model.evaluate.MULTIPLES
+    assert tuple(DTYPES) == ordinal.DTYPES
+    assert typing.get_args(Settings.model_fields["device"].annotation) == ordinal.DEVICES
+
+
+def test_serve_has_a_flag_per_setting() -> None:
+    args = build_parser().parse_args(["serve"])
+    assert vars(args) == {"command": "serve"}  # unset flags leave env vars and defaults
+    for name, field in Settings.model_fields.items():
+        choices = typing.get_args(field.annotation) if ordinal.is_literal(field.annotation) else ()
+        value = choices[-1] if choices else "1"
+        given = build_parser().parse_args(["serve", f"--{name.replace('_', '-')}", value])
+        assert getattr(given, name) == value
+
+
+def test_geometry_takes_the_options_of_its_module() -> None:
+    """Same destinations and defaults as model.geometry.report.add_arguments, plus
+    ``--checkpoints A B`` (the README's spelling) beside the repeatable ``--checkpoint``."""
+    own = argparse.ArgumentParser()
+    geometry_report.add_arguments(own)
+    expected = vars(own.parse_args(["--out", "x"]))
+    args = build_parser().parse_args(["geometry", "--out", "x"])
+    assert {k: v for k, v in vars(args).items() if k != "command"} == expected
+    both = ["geometry", "--out", "x", "--checkpoints", "a", "b", "--checkpoint", "c"]
+    assert build_parser().parse_args(both).checkpoints == [Path("a"), Path("b"), Path("c")]
+
+
+def test_the_dispatcher_lives_outside_the_packages() -> None:
+    assert Path(ordinal.__file__).parent == Path(model.__file__).parent.parent
+    import server.cli  # the old location re-exports it
+
+    assert server.cli.main is main

@@ -66,9 +66,7 @@ schema = schemathesis.openapi.from_dict(documented_schema())
     phases=[Phase.explicit, Phase.generate],
     suppress_health_check=list(HealthCheck),
 )
-def test_no_request_gets_a_5xx_or_an_undocumented_answer(
-    fuzzed_server: Running, case: Any
-) -> None:
+def test_no_request_gets_a_5xx_or_an_undocumented_answer(fuzzed_server: Running, case: Any) -> None:
     response = case.call(base_url=fuzzed_server.url, timeout=30)
     sent[f"{case.method} {case.path}"] += 1
     sent[f"status {response.status_code}"] += 1

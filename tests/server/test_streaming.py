@@ -147,17 +147,17 @@ def test_a_client_that_leaves_frees_its_row_within_one_step(
                 if held.settled:
                     held.allow(1)
                 await asyncio.sleep(0.01)
-            assert await metric("ordinal_running_batch_size") == 3
+            assert await metric("ordinal_num_requests_running") == 3
 
             readers[0].cancel()  # the first client hangs up mid-stream
             await asyncio.gather(readers[0], return_exceptions=True)
             await asyncio.to_thread(wait_for, lambda: not engine._inbox.empty(), "the cancel")
             steps = held.passed
             held.allow(1)  # the step running now ends; the next one starts without the row
-            while await metric("ordinal_running_batch_size") != 2:
+            while await metric("ordinal_num_requests_running") != 2:
                 await asyncio.sleep(0.01)
             assert held.passed == steps + 1
-            assert await metric("ordinal_queue_depth") == 0
+            assert await metric("ordinal_num_requests_waiting") == 0
 
             held.open()
             await asyncio.gather(*readers[1:])
@@ -167,7 +167,7 @@ def test_a_client_that_leaves_frees_its_row_within_one_step(
     assert [chunks_text(chunks) for chunks in received[1:]] == alone  # the others: unaffected
     assert engine.in_flight == 0
     metrics = client.get("/metrics").text
-    assert gauge(metrics, "ordinal_running_batch_size", model) == 0
+    assert gauge(metrics, "ordinal_num_requests_running", model) == 0
 
 
 def test_a_non_stream_client_that_leaves_frees_its_row(
@@ -175,7 +175,7 @@ def test_a_non_stream_client_that_leaves_frees_its_row(
 ) -> None:
     model = "integer"
     engine = server.engine(model)
-    before = gauge(client.get("/metrics").text, "ordinal_generated_tokens_total", model)
+    before = gauge(client.get("/metrics").text, "ordinal_generation_tokens_total", model)
     held: Gate = gate(model)
     body = {"model": model, "prompt": "a", "max_tokens": 50}
     with (
@@ -186,7 +186,7 @@ def test_a_non_stream_client_that_leaves_frees_its_row(
     wait_for(lambda: not engine._inbox.empty(), "the server to notice the client left")
     held.open()
     wait_for(lambda: engine.in_flight == 0, "the row to be freed")
-    after = gauge(client.get("/metrics").text, "ordinal_generated_tokens_total", model)
+    after = gauge(client.get("/metrics").text, "ordinal_generation_tokens_total", model)
     assert after - before == 1  # the step that was running; none after it
 
 

@@ -1,0 +1,140 @@
+"""Chat as a play: messages rendered as speeches by a Jinja chat template, as Hugging Face does.
+
+The shipped models learned speeches — ``"SPEAKER:\\n" + lines`` — separated by ``<|eos|>``, so a
+conversation becomes a scene: each message is a speech by its ``name`` (or its role's default
+speaker, :data:`DEFAULT_SPEAKERS`), and the reply is the next speech, which ends where the model
+ends a speech (``<|eos|>``) or where it starts the line of a speaker of the scene.
+
+A checkpoint can bring its own template: the ``chat_template`` string of its
+``tokenizer_config.json`` (Hugging Face's file and key); without one, :data:`DEFAULT_TEMPLATE`.
+Templates render in Jinja's immutable sandbox (a checkpoint's template is code from whoever
+made the checkpoint) and see ``messages``, ``add_generation_prompt``, ``eos_token``,
+``speakers`` and ``assistant_name``; ``raise_exception(message)`` refuses a conversation.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NoReturn
+
+from jinja2 import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
+
+from model.tokenizer import special_ids
+
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+ROLES = ("system", "user", "assistant")
+# Who speaks each role's lines when a message has no name: the chorus sets the scene.
+DEFAULT_SPEAKERS = {"system": "CHORUS", "user": "ROMEO", "assistant": "JULIET"}
+DEFAULT_TEMPLATE = """\
+{%- for message in messages -%}
+{{ (message.name or speakers[message.role]) | upper }}:
+{{ message.content }}{{ eos_token }}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+{{ assistant_name | upper }}:
+{% endif -%}
+"""
+
+
+class ChatTemplateError(ValueError):
+    """The template refused the conversation, or could not be rendered."""
+
+
+@dataclass(frozen=True)
+class Message:
+    role: str  # one of ROLES
+    content: str
+    name: str | None = None  # the speaker; None: the role's default
+
+
+@dataclass(frozen=True)
+class Scene:
+    """A rendered conversation: the prompt's token ids (with <|bos|>) and the stop strings that
+    end the reply where another speaker of the scene would begin."""
+
+    prompt_ids: list[int]
+    stops: list[str]
+    speaker: str  # who speaks the reply
+
+
+def _raise(message: str) -> NoReturn:
+    raise ChatTemplateError(message)
+
+
+class ChatTemplate:
+    """A compiled chat template."""
+
+    def __init__(self, source: str = DEFAULT_TEMPLATE) -> None:
+        environment = ImmutableSandboxedEnvironment(keep_trailing_newline=True)
+        environment.globals["raise_exception"] = _raise
+        try:
+            self.template = environment.from_string(source)
+        except TemplateError as error:
+            raise ChatTemplateError(f"the chat template does not compile: {error}") from None
+        self.source = source
+
+    @classmethod
+    def from_checkpoint(cls, folder: str | Path) -> ChatTemplate:
+        """The template of the checkpoint ``folder``, or the default if it brings none."""
+        config_path = Path(folder) / TOKENIZER_CONFIG_FILE
+        if not config_path.is_file():
+            return cls()
+        try:
+            source = json.loads(config_path.read_text()).get("chat_template")
+        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as error:
+            raise ChatTemplateError(f"{config_path} is not a JSON object: {error}") from None
+        if source is None:
+            return cls()
+        if not isinstance(source, str):
+            raise ChatTemplateError(f"{config_path}: chat_template must be a string")
+        return cls(source)
+
+    def render(self, messages: Sequence[Message], eos_token: str) -> str:
+        """The conversation as text, ending with the reply's speaker line."""
+        speaker = reply_speaker(messages)
+        context: dict[str, Any] = {
+            "messages": [message.__dict__ for message in messages],
+            "add_generation_prompt": True,
+            "eos_token": eos_token,
+            "speakers": DEFAULT_SPEAKERS,
+            "assistant_name": speaker,
+        }
+        try:
+            return self.template.render(context)
+        except ChatTemplateError:
+            raise
+        except (TemplateError, KeyError, TypeError) as error:
+            raise ChatTemplateError(f"the chat template failed: {error}") from None
+
+    def encode(self, tokenizer: Tokenizer, messages: Sequence[Message]) -> Scene:
+        """Render ``messages`` and turn the text into token ids, ``eos_token`` into <|eos|>.
+
+        The text a user wrote is encoded as text: a literal ``"<|eos|>"`` in it stays bytes (the
+        template's ``eos_token`` is a random marker, split out before tokenizing).
+        """
+        marker = f"\ue000{uuid.uuid4().hex}\ue000"
+        special = special_ids(tokenizer)
+        ids = [special.bos]
+        for index, piece in enumerate(self.render(messages, marker).split(marker)):
+            if index:
+                ids.append(special.eos)
+            ids.extend(tokenizer.encode(piece).ids if piece else [])
+        speakers = {speaker_of(message).upper() for message in messages}
+        speakers.add(reply_speaker(messages).upper())
+        return Scene(ids, sorted(f"\n{name}:" for name in speakers), reply_speaker(messages))
+
+
+def speaker_of(message: Message) -> str:
+    return message.name or DEFAULT_SPEAKERS[message.role]
+
+
+def reply_speaker(messages: Sequence[Message]) -> str:
+    """The reply's speaker: the last assistant message's, else the assistant's default."""
+    names = [speaker_of(message) for message in messages if message.role == "assistant"]
+    return (names[-1] if names else DEFAULT_SPEAKERS["assistant"]).upper()

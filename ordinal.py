@@ -1,0 +1,292 @@
+"""The ``ordinal`` command: serve, train, eval and geometry.
+
+This module only dispatches. It sits outside both import packages because it reaches into both
+(``serve`` runs ``server.app``; ``train``, ``eval`` and ``geometry`` run ``model`` code), and
+``model`` must never import ``server``. Each subcommand is its options and the
+``module:function`` that runs it; that module is imported only when the command runs, so
+``ordinal --help`` and every ``ordinal COMMAND --help`` load no torch, FastAPI or matplotlib
+(importing ``model`` alone takes torch's ~2 s). ``serve``'s flags come from the settings model
+(``server.settings``, pydantic only); the other commands' options are written out below, and
+``tests/server/test_cli.py`` checks their defaults against the code they configure.
+
+Bad input of any command is a one-line ``ordinal COMMAND: error: ...`` and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import typing
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from importlib import import_module
+from pathlib import Path
+from typing import Any
+
+DEVICES = ("auto", "cpu", "cuda")  # auto = cuda when available
+DTYPES = ("float32", "bfloat16", "float16")
+# model.positional.SCHEMES and model.geometry.report.CORPORA, in their order.
+SCHEMES = (
+    "none",
+    "integer",
+    "binary",
+    "sinusoidal",
+    "learned",
+    "rope",
+    "alibi",
+    "t5",
+    "mds",
+    "lowrank",
+)
+CORPORA = ("synthetic", "shakespeare")
+# model.train.TrainConfig's fields and defaults, and the shipped model's sizes
+# (model.train.DEFAULT_MODEL) that `ordinal train` takes as flags.
+TRAIN_DEFAULTS: dict[str, int | float] = {
+    "steps": 2000,
+    "batch_size": 32,
+    "grad_accum": 1,
+    "lr": 3e-3,
+    "min_lr": 3e-4,
+    "warmup_steps": 100,
+    "weight_decay": 0.1,
+    "grad_clip": 1.0,
+    "eval_every": 500,
+    "eval_windows": 64,
+    "save_every": 500,
+    "seed": 1337,
+    "threads": 0,
+}
+MODEL_SIZE_DEFAULTS: dict[str, int] = {
+    "d_model": 128,
+    "n_layers": 4,
+    "n_heads": 4,
+    "d_ff": 512,
+    "context_length": 128,
+    "max_positions": 128,
+    "vocab_size": 2048,
+}
+EVAL_MULTIPLES = (1, 2, 4)  # model.evaluate.MULTIPLES
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """argparse's formatter, plus ``(default: X)`` wherever an option has a real default."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if (
+            "%(default)" in text
+            or not action.option_strings
+            or default in (None, False, argparse.SUPPRESS)
+        ):
+            return text
+        shown = " ".join(map(str, default)) if isinstance(default, list | tuple) else default
+        return f"{text} (default: {shown})".strip()
+
+
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def is_literal(annotation: object) -> bool:
+    """Whether a settings field is a ``Literal[...]`` (its values become the flag's choices)."""
+    return typing.get_origin(annotation) is typing.Literal
+
+
+def serve_options(parser: argparse.ArgumentParser) -> None:
+    """One flag per setting of ``server.settings.Settings``; an unset flag leaves the
+    ``ORDINAL_*`` variable or the default (``server.app.settings_from_args`` reads them)."""
+    from server.settings import Settings
+
+    for name, field in Settings.model_fields.items():
+        default = field.get_default(call_default_factory=True)
+        shown = f"; default {default}" if default not in (None, []) else ""
+        # Choices are shown, not enforced here: the settings model checks every value, so a bad
+        # one gets the same message from a flag as from its ORDINAL_* variable.
+        choices = typing.get_args(field.annotation) if is_literal(field.annotation) else ()
+        parser.add_argument(
+            flag(name),
+            dest=name,
+            default=argparse.SUPPRESS,
+            metavar="{" + ",".join(choices) + "}" if choices else name.upper(),
+            help=f"{field.description} [env ORDINAL_{name.upper()}{shown}]",
+        )
+
+
+def train_options(parser: argparse.ArgumentParser) -> None:
+    """Options of ``ordinal train`` (``model.train.run``)."""
+    parser.add_argument(
+        "--scheme", required=True, metavar="SCHEME", help="positional scheme: " + ", ".join(SCHEMES)
+    )
+    parser.add_argument("--out", required=True, type=Path, help="checkpoint folder to write")
+    parser.add_argument("--config", type=Path, help='JSON file: {"model": {...}, "train": {...}}')
+    parser.add_argument(
+        "--tokenizer",
+        type=Path,
+        default=Path("runs/tokenizer.json"),
+        help="tokenizer.json to use; trained on the training split if missing",
+    )
+    parser.add_argument(
+        "--state-dir", type=Path, help="where resumable training state goes (default runs/OUT)"
+    )
+    parser.add_argument("--resume", action="store_true", help="continue from the saved state")
+    parser.add_argument(
+        "--stop-at",
+        type=int,
+        help="save and stop after this step (the schedule still runs to --steps; resume later)",
+    )
+    parser.add_argument(
+        "--device",
+        choices=DEVICES,
+        default="cpu",
+        help="auto = cuda when available; under torchrun each process takes cuda:LOCAL_RANK",
+    )
+    parser.add_argument(
+        "--storage-dtype", choices=DTYPES, default="bfloat16", help="dtype of the saved weights"
+    )
+    parser.add_argument(
+        "--positional",
+        type=json.loads,
+        help="scheme parameters as JSON, e.g. '{\"base\": 500}'",
+    )
+    group = parser.add_argument_group(
+        "recipe (a flag beats the --config file, which beats the default)"
+    )
+    for name, default in TRAIN_DEFAULTS.items():
+        note = " (global: split across torchrun processes)" if name == "batch_size" else ""
+        group.add_argument(
+            flag(name),
+            type=type(default),
+            metavar="N" if isinstance(default, int) else "X",
+            help=f"default {default}{note}",
+        )
+    for name, default in MODEL_SIZE_DEFAULTS.items():
+        group.add_argument(flag(name), type=int, metavar="N", help=f"default {default}")
+
+
+def eval_options(parser: argparse.ArgumentParser) -> None:
+    """Options of ``ordinal eval`` (``model.evaluate.run``)."""
+    parser.add_argument(
+        "checkpoints",
+        nargs="+",
+        type=Path,
+        metavar="CHECKPOINT",
+        help="checkpoint folders (files among them, such as checkpoints/README.md, are skipped)",
+    )
+    parser.add_argument("--plot", type=Path, help="write a PNG of loss by position to this path")
+    parser.add_argument(
+        "--multiples",
+        type=int,
+        nargs="+",
+        default=list(EVAL_MULTIPLES),
+        metavar="M",
+        help="window lengths as multiples of the training context",
+    )
+    parser.add_argument("--table", type=Path, help="write a markdown table of the results here")
+    parser.add_argument(
+        "--save",
+        action="store_true",
+        help="write each checkpoint's eval.json (left byte-identical when the weights and the "
+        "results are unchanged)",
+    )
+    parser.add_argument(
+        "--reuse",
+        action="store_true",
+        help="take a checkpoint's eval.json instead of evaluating when it was made from the same "
+        "weights (SHA-256 of model.safetensors' tensors) and has every multiple",
+    )
+    parser.add_argument("--device", choices=DEVICES, default="cpu", help="auto = cuda if present")
+    parser.add_argument("--batch-size", type=int, default=16, metavar="N", help="windows per pass")
+
+
+def geometry_options(parser: argparse.ArgumentParser) -> None:
+    """Options of ``ordinal geometry`` (``model.geometry.report.run``)."""
+    parser.add_argument("--out", required=True, type=Path, help="folder for report.json and PNGs")
+    parser.add_argument("--corpus", choices=CORPORA, default="synthetic", help="corpus measured")
+    parser.add_argument(
+        "--checkpoints",
+        "--checkpoint",
+        dest="checkpoints",
+        action="extend",
+        nargs="+",
+        type=Path,
+        default=[],
+        metavar="CHECKPOINT",
+        help="checkpoint folders whose trained schemes to measure (default: every scheme, "
+        "untrained)",
+    )
+    parser.add_argument("--n-positions", type=int, metavar="N", help="positions analysed")
+    parser.add_argument(
+        "--d-model", type=int, default=128, metavar="N", help="width of untrained schemes"
+    )
+    parser.add_argument("--seed", type=int, default=0, metavar="N", help="random seed")
+    parser.add_argument(
+        "--tokenizer",
+        type=Path,
+        help="tokenizer.json for the shakespeare corpus (default: the first checkpoint's)",
+    )
+
+
+@dataclass(frozen=True)
+class Command:
+    """A subcommand: its one-line help, its options, and what runs it (imported on use)."""
+
+    help: str
+    options: Callable[[argparse.ArgumentParser], None]
+    runner: str  # "module:function", called with the parsed arguments
+
+    def load(self) -> Callable[[argparse.Namespace], Any]:
+        module, function = self.runner.split(":")
+        return getattr(import_module(module), function)
+
+
+COMMANDS: dict[str, Command] = {
+    "serve": Command("serve the checkpoints over HTTP", serve_options, "server.app:run"),
+    "train": Command(
+        "train one checkpoint on the Shakespeare corpus (also under torchrun)",
+        train_options,
+        "model.train:run",
+    ),
+    "eval": Command(
+        "validation loss, bits per character and loss by position",
+        eval_options,
+        "model.evaluate:run",
+    ),
+    "geometry": Command(
+        "positional geometry report of a corpus and schemes",
+        geometry_options,
+        "model.geometry.report:run",
+    ),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ordinal",
+        description="A text-generation service with ten positional encodings.",
+        formatter_class=HelpFormatter,
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, command in COMMANDS.items():
+        sub = commands.add_parser(
+            name, help=command.help, description=command.help, formatter_class=HelpFormatter
+        )
+        command.options(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        COMMANDS[args.command].load()(args)
+    except (ValueError, OSError) as error:  # every input error the packages raise is a ValueError
+        print(f"ordinal {args.command}: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

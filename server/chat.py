@@ -1,0 +1,63 @@
+"""``POST /v1/chat/completions``: the conversation, rendered as a scene by the model's chat
+template (``model.chat``), is completed as a prompt of token ids; a ChatWriter gives the answer
+OpenAI's chat shape. Everything between — validation against the model, the engine, streaming,
+cancellation, timeouts — is the completions path itself."""
+
+from __future__ import annotations
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from model.chat import ChatTemplateError, Message
+from server.completions import build_job, respond
+from server.errors import APIError
+from server.schemas import ChatRequest, CompletionRequest
+from server.service import Service
+from server.writer import ChatWriter
+
+
+async def create_chat_completion(body: ChatRequest, request: Request, service: Service) -> Response:
+    """Answer one chat completion request (400/404/429/503 are raised as APIError)."""
+    served = service.get(body.model)
+    messages = [
+        Message("system" if m.role == "developer" else m.role, m.text, m.name)
+        for m in body.messages
+    ]
+    try:
+        scene = served.chat_template.encode(served.tokenizer, messages)
+    except ChatTemplateError as error:
+        raise APIError(400, f"messages: {error}", param="messages") from None
+    room = served.max_context - len(scene.prompt_ids)
+    # Already validated as a chat request: built as a completion without validating again
+    # (the scene's own stop strings may pass the 4 a client may send).
+    completion = CompletionRequest.model_construct(
+        model=body.model,
+        prompt=scene.prompt_ids,
+        echo=False,
+        max_tokens=body.token_budget or max(room, 1),
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=body.top_k,
+        min_p=body.min_p,
+        repetition_penalty=body.repetition_penalty,
+        seed=body.seed,
+        stop=[*(body.stop or []), *scene.stops],
+        stream=body.stream,
+        stream_options=body.stream_options,
+        logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+        n=1,
+        user=body.user,
+        return_tokens_as_token_ids=False,
+        ignore_eos=body.ignore_eos,
+    )
+    try:
+        prompt_ids, job = build_job(completion, served)
+    except APIError as error:
+        if error.param == "prompt":  # the client sent messages, not a prompt
+            error.param = "messages"
+            error.message = "messages: " + error.message.replace("the prompt is", "the scene is")
+        elif error.param == "max_tokens" and body.max_completion_tokens is not None:
+            error.param = "max_completion_tokens"
+            error.message = error.message.replace("max_tokens", "max_completion_tokens", 1)
+        raise
+    return await respond(job, ChatWriter(completion, served, prompt_ids), served, request, service)
