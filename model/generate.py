@@ -160,13 +160,18 @@ def decode_tokens(
         for row, prompt in enumerate(prompts):
             seen[row, torch.as_tensor(prompt)] = True
         seen = seen.to(weight.device)
+    generated = None  # [B, V] counts, for frequency and presence penalties
+    if sampler.uses_counts:
+        generated = torch.zeros(len(prompts), model.config.vocab_size, device=weight.device)
     for step in range(max_new_tokens):
-        next_ids = sampler.sample(logits, seen)
+        next_ids = sampler.sample(logits, seen, generated)
         yield next_ids
         if step + 1 == max_new_tokens:
             return
         if seen is not None:
             seen.scatter_(1, next_ids.unsqueeze(1), True)
+        if generated is not None:
+            generated.scatter_add_(1, next_ids.unsqueeze(1), torch.ones_like(generated[:, :1]))
         logits = model(next_ids.unsqueeze(1), cache, last_only=True)
 
 

@@ -3,8 +3,11 @@
 Both offline ``generate()`` and the server's continuous-batching engine call this module on a
 batch whose rows each carry their own :class:`SamplingParams`. Filters apply in this order:
 
-1. **Repetition penalty** on the raw logits of tokens the row has already seen (prompt and
+0. **Logit bias** (OpenAI's ``logit_bias``): a fixed amount added to chosen tokens' logits.
+1. **Repetition penalty** on the logits of tokens the row has already seen (prompt and
    generated), CTRL rule: a positive logit is divided by the penalty, a negative one multiplied.
+   Then OpenAI's **frequency and presence penalties** on the tokens the row has generated:
+   ``logit -= frequency_penalty × count + presence_penalty × (count > 0)``.
 2. **Temperature**: logits are divided by it. A temperature below ``MIN_TEMPERATURE`` (1e-5,
    vLLM's rule) means greedy (argmax of the penalised logits); the filters below then change
    nothing. Dividing by a smaller one would overflow float32 into inf, and softmax into NaN.
@@ -44,6 +47,7 @@ MIN_TEMPERATURE = 1e-5
 # The CTRL penalty divides or multiplies logits by this; outside [0.01, 100] a float32 logit
 # can reach inf (and 0 × inf = NaN): no useful penalty lies there.
 MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
+MAX_OPENAI_PENALTY = 2.0  # frequency and presence penalties lie in [-2, 2], as OpenAI's
 MAX_TOP_K = 2**63 - 1  # int64; callers cap top_k at their vocabulary first
 
 
@@ -70,6 +74,9 @@ class SamplingParams:
     top_p: float = 1.0  # 1 = off
     min_p: float = 0.0  # 0 = off
     repetition_penalty: float = 1.0  # 1 = off
+    frequency_penalty: float = 0.0  # OpenAI's, in [-2, 2]: 0 = off
+    presence_penalty: float = 0.0  # OpenAI's, in [-2, 2]: 0 = off
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit in [-100, 100])
     seed: int | None = None  # None = nondeterministic
 
     def __post_init__(self) -> None:
@@ -96,6 +103,20 @@ class SamplingParams:
             MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY,
             "repetition_penalty",
             f"in [{MIN_REPETITION_PENALTY}, {MAX_REPETITION_PENALTY:g}] (1 = off)",
+        )
+        for field in ("frequency_penalty", "presence_penalty"):
+            require(
+                -MAX_OPENAI_PENALTY <= getattr(self, field) <= MAX_OPENAI_PENALTY,
+                field,
+                "in [-2, 2]",
+            )
+        require(
+            all(
+                is_int(token) and token >= 0 and -100 <= bias <= 100
+                for token, bias in self.logit_bias
+            ),
+            "logit_bias",
+            "pairs of a token id >= 0 and a bias in [-100, 100]",
         )
         require(
             self.seed is None or (is_int(self.seed) and 0 <= self.seed < 2**64),
@@ -153,8 +174,13 @@ class SamplingBatch:
         self.top_p = column("top_p", torch.float32)
         self.min_p = column("min_p", torch.float32)
         self.repetition_penalty = column("repetition_penalty", torch.float32)
+        self.frequency_penalty = column("frequency_penalty", torch.float32)
+        self.presence_penalty = column("presence_penalty", torch.float32)
         self.all_greedy = all(p.greedy for p in params)
         self.uses_penalty = any(p.repetition_penalty != 1.0 for p in params)
+        self.uses_counts = any(p.frequency_penalty or p.presence_penalty for p in params)
+        self._bias: Tensor | None = None  # [B, V], built at the first draw that needs it
+        self.uses_bias = any(p.logit_bias for p in params)
         paths = [_path(p) for p in params]
         self._groups = [
             self._group([i for i, path in enumerate(paths) if path == kind], kind, device)
@@ -178,19 +204,25 @@ class SamplingBatch:
             draw = partial(_draw_sorted, *map(rows_of, columns))
         return _RowGroup(index, draw)
 
-    def sample(self, logits: Tensor, seen: Tensor | None = None) -> Tensor:
+    def sample(
+        self, logits: Tensor, seen: Tensor | None = None, counts: Tensor | None = None
+    ) -> Tensor:
         """Draw the next token of every row; raise ValueError if any row cannot be sampled.
 
         logits: [B, V] any float dtype, on ``device``. seen: [B, V] bool, True where the row's
-        prompt or output already holds the token, or None (nothing seen). Returns [B] long.
+        prompt or output already holds the token, or None (nothing seen). counts: [B, V] float,
+        how often the row has generated each token (for frequency/presence penalties), or None.
+        Returns [B] long.
         """
-        tokens, failures = self.draw(logits, seen)
+        tokens, failures = self.draw(logits, seen, counts)
         if failures:
             row, reason = next(iter(failures.items()))
             raise ValueError(f"row {row} of the batch could not be sampled: {reason}")
         return tokens
 
-    def draw(self, logits: Tensor, seen: Tensor | None = None) -> Draw:
+    def draw(
+        self, logits: Tensor, seen: Tensor | None = None, counts: Tensor | None = None
+    ) -> Draw:
         """Like :meth:`sample`, but a row that fails fails alone: it is reported in
         ``failures`` and every other row gets the token it would have drawn without it."""
         batch, vocab = len(self.rows), logits.shape[-1]
@@ -206,10 +238,11 @@ class SamplingBatch:
                 failures[row] = FailureReason.NON_FINITE_LOGITS
             logits = logits.masked_fill(~finite.unsqueeze(-1), 0.0)  # any finite row will do
         uniforms = self._uniforms(failures, logits.device)
+        history = _History(seen, counts)
         try:
-            tokens = self._draw(logits, seen, uniforms)
+            tokens = self._draw(logits, history, uniforms)
         except Exception:  # find the rows at fault: each draws alone, with its own uniform
-            tokens = self._draw_each(logits, seen, uniforms, failures)
+            tokens = self._draw_each(logits, history, uniforms, failures)
         outside = (tokens < 0) | (tokens >= vocab)
         if outside.any():
             for row in outside.nonzero().flatten().tolist():
@@ -228,10 +261,9 @@ class SamplingBatch:
                 failures[index] = FailureReason.SAMPLING_ERROR
         return uniforms.to(device)
 
-    def _draw(self, logits: Tensor, seen: Tensor | None, uniforms: Tensor | None) -> Tensor:
-        """Every row's token: penalty, then each row group along its path. logits float32."""
-        if seen is not None and self.uses_penalty:
-            logits = apply_repetition_penalty(logits, seen, self.repetition_penalty)
+    def _draw(self, logits: Tensor, history: _History, uniforms: Tensor | None) -> Tensor:
+        """Every row's token: bias and penalties, then each row group along its path."""
+        logits = self.adjust(logits, history)
         if uniforms is None:  # every row greedy
             return _draw_greedy(logits, None)
         if self._groups[0].index is None:  # one path for the whole batch
@@ -241,10 +273,34 @@ class SamplingBatch:
             tokens[group.index] = group.draw(logits[group.index], uniforms[group.index])
         return tokens
 
+    def adjust(self, logits: Tensor, history: _History) -> Tensor:
+        """Steps 0-1 of the module docstring: logit bias, then the penalties. [B, V] float32."""
+        if self.uses_bias:
+            logits = logits + self._bias_table(logits)
+        if history.seen is not None and self.uses_penalty:
+            logits = apply_repetition_penalty(logits, history.seen, self.repetition_penalty)
+        if history.counts is not None and self.uses_counts:
+            logits = apply_frequency_presence_penalties(
+                logits, history.counts, self.frequency_penalty, self.presence_penalty
+            )
+        return logits
+
+    def _bias_table(self, logits: Tensor) -> Tensor:
+        """Each row's logit bias as a dense [B, V] float32 (ids past V are ignored)."""
+        vocab = logits.shape[-1]
+        if self._bias is None or self._bias.shape[-1] != vocab:
+            table = torch.zeros(len(self.rows), vocab)
+            for row, sampler in enumerate(self.rows):
+                for token, bias in sampler.params.logit_bias:
+                    if token < vocab:
+                        table[row, token] = bias
+            self._bias = table.to(logits.device)
+        return self._bias
+
     def _draw_each(
         self,
         logits: Tensor,
-        seen: Tensor | None,
+        history: _History,
         uniforms: Tensor | None,
         failures: dict[int, FailureReason],
     ) -> Tensor:
@@ -257,7 +313,7 @@ class SamplingBatch:
             try:
                 tokens[alone] = SamplingBatch([row], logits.device)._draw(
                     logits[alone],
-                    None if seen is None else seen[alone],
+                    history.row(alone),
                     None if uniforms is None or row.params.greedy else uniforms[alone],
                 )
             except Exception:
@@ -324,6 +380,36 @@ def apply_repetition_penalty(logits: Tensor, seen: Tensor, penalty: Tensor) -> T
     penalty = penalty.unsqueeze(-1)
     penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
     return torch.where(seen, penalised, logits)
+
+
+@dataclass(frozen=True)
+class _History:
+    """What a batch's rows have seen (prompt and output, [B, V] bool) and generated (counts,
+    [B, V] float); either None where no row's settings need it."""
+
+    seen: Tensor | None
+    counts: Tensor | None
+
+    def row(self, rows: slice) -> _History:
+        return _History(
+            None if self.seen is None else self.seen[rows],
+            None if self.counts is None else self.counts[rows],
+        )
+
+
+def apply_frequency_presence_penalties(
+    logits: Tensor, counts: Tensor, frequency: Tensor, presence: Tensor
+) -> Tensor:
+    """OpenAI's penalties. logits, counts [B, V] (counts: times each token was generated);
+    frequency, presence [B]. Returns [B, V] float32: logit − f·count − p·(count > 0)."""
+    if counts.shape != logits.shape:
+        raise ValueError(f"counts must have shape {tuple(logits.shape)}, got {tuple(counts.shape)}")
+    counts = counts.float()
+    return (
+        logits.float()
+        - frequency.unsqueeze(-1) * counts
+        - presence.unsqueeze(-1) * (counts > 0).float()
+    )
 
 
 def _check_seen(seen: Tensor, logits: Tensor) -> None:
@@ -436,13 +522,17 @@ def _min_p_filter(probs: Tensor, min_p: Tensor) -> Tensor:
 
 
 def sampling_stages(
-    logits: Tensor, params: SamplingParams, seen: Tensor | None = None
+    logits: Tensor,
+    params: SamplingParams,
+    seen: Tensor | None = None,
+    counts: Tensor | None = None,
 ) -> list[Stage]:
     """One row's next-token distribution after each stage the sampler applies, in its order.
 
     logits [V] (any float dtype); seen [V] bool (the prompt's and output's tokens) or None.
     Returns stages with probs [V] float32 in vocabulary order, each summing to 1: ``logits``
-    (softmax of the raw logits), then ``repetition_penalty`` (if not 1 and ``seen`` is given),
+    (softmax of the raw logits), then ``logit_bias`` (if any), ``repetition_penalty`` (if not 1
+    and ``seen`` is given), ``frequency_presence_penalty`` (if set and ``counts`` is given),
     ``temperature``, and ``top_k`` / ``top_p`` / ``min_p`` where they are set. The last stage
     is the distribution :class:`SamplingBatch` draws this row from: it runs the same steps,
     along the same path (sorted, or vocabulary order without top-k and top-p).
@@ -450,9 +540,17 @@ def sampling_stages(
     logits = logits.float().unsqueeze(0)
     columns = SamplingBatch([RowSampler(params)], logits.device)
     stages = [Stage("logits", logits.softmax(dim=-1))]
+    if params.logit_bias:
+        logits = logits + columns._bias_table(logits)
+        stages.append(Stage("logit_bias", logits.softmax(dim=-1)))
     if seen is not None and params.repetition_penalty != 1.0:
         logits = apply_repetition_penalty(logits, seen.unsqueeze(0), columns.repetition_penalty)
         stages.append(Stage("repetition_penalty", logits.softmax(dim=-1)))
+    if counts is not None and columns.uses_counts:
+        logits = apply_frequency_presence_penalties(
+            logits, counts.unsqueeze(0), columns.frequency_penalty, columns.presence_penalty
+        )
+        stages.append(Stage("frequency_presence_penalty", logits.softmax(dim=-1)))
     if _path(params) == "vocabulary order":
         filtered = _unsorted_stages(logits, columns.temperature, columns.min_p)
     else:  # greedy rows take the argmax, which is the first sorted token

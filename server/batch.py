@@ -43,6 +43,8 @@ class DecodeBatch:
         self.members: list[Job] = []  # members[i] decodes in cache row i
         self.inputs = torch.zeros(max_rows, dtype=torch.long, device=self.device)  # next token fed
         self.seen: Tensor | None = None  # [max_rows, vocab] bool, only while a penalty is in use
+        # [max_rows, vocab] float: tokens generated, only while a frequency/presence penalty is
+        self.counts: Tensor | None = None
         self._sampling: SamplingBatch | None = None
         self._logprob_rows: Tensor | None = None
         self._logprob_top = 0
@@ -84,6 +86,8 @@ class DecodeBatch:
         if self.seen is not None:
             self.seen[rows] = False
             self.seen[rows].scatter_(1, prompts.to(self.device), True)
+        if self.counts is not None:
+            self.counts[rows] = 0
         self._changed = True
         return logits[:, : self.vocab]
 
@@ -99,11 +103,14 @@ class DecodeBatch:
         n = len(self.members)
         seen = None if self.seen is None else self.seen[:n]
         assert self._sampling is not None
-        tokens, failures = self._sampling.draw(logits, seen)
+        counts = None if self.counts is None else self.counts[:n]
+        tokens, failures = self._sampling.draw(logits, seen, counts)
         if failures:
             tokens[list(failures)] = self.filler
         if seen is not None:
             seen.scatter_(1, tokens.unsqueeze(1), True)
+        if counts is not None:
+            counts.scatter_add_(1, tokens.unsqueeze(1), torch.ones_like(counts[:, :1]))
         self.inputs[:n] = tokens
         return Draw(tokens, failures)
 
@@ -135,6 +142,8 @@ class DecodeBatch:
                 self.inputs[row] = self.inputs[last]
                 if self.seen is not None:
                     self.seen[row] = self.seen[last]
+                if self.counts is not None:
+                    self.counts[row] = self.counts[last]
                 self.members[row], moved.row = moved, row
             self.members.pop()
             self.cache.reset(last)
@@ -147,14 +156,14 @@ class DecodeBatch:
         self.cache.lengths.zero_()
         for job in jobs:
             job.row = None
-        self.seen, self._changed = None, True
+        self.seen, self.counts, self._changed = None, None, True
         return jobs
 
     def _refresh(self) -> None:
         """Rebuild what depends on membership: sampling tensors, logprob rows, seen mask."""
         self._changed = False
         if not self.members:
-            self._sampling, self._logprob_rows, self.seen = None, None, None
+            self._sampling, self._logprob_rows, self.seen, self.counts = None, None, None, None
             return
         self._sampling = SamplingBatch([job.sampler for job in self.members], self.device)
         wanted = [job.row for job in self.members if job.logprobs is not None]
@@ -164,6 +173,21 @@ class DecodeBatch:
             self.seen = None
         elif self.seen is None:
             self.seen = self._seen_from_tokens()
+        if not self._sampling.uses_counts:
+            self.counts = None
+        elif self.counts is None:
+            self.counts = self._counts_from_tokens()
+
+    def _counts_from_tokens(self) -> Tensor:
+        """The generated-token counts rebuilt from every row's generated tokens."""
+        counts = torch.zeros(self.cache.rows, self.vocab, device=self.device)
+        for job in self.members:
+            assert job.row is not None and job.state is not None
+            generated = torch.tensor(job.state.generated_ids, dtype=torch.long, device=self.device)
+            counts[job.row].scatter_add_(
+                0, generated, torch.ones_like(generated, dtype=counts.dtype)
+            )
+        return counts
 
     def _seen_from_tokens(self) -> Tensor:
         """The seen mask rebuilt from every row's prompt and generated tokens."""

@@ -9,7 +9,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from model.chat import ChatTemplateError, Message
-from server.completions import build_job, respond
+from server.completions import build_job, choice_seed, respond
 from server.errors import APIError
 from server.schemas import ChatRequest, CompletionRequest
 from server.service import Service
@@ -40,18 +40,24 @@ async def create_chat_completion(body: ChatRequest, request: Request, service: S
         top_k=body.top_k,
         min_p=body.min_p,
         repetition_penalty=body.repetition_penalty,
+        frequency_penalty=body.frequency_penalty,
+        presence_penalty=body.presence_penalty,
+        logit_bias=body.logit_bias,
         seed=body.seed,
         stop=[*(body.stop or []), *scene.stops],
         stream=body.stream,
         stream_options=body.stream_options,
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
-        n=1,
+        n=body.n,
         user=body.user,
         return_tokens_as_token_ids=False,
         ignore_eos=body.ignore_eos,
     )
     try:
-        prompt_ids, job = build_job(completion, served)
+        built = [
+            build_job(completion, served, scene.prompt_ids, choice_seed(body.seed, j))
+            for j in range(body.n)
+        ]
     except APIError as error:
         if error.param == "prompt":  # the client sent messages, not a prompt
             error.param = "messages"
@@ -60,4 +66,5 @@ async def create_chat_completion(body: ChatRequest, request: Request, service: S
             error.param = "max_completion_tokens"
             error.message = error.message.replace("max_tokens", "max_completion_tokens", 1)
         raise
-    return await respond(job, ChatWriter(completion, served, prompt_ids), served, request, service)
+    writers = [ChatWriter(completion, served, ids, index) for index, (ids, _) in enumerate(built)]
+    return await respond([job for _, job in built], writers, served, request, service)

@@ -22,9 +22,9 @@ from model.tokenizer import IncrementalDecoder
 from server.errors import APIError, error_event
 from server.job import Job
 from server.metrics import TIMEOUT
-from server.schemas import DEFAULT_MAX_TOKENS, CompletionRequest, PromptRequest
+from server.schemas import DEFAULT_MAX_TOKENS, MAX_CHOICES, CompletionRequest, Prompt
 from server.service import ServedModel, Service
-from server.writer import CompletionWriter, Piece
+from server.writer import CompletionWriter, Piece, combine, total_usage
 
 logger = logging.getLogger("ordinal.server")
 
@@ -35,30 +35,65 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 async def create_completion(
     body: CompletionRequest, request: Request, service: Service
 ) -> Response:
-    """Answer one completion request (400/404/429/503 are raised as APIError)."""
+    """Answer one completion request (400/404/429/503 are raised as APIError).
+
+    Each prompt of ``prompt`` gets ``n`` choices, choice ``index = prompt × n + j`` drawn with
+    seed ``seed + j``: so choice 0 is what the same request with n = 1 returns.
+    """
     served = service.get(body.model)
-    prompt_ids, job = build_job(body, served)
-    writer = CompletionWriter(body, served, prompt_ids)
-    return await respond(job, writer, served, request, service)
+    prompts = body.prompts
+    if len(prompts) * body.n > MAX_CHOICES:
+        raise APIError(
+            400,
+            f"n: {len(prompts)} prompts × n {body.n} is {len(prompts) * body.n} choices; at "
+            f"most {MAX_CHOICES} per request",
+            param="n",
+        )
+    writers, jobs = [], []
+    for prompt in prompts:
+        for j in range(body.n):
+            prompt_ids, job = build_job(body, served, prompt, choice_seed(body.seed, j))
+            writers.append(CompletionWriter(body, served, prompt_ids, index=len(writers)))
+            jobs.append(job)
+    return await respond(jobs, writers, served, request, service)
+
+
+def choice_seed(seed: int | None, choice: int) -> int | None:
+    """The seed of choice ``choice`` of a request seeded with ``seed``."""
+    return None if seed is None else (seed + choice) % 2**64
 
 
 async def respond(
-    job: Job | None,
-    writer: CompletionWriter,
+    jobs: list[Job | None],
+    writers: list[CompletionWriter],
     served: ServedModel,
     request: Request,
     service: Service,
 ) -> Response:
-    """Run ``job`` and answer with what ``writer`` makes of its events: SSE chunks if the
-    request streams, one JSON body if not. Completions and chat differ only in the writer."""
-    close = _submit(job, served, service.settings.request_timeout) if job else _nothing
-    pieces = writer.read(job)
-    if writer.body.stream:
-        return JobStreamingResponse(_sse(pieces, writer), on_close=close)
+    """Run ``jobs`` (one per choice) and answer with what their ``writers`` make of the
+    events: SSE chunks if the request streams, one JSON body if not. Completions and chat
+    differ only in the writer."""
+    closes: list[Callable[[], None]] = []
     try:
-        return await _until_disconnect(_collect(pieces, writer), request)
+        for job in jobs:
+            if job is not None:
+                closes.append(_submit(job, served, service.settings.request_timeout))
+    except APIError:  # the engine is full: the choices already queued leave with the request
+        for close in closes:
+            close()
+        raise
+
+    def close_all() -> None:
+        for close in closes:
+            close()
+
+    streams = [writer.read(job) for writer, job in zip(writers, jobs, strict=True)]
+    if writers[0].body.stream:
+        return JobStreamingResponse(_sse(streams, writers), on_close=close_all)
+    try:
+        return await _until_disconnect(_collect(streams, writers), request)
     finally:
-        close()
+        close_all()
 
 
 def _submit(job: Job, served: ServedModel, timeout: float) -> Callable[[], None]:
@@ -82,12 +117,14 @@ def _nothing() -> None:
     pass
 
 
-def build_job(body: CompletionRequest, served: ServedModel) -> tuple[list[int], Job | None]:
-    """The prompt's token ids and the job to run (None when there is nothing to compute).
+def build_job(
+    body: CompletionRequest, served: ServedModel, prompt: Prompt, seed: int | None
+) -> tuple[list[int], Job | None]:
+    """``prompt``'s token ids and the job to run (None when there is nothing to compute).
 
     Raises a 400 APIError when the prompt or max_tokens does not fit the model.
     """
-    prompt_ids = prompt_ids_of(body, served)
+    prompt_ids = prompt_ids_of(prompt, served)
     max_tokens = _max_tokens(body, served, len(prompt_ids))
     if max_tokens == 0 and body.logprobs is None:
         return prompt_ids, None
@@ -100,15 +137,15 @@ def build_job(body: CompletionRequest, served: ServedModel) -> tuple[list[int], 
             stop=StopMatcher(body.stops),
             eos_id=None if body.ignore_eos else served.eos,
         )
-    params = body.sampling_params(served.vocab, seed=body.seed)
+    params = body.sampling_params(served.vocab, seed=seed)
     score_prompt = body.echo and body.logprobs is not None
     return prompt_ids, Job(prompt_ids, state, params, body.logprobs, score_prompt)
 
 
-def prompt_ids_of(body: PromptRequest, served: ServedModel) -> list[int]:
+def prompt_ids_of(prompt: Prompt, served: ServedModel) -> list[int]:
     """The prompt's token ids with <|bos|>; a 400 for an id outside the vocabulary."""
-    if isinstance(body.prompt, list):
-        outside = [token for token in body.prompt if token >= served.vocab]
+    if isinstance(prompt, list):
+        outside = [token for token in prompt if token >= served.vocab]
         if outside:
             raise APIError(
                 400,
@@ -116,7 +153,7 @@ def prompt_ids_of(body: PromptRequest, served: ServedModel) -> list[int]:
                 f"[0, {served.vocab})",
                 param="prompt",
             )
-    return encode_prompt(served.tokenizer, body.prompt)
+    return encode_prompt(served.tokenizer, prompt)
 
 
 def _max_tokens(body: CompletionRequest, served: ServedModel, prompt_length: int) -> int:
@@ -146,25 +183,65 @@ def _max_tokens(body: CompletionRequest, served: ServedModel, prompt_length: int
     return body.max_tokens
 
 
-async def _collect(pieces: AsyncIterator[list[Piece]], writer: CompletionWriter) -> Response:
-    collected = [piece async for batch in pieces for piece in batch]
-    return Response(orjson.dumps(writer.result(collected)), media_type="application/json")
+async def _collect(
+    streams: list[AsyncIterator[list[Piece]]], writers: list[CompletionWriter]
+) -> Response:
+    async def pieces_of(stream: AsyncIterator[list[Piece]]) -> list[Piece]:
+        return [piece async for batch in stream for piece in batch]
+
+    collected = await asyncio.gather(*map(pieces_of, streams))
+    answer = combine([w.result(p) for w, p in zip(writers, collected, strict=True)], writers)
+    return Response(orjson.dumps(answer), media_type="application/json")
 
 
 async def _sse(
-    pieces: AsyncIterator[list[Piece]], writer: CompletionWriter
+    streams: list[AsyncIterator[list[Piece]]], writers: list[CompletionWriter]
 ) -> AsyncIterator[bytes]:
     try:
-        async for batch in pieces:
-            yield b"".join(map(writer.chunk, batch))
-        if writer.body.include_usage:
-            yield writer.usage_chunk()
+        async for index, batch in _interleave(streams):
+            yield b"".join(map(writers[index].chunk, batch))
+        if writers[0].body.include_usage:
+            yield writers[0].usage_chunk(total_usage(writers))
     except APIError as error:  # the headers are out: the error travels as the last event
         yield error_event(error)
     except Exception:
         logger.exception("a stream failed")
         yield error_event(APIError(500, "internal server error"))
     yield DONE
+
+
+async def _interleave(
+    streams: list[AsyncIterator[list[Piece]]],
+) -> AsyncIterator[tuple[int, list[Piece]]]:
+    """(choice index, pieces) from every stream as they arrive; the first error ends them all."""
+    if len(streams) == 1:
+        async for batch in streams[0]:
+            yield 0, batch
+        return
+    arrived: asyncio.Queue[tuple[int, list[Piece] | None, BaseException | None]] = asyncio.Queue()
+
+    async def pump(index: int, stream: AsyncIterator[list[Piece]]) -> None:
+        try:
+            async for batch in stream:
+                arrived.put_nowait((index, batch, None))
+            arrived.put_nowait((index, None, None))
+        except Exception as error:
+            arrived.put_nowait((index, None, error))
+
+    tasks = [asyncio.create_task(pump(i, stream)) for i, stream in enumerate(streams)]
+    try:
+        running = len(tasks)
+        while running:
+            index, batch, error = await arrived.get()
+            if error is not None:
+                raise error
+            if batch is None:
+                running -= 1
+            else:
+                yield index, batch
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 class JobStreamingResponse(StreamingResponse):

@@ -12,8 +12,14 @@ from starlette.responses import PlainTextResponse, Response
 from model.generate import encode_prompt
 from server.chat import create_chat_completion
 from server.completions import create_completion
-from server.errors import busy, error_responses
-from server.schemas import ChatRequest, CompletionRequest, HealthDocument, TokenizeRequest
+from server.errors import APIError, busy, error_responses
+from server.schemas import (
+    ChatRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    HealthDocument,
+    TokenizeRequest,
+)
 from server.service import Service
 
 router = APIRouter()
@@ -79,6 +85,13 @@ async def list_models(request: Request) -> Response:
     return _json({"object": "list", "data": models})
 
 
+@router.get("/v1/models/{model_id}", response_model=None, responses=error_responses(401, 404, 503))
+async def get_model(model_id: str, request: Request) -> Response:
+    service = _service(request)
+    served = service.get(model_id)
+    return _json({**served.describe(), "default": served.name == service.default_model})
+
+
 @router.post(
     "/v1/tokenize", response_model=None, responses=error_responses(400, 401, 404, 413, 503)
 )
@@ -90,7 +103,25 @@ async def tokenize(body: TokenizeRequest, request: Request) -> Response:
     else:
         ids = tokenizer.encode(body.prompt).ids
     limit = served.max_context
-    return _json({"model": served.name, "tokens": ids, "count": len(ids), "max_model_len": limit})
+    return _json({"model": served.name, "tokens": ids, "count": len(ids), "max_context": limit})
+
+
+@router.post(
+    "/v1/detokenize", response_model=None, responses=error_responses(400, 401, 404, 413, 503)
+)
+async def detokenize(body: DetokenizeRequest, request: Request) -> Response:
+    """The text token ids stand for (special tokens have none), as vLLM's /detokenize."""
+    served = _service(request).get(body.model)
+    outside = [token for token in body.tokens if token >= served.vocab]
+    if outside:
+        raise APIError(
+            400,
+            f"tokens: id {outside[0]} is outside model '{served.name}''s vocabulary "
+            f"[0, {served.vocab})",
+            param="tokens",
+        )
+    text = b"".join(served.token_bytes[token] for token in body.tokens).decode("utf-8", "replace")
+    return _json({"model": served.name, "prompt": text})
 
 
 GENERATION_RESPONSES: dict[int | str, dict[str, Any]] = {

@@ -12,15 +12,24 @@ the vocabulary) are checked once the model is known, in ``server.completions``.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+import json
+from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from model.sampling import MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY, SamplingParams
+from model.sampling import (
+    MAX_OPENAI_PENALTY,
+    MAX_REPETITION_PENALTY,
+    MIN_REPETITION_PENALTY,
+    SamplingParams,
+)
+from server.errors import APIError
 
 MAX_STOPS = 4
 MAX_MESSAGES = 256
-MAX_LOGPROBS = 5
+MAX_N = 8  # choices per prompt
+MAX_CHOICES = 16  # choices per request: prompts × n
+MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default; lowered to the room left when the context is short
 
 
@@ -36,6 +45,9 @@ def _valid_unicode(value: str) -> str:
 
 Text = Annotated[str, AfterValidator(_valid_unicode)]  # every string field of a request
 TokenId = Annotated[int, Field(ge=0)]
+BiasedToken = Annotated[str, Field(pattern=r"^[0-9]{1,9}$")]  # a token id, as OpenAI sends it
+Bias = Annotated[float, Field(ge=-100, le=100, allow_inf_nan=False)]
+MAX_LOGIT_BIAS = 1024
 Prompt = Text | list[TokenId]
 
 
@@ -69,16 +81,36 @@ class SamplingRequest(StrictBody):
     repetition_penalty: float = Field(
         1.0, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY, allow_inf_nan=False
     )
+    frequency_penalty: float = Field(
+        0.0, ge=-MAX_OPENAI_PENALTY, le=MAX_OPENAI_PENALTY, allow_inf_nan=False
+    )
+    presence_penalty: float = Field(
+        0.0, ge=-MAX_OPENAI_PENALTY, le=MAX_OPENAI_PENALTY, allow_inf_nan=False
+    )
+    # OpenAI's: token id (as a string) → added to its logit, in [-100, 100]
+    logit_bias: dict[BiasedToken, Bias] | None = Field(None, max_length=MAX_LOGIT_BIAS)
 
     def sampling_params(self, vocab: int, seed: int | None = None) -> SamplingParams:
         """These settings for a model of ``vocab`` tokens: a top_k that keeps the whole
-        vocabulary is off, so it draws exactly as top_k 0 (and never overflows int64)."""
+        vocabulary is off, so it draws exactly as top_k 0 (and never overflows int64).
+        Raises a 400 APIError for a logit_bias token outside the vocabulary."""
+        bias = tuple((int(token), value) for token, value in (self.logit_bias or {}).items())
+        outside = [token for token, _ in bias if token >= vocab]
+        if outside:
+            raise APIError(
+                400,
+                f"logit_bias: token id {outside[0]} is outside the model's vocabulary [0, {vocab})",
+                param="logit_bias",
+            )
         return SamplingParams(
             temperature=self.temperature,
             top_k=self.top_k if self.top_k < vocab else 0,
             top_p=self.top_p,
             min_p=self.min_p,
             repetition_penalty=self.repetition_penalty,
+            frequency_penalty=self.frequency_penalty,
+            presence_penalty=self.presence_penalty,
+            logit_bias=bias,
             seed=seed,
         )
 
@@ -90,9 +122,36 @@ class PromptRequest(SamplingRequest):
     prompt: Prompt
 
 
-class CompletionRequest(PromptRequest):
+def unsupported(noop: Any = None) -> Any:
+    """A field of OpenAI's API that ordinal does not implement: absent, null or its no-op value
+    ``noop`` is accepted (clients send defaults); anything else is a 400 saying so, never
+    "extra inputs are not permitted"."""
+
+    def refuse(value: Any) -> None:
+        if value is None or (noop is not None and value == noop):
+            return None
+        only = f" (only {json.dumps(noop)}, a no-op, is accepted)" if noop is not None else ""
+        raise ValueError(f"is not supported by ordinal{only}")
+
+    return Annotated[Any, AfterValidator(refuse), Field(None, description="not supported")]
+
+
+class OpenAIHints(StrictBody):
+    """Fields of OpenAI's API that only inform OpenAI's own service (storage, caching, abuse
+    tracking): accepted and ignored, which is what honouring them means here."""
+
+    user: Text | None = None
+    metadata: dict[Text, Text] | None = None
+    prompt_cache_key: Text | None = None
+    safety_identifier: Text | None = None
+    service_tier: Text | None = None
+
+
+class CompletionRequest(PromptRequest, OpenAIHints):
     """``POST /v1/completions``, as in OpenAI's legacy completions API."""
 
+    # OpenAI's four forms: a text, token ids, or a list of either (one prompt each)
+    prompt: Prompt | list[Text] | list[list[TokenId]]
     echo: bool = False  # declared before max_tokens, whose check reads it
     max_tokens: int | None = Field(None, ge=0)
     seed: int | None = Field(None, ge=0, lt=2**64)
@@ -100,8 +159,9 @@ class CompletionRequest(PromptRequest):
     stream: bool = False
     stream_options: StreamOptions | None = None
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    n: Literal[1] = 1  # accepted for client compatibility; one choice per request
-    user: Text | None = None
+    n: int = Field(1, ge=1, le=MAX_N)  # choices per prompt; choice j draws with seed + j
+    best_of: unsupported(noop=1)
+    suffix: unsupported(noop="")
     # vLLM's extension: logprobs name tokens "token_id:<id>" instead of their text.
     return_tokens_as_token_ids: bool = False
     # vLLM's extension: keep generating past <|eos|> (benchmarks need exact lengths).
@@ -118,6 +178,14 @@ class CompletionRequest(PromptRequest):
     def stops(self) -> list[str]:
         """``stop`` as a list (the validator has normalised it)."""
         return list(self.stop or [])
+
+    @property
+    def prompts(self) -> list[Prompt]:
+        """Each prompt of ``prompt``: one text or one list of token ids."""
+        prompt = self.prompt
+        if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
+            return [prompt]  # type: ignore[list-item]
+        return list(prompt)  # type: ignore[arg-type]
 
     @property
     def include_usage(self) -> bool:
@@ -147,7 +215,7 @@ class ChatMessage(StrictBody):
         return "".join(part.text for part in self.content)
 
 
-class ChatRequest(SamplingRequest):
+class ChatRequest(SamplingRequest, OpenAIHints):
     """``POST /v1/chat/completions``, as in OpenAI's chat completions API."""
 
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
@@ -159,9 +227,21 @@ class ChatRequest(SamplingRequest):
     stream_options: StreamOptions | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # needs logprobs: true
-    n: Literal[1] = 1
-    user: Text | None = None
+    n: int = Field(1, ge=1, le=MAX_N)  # choices; choice j draws with seed + j
     ignore_eos: bool = False
+    audio: unsupported()
+    function_call: unsupported()
+    functions: unsupported()
+    modalities: unsupported(noop=["text"])
+    parallel_tool_calls: unsupported()
+    prediction: unsupported()
+    reasoning_effort: unsupported()
+    response_format: unsupported(noop={"type": "text"})
+    store: unsupported(noop=False)
+    tool_choice: unsupported(noop="none")
+    tools: unsupported(noop=[])
+    verbosity: unsupported()
+    web_search_options: unsupported()
 
     @field_validator("top_logprobs")
     @classmethod
@@ -216,3 +296,10 @@ class TraceRequest(PromptRequest):
         description="include every layer's attention weights (most of the response: "
         "layers × heads × T(T+1)/2 numbers); false answers attention null",
     )
+
+
+class DetokenizeRequest(StrictBody):
+    """``POST /v1/detokenize``: the text of token ids."""
+
+    model: Text | None = None
+    tokens: list[TokenId] = Field(max_length=1_000_000)

@@ -41,8 +41,11 @@ class CompletionWriter:
 
     OBJECT, CHUNK_OBJECT, ID_PREFIX = "text_completion", "text_completion", "cmpl"
 
-    def __init__(self, body: CompletionRequest, served: ServedModel, prompt_ids: list[int]):
+    def __init__(
+        self, body: CompletionRequest, served: ServedModel, prompt_ids: list[int], index: int = 0
+    ):
         self.body = body
+        self.index = index  # the choice this writer writes
         self.prompt_ids = prompt_ids
         self.name: Callable[[int], str] = (
             (lambda token: f"token_id:{token}")
@@ -60,7 +63,7 @@ class CompletionWriter:
         self.model = served.name
         # One chunk dict reused for every event: only the choice's fields change.
         self._choice: dict[str, Any] = {
-            "index": 0,
+            "index": index,
             "text": "",
             "logprobs": None,
             "finish_reason": None,
@@ -142,8 +145,8 @@ class CompletionWriter:
         choice["text"], choice["logprobs"], choice["finish_reason"] = piece
         return b"data: " + orjson.dumps(self._chunk) + b"\n\n"
 
-    def usage_chunk(self) -> bytes:
-        chunk = {**self._envelope([]), "usage": self.usage()}
+    def usage_chunk(self, usage: dict[str, int]) -> bytes:
+        chunk = {**self._envelope([]), "usage": usage}
         return b"data: " + orjson.dumps(chunk) + b"\n\n"
 
     def result(self, pieces: list[Piece]) -> dict[str, Any]:
@@ -155,7 +158,12 @@ class CompletionWriter:
                 for key, values in part.items():
                     logprobs[key].extend(values)
         text = "".join(text for text, _, _ in pieces)
-        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": pieces[-1][2]}
+        choice = {
+            "index": self.index,
+            "text": text,
+            "logprobs": logprobs,
+            "finish_reason": pieces[-1][2],
+        }
         return {**self._envelope([choice]), "usage": self.usage()}
 
 
@@ -165,8 +173,10 @@ class ChatWriter(CompletionWriter):
 
     OBJECT, CHUNK_OBJECT, ID_PREFIX = "chat.completion", "chat.completion.chunk", "chatcmpl"
 
-    def __init__(self, body: CompletionRequest, served: ServedModel, prompt_ids: list[int]):
-        super().__init__(body, served, prompt_ids)
+    def __init__(
+        self, body: CompletionRequest, served: ServedModel, prompt_ids: list[int], index: int = 0
+    ):
+        super().__init__(body, served, prompt_ids, index)
         self.token_bytes = served.token_bytes
         self._role_sent = False
 
@@ -192,7 +202,12 @@ class ChatWriter(CompletionWriter):
         delta: dict[str, str] = {"content": text} if text or not finish_reason else {}
         if not self._role_sent:
             delta, self._role_sent = {"role": "assistant", **delta}, True
-        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        choice = {
+            "index": self.index,
+            "delta": delta,
+            "logprobs": logprobs,
+            "finish_reason": finish_reason,
+        }
         chunk = self._envelope([choice])
         if self.body.include_usage:
             chunk["usage"] = None
@@ -201,9 +216,28 @@ class ChatWriter(CompletionWriter):
     def result(self, pieces: list[Piece]) -> dict[str, Any]:
         content = [entry for _, part, _ in pieces if part for entry in part["content"]]
         choice = {
-            "index": 0,
+            "index": self.index,
             "message": {"role": "assistant", "content": "".join(text for text, _, _ in pieces)},
             "logprobs": {"content": content} if self.body.logprobs is not None else None,
             "finish_reason": pieces[-1][2],
         }
         return {**self._envelope([choice]), "usage": self.usage()}
+
+
+def total_usage(writers: list[CompletionWriter]) -> dict[str, int]:
+    """A request's usage over its choices: each prompt counted once (its n choices share it,
+    as OpenAI counts them), every choice's tokens."""
+    n = writers[0].body.n
+    prompt = sum(len(writer.prompt_ids) for writer in writers[::n])
+    completion = sum(writer.completion_tokens for writer in writers)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
+
+
+def combine(results: list[dict[str, Any]], writers: list[CompletionWriter]) -> dict[str, Any]:
+    """One non-stream response from each choice's: the first's envelope, every choice."""
+    choices = [result["choices"][0] for result in results]
+    return {**results[0], "choices": choices, "usage": total_usage(writers)}

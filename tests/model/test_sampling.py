@@ -1,6 +1,7 @@
 """Properties of model.sampling: filters keep the right sets, draws follow the filtered
 distribution, and a seeded row gives the same tokens whatever batch it sits in."""
 
+import dataclasses
 import math
 
 import pytest
@@ -8,14 +9,17 @@ import torch
 
 from model.sampling import (
     MAX_REPETITION_PENALTY,
+    MAX_TOP_K,
     MIN_REPETITION_PENALTY,
     MIN_TEMPERATURE,
     FailureReason,
     RowSampler,
     SamplingBatch,
     SamplingParams,
+    apply_frequency_presence_penalties,
     apply_repetition_penalty,
     filtered_probs,
+    sampling_stages,
     token_logprobs,
 )
 
@@ -389,3 +393,666 @@ def test_every_allowed_penalty_keeps_logits_finite(penalty: float) -> None:
 def test_values_the_sampler_cannot_hold_are_refused(field: str, value: object) -> None:
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value})
+
+
+# ---- references computed by hand from the module docstring's definitions --------------------
+
+
+def reference_stages(
+    logits: list[float],
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    min_p: float = 0.0,
+    penalty: float = 1.0,
+    seen: set[int] = frozenset(),
+) -> dict[str, list[float]]:
+    """Each stage's distribution in vocabulary order, in float64, from the module docstring:
+    CTRL penalty, temperature (greedy below MIN_TEMPERATURE), top-k, top-p (keep a token while
+    the mass strictly before it is below p), min-p (at least min_p x the top probability), each
+    renormalised before the next."""
+
+    def softmax(values: list[float]) -> list[float]:
+        top = max(values)
+        weights = [math.exp(v - top) for v in values]
+        return [w / sum(weights) for w in weights]
+
+    def normalised(probs: list[float]) -> list[float]:
+        return [q / sum(probs) for q in probs]
+
+    stages = {"logits": softmax(logits)}
+    if penalty != 1.0:
+        logits = [
+            (v / penalty if v > 0 else v * penalty) if i in seen else v
+            for i, v in enumerate(logits)
+        ]
+        stages["repetition_penalty"] = softmax(logits)
+    # Ties go to the lowest id, as argmax and the stable sort do.
+    order = sorted(range(len(logits)), key=lambda i: (-logits[i], i))
+    if temperature < MIN_TEMPERATURE:
+        probs = [1.0 if i == order[0] else 0.0 for i in range(len(logits))]
+    else:
+        probs = softmax([v / temperature for v in logits])
+    stages["temperature"] = probs
+    if top_k:
+        keep = set(order[:top_k])
+        probs = normalised([q if i in keep else 0.0 for i, q in enumerate(probs)])
+        stages["top_k"] = probs
+    if top_p < 1:
+        before, keep = 0.0, set()
+        for i in order:
+            if before < top_p or not keep:
+                keep.add(i)
+            before += probs[i]
+        probs = normalised([q if i in keep else 0.0 for i, q in enumerate(probs)])
+        stages["top_p"] = probs
+    if min_p:
+        threshold = min_p * max(probs)
+        probs = normalised([q if q >= threshold else 0.0 for q in probs])
+        stages["min_p"] = probs
+    return stages
+
+
+def seeded_draws(params: SamplingParams, logits: torch.Tensor, rows: int, steps: int):
+    """Token counts of ``rows`` seeded copies of ``params`` (seeds 0..rows-1) over ``steps``."""
+    batch = SamplingBatch(
+        [RowSampler(dataclasses.replace(params, seed=seed)) for seed in range(rows)]
+    )
+    draws = torch.cat([batch.sample(logits.expand(rows, -1)) for _ in range(steps)])
+    return torch.bincount(draws, minlength=logits.shape[-1]).double()
+
+
+def total_variation(counts: torch.Tensor, expected: list[float]) -> float:
+    return 0.5 * (counts / counts.sum() - torch.tensor(expected, dtype=torch.float64)).abs().sum()
+
+
+# Probabilities in a shuffled vocabulary order, so that the sorted path really has to sort.
+SHUFFLED = [0.05, 0.3, 0.02, 0.2, 0.08, 0.25, 0.07, 0.03]
+
+
+@pytest.mark.parametrize(
+    ("params", "support"),
+    [
+        # top-p alone: masses before 0.3, 0.25, 0.2 are 0, 0.3, 0.55 < 0.7; then 0.75 stops.
+        (SamplingParams(top_p=0.7), {1, 5, 3}),
+        # min-p alone (drawn in vocabulary order): 0.4 x 0.3 = 0.12 keeps 0.3, 0.25, 0.2.
+        (SamplingParams(min_p=0.4), {1, 5, 3}),
+        (SamplingParams(temperature=0.8, top_p=0.5), {1, 5}),
+        (SamplingParams(temperature=1.3, min_p=0.2), {0, 1, 3, 4, 5, 6}),
+        (SamplingParams(temperature=0.7, top_k=4, min_p=0.3), {1, 3, 5}),
+    ],
+    ids=["top_p alone", "min_p alone", "temperature+top_p", "temperature+min_p", "k+min_p"],
+)
+def test_draws_over_many_seeds_follow_the_filtered_distribution(
+    params: SamplingParams, support: set[int]
+) -> None:
+    """20,000 draws (1000 seeds x 20 steps) against the distribution computed by hand: no
+    token outside the filter's support, total variation within 0.02 (about 3x its expected
+    value for 8 tokens)."""
+    logits = torch.tensor([SHUFFLED]).log()
+    expected = reference_stages(
+        logits[0].tolist(), params.temperature, params.top_k, params.top_p, params.min_p
+    )
+    final = list(expected.values())[-1]
+    assert {i for i, q in enumerate(final) if q > 0} == support
+    counts = seeded_draws(params, logits, rows=1000, steps=20)
+    assert {i for i, c in enumerate(counts.tolist()) if c > 0} == support
+    assert total_variation(counts, final) < 0.02
+
+
+class FixedUniform(RowSampler):
+    """A row whose every uniform is ``value`` (to drive the inverse CDF to its edges)."""
+
+    def __init__(self, params: SamplingParams, value: float) -> None:
+        super().__init__(params)
+        self.value = value
+
+    def next_uniform(self) -> torch.Tensor:
+        return torch.tensor([self.value])
+
+
+def inverse_cdf(probs: list[float], order: list[int], uniform: float) -> int:
+    """The first token along ``order`` whose cumulative mass reaches ``uniform``."""
+    cumulative = 0.0
+    for i in order:
+        cumulative += probs[i]
+        if probs[i] > 0 and cumulative >= uniform:
+            return i
+    return next(i for i in reversed(order) if probs[i] > 0)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.9),
+        SamplingParams(temperature=1.2, min_p=0.1),
+        SamplingParams(top_k=5),
+        SamplingParams(temperature=0.8, top_p=0.9, min_p=0.05),
+    ],
+    ids=["plain", "min_p", "top_k", "top_p+min_p"],
+)
+def test_a_seeded_row_draws_by_inverse_cdf_with_its_generators_uniform(
+    params: SamplingParams,
+) -> None:
+    """Step 6 of the docstring, pinned: the row's uniform is torch.rand(1) of a CPU generator
+    seeded with its seed; rows without top-k and top-p walk the vocabulary in id order, the
+    others in descending probability (ties: lowest id first)."""
+    logits = random_logits(1, seed=21)[:, :16]
+    stages = reference_stages(
+        logits[0].tolist(), params.temperature, params.top_k, params.top_p, params.min_p
+    )
+    probs = list(stages.values())[-1]
+    sorts = params.top_k > 0 or params.top_p < 1
+    order = sorted(range(16), key=lambda i: (-probs[i], i)) if sorts else list(range(16))
+    cdf = torch.tensor([probs[i] for i in order], dtype=torch.float64).cumsum(0)
+    checked = 0
+    for seed in range(200):
+        generator = torch.Generator().manual_seed(seed)
+        uniforms = [torch.rand(1, generator=generator).item() for _ in range(3)]
+        if any((cdf - u).abs().min() < 1e-5 for u in uniforms):
+            continue  # too close to a boundary for float32 to agree with float64
+        batch = SamplingBatch([RowSampler(dataclasses.replace(params, seed=seed))])
+        tokens = [batch.sample(logits).item() for _ in range(3)]
+        assert tokens == [inverse_cdf(probs, order, u) for u in uniforms]
+        checked += 1
+    assert checked > 150
+
+
+def test_the_largest_uniform_draws_the_last_token_with_mass() -> None:
+    # Logits whose renormalised float32 mass sums to just under 1: a uniform just under 1
+    # must still land on a real token, the last one with mass.
+    def total(seed: int) -> float:
+        stages = sampling_stages(random_logits(1, seed=seed)[0, :7], SamplingParams(min_p=0.05))
+        return stages[-1].probs.cumsum(-1)[-1].item()
+
+    seed = next(seed for seed in range(100) if total(seed) < 1)
+    logits = random_logits(1, seed=seed)[:, :7]
+    last = 1 - 2**-24  # the largest float32 below 1
+    probs = sampling_stages(logits[0], SamplingParams(min_p=0.05))[-1].probs
+    row = FixedUniform(SamplingParams(min_p=0.05), last)
+    tokens, failures = SamplingBatch([row]).draw(logits)
+    assert failures == {} and tokens.item() == int(probs.nonzero().max())
+    # and uniform 0 lands on the first token with mass, never on a filtered-out one before it
+    logits[0, 0] = logits.min() - 10  # token 0 is filtered out by min-p
+    tokens, failures = SamplingBatch([FixedUniform(SamplingParams(min_p=0.05), 0.0)]).draw(logits)
+    probs = sampling_stages(logits[0], SamplingParams(min_p=0.05))[-1].probs
+    assert failures == {} and tokens.item() == int(probs.nonzero().min()) > 0
+
+
+@pytest.mark.parametrize("uniform", [1.5, 2.0])
+def test_a_token_past_the_vocabulary_fails_its_row(uniform: float) -> None:
+    """A uniform outside [0, 1) (a broken generator) lands one past the vocabulary: that row
+    is reported, the other keeps its token."""
+    logits = random_logits(2, seed=22)
+    good = SamplingParams(temperature=0.7, seed=3)
+    expected = SamplingBatch([RowSampler(good)]).sample(logits[1:])
+    rows = [FixedUniform(SamplingParams(), uniform), RowSampler(good)]
+    tokens, failures = SamplingBatch(rows).draw(logits)
+    assert failures == {0: FailureReason.SAMPLING_ERROR}
+    assert tokens[1:].tolist() == expected.tolist()
+
+
+# ---- the tie and boundary rules -------------------------------------------------------------
+
+
+def test_min_p_keeps_a_token_exactly_at_the_threshold() -> None:
+    # softmax of log [4, 2, 2, 1] is exactly [4, 2, 2, 1] / 9 in float32: 2/9 = 0.5 x 4/9.
+    logits = torch.tensor([[4.0, 2.0, 2.0, 1.0]]).log()
+    assert logits.softmax(-1)[0, 1] == 0.5 * logits.softmax(-1)[0, 0]
+    sorted_path = filtered_probs(logits, **columns(1, min_p=0.5))
+    unsorted_path = sampling_stages(logits[0], SamplingParams(min_p=0.5))[-1].probs
+    for probs in (sorted_path[0], unsorted_path):
+        assert torch.allclose(probs, torch.tensor([0.5, 0.25, 0.25, 0.0]))
+
+
+def test_mass_within_the_tolerance_of_p_counts_as_reaching_it() -> None:
+    # Four equal tokens: the mass before the third is exactly 0.5, within 1e-6 of p.
+    top_p = torch.tensor([0.5 + 1e-6])
+    assert (top_p - 1e-6).item() == 0.5
+    probs = filtered_probs(torch.zeros(1, 4), **{**columns(1), "top_p": top_p})
+    assert kept(probs) == [{0, 1}]
+
+
+def test_the_minimum_temperature_itself_samples() -> None:
+    # At exactly MIN_TEMPERATURE two logits 1e-6 apart are 0.1 apart after scaling: not greedy.
+    logits = torch.tensor([[0.0, -1e-6, -1.0]])
+    expected = (logits.double() / MIN_TEMPERATURE).softmax(-1).float()
+    for top_k in (0, 2):
+        probs = filtered_probs(logits, **columns(1, temperature=MIN_TEMPERATURE, top_k=top_k))
+        assert torch.allclose(probs, expected, atol=1e-3)
+    just_below = filtered_probs(logits, **columns(1, temperature=MIN_TEMPERATURE * 0.999))
+    assert just_below.tolist() == [[1.0, 0.0, 0.0]]
+    counts = seeded_draws(SamplingParams(MIN_TEMPERATURE, top_k=2), logits, rows=200, steps=1)
+    assert counts[0] > 50 and counts[1] > 50 and counts[2] == 0
+
+
+# ---- parameter validation: the exact messages and the boundaries that are allowed ------------
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("temperature", -0.1, "temperature must be a finite number >= 0 (below 1e-05 = greedy)"),
+        ("top_k", -1, "top_k must be an integer in [0, 2**63) (0 = off)"),
+        ("top_p", 0.0, "top_p must be in (0, 1] (1 = off)"),
+        ("min_p", 1.5, "min_p must be in [0, 1] (0 = off)"),
+        ("repetition_penalty", 0.0, "repetition_penalty must be in [0.01, 100] (1 = off)"),
+        ("seed", -1, "seed must be None or an integer in [0, 2**64)"),
+    ],
+)
+def test_invalid_params_say_what_is_allowed(field: str, value: object, message: str) -> None:
+    with pytest.raises(ValueError) as raised:
+        SamplingParams(**{field: value})
+    assert str(raised.value) == f"{message}, got {value!r}"
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("temperature", 0.0),
+        ("top_k", 0),
+        ("top_k", MAX_TOP_K),
+        ("top_p", 1.0),
+        ("top_p", 1e-9),
+        ("min_p", 0.0),
+        ("min_p", 1.0),
+        ("repetition_penalty", MIN_REPETITION_PENALTY),
+        ("repetition_penalty", MAX_REPETITION_PENALTY),
+        ("seed", 0),
+        ("seed", 2**64 - 1),
+    ],
+)
+def test_the_edges_of_each_range_are_allowed(field: str, value: object) -> None:
+    assert getattr(SamplingParams(**{field: value}), field) == value
+
+
+def test_an_empty_batch_is_refused_by_name() -> None:
+    with pytest.raises(ValueError, match=r"^rows must hold at least one RowSampler$"):
+        SamplingBatch([])
+
+
+def test_a_batchs_columns_live_on_its_device() -> None:
+    rows = [RowSampler(p) for p in MIXED]
+    batch = SamplingBatch(rows, device="meta")
+    for name in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty"):
+        column = getattr(batch, name)
+        assert column.device.type == "meta" and column.shape == (len(rows),)
+
+
+# ---- token_logprobs --------------------------------------------------------------------------
+
+
+def test_token_logprobs_allow_the_whole_vocabulary() -> None:
+    logits = random_logits(3, seed=23)
+    tokens = torch.tensor([4, 0, VOCAB - 1])
+    chosen, top_values, top_ids = token_logprobs(logits, tokens, top_n=VOCAB)
+    reference = [reference_stages(row)["logits"] for row in logits.tolist()]
+    for row, probs in enumerate(reference):
+        assert math.isclose(chosen[row].item(), math.log(probs[tokens[row]]), abs_tol=1e-5)
+        order = sorted(range(VOCAB), key=lambda i: -probs[i])
+        assert top_ids[row].tolist() == order
+        assert torch.allclose(
+            top_values[row].double().exp(), torch.tensor(sorted(probs)[::-1], dtype=torch.float64)
+        )
+    with pytest.raises(ValueError) as raised:
+        token_logprobs(logits, tokens, top_n=-1)
+    assert str(raised.value) == f"top_n must be in [0, {VOCAB}], got -1"
+
+
+# ---- sampling_stages (POST /v1/trace) ---------------------------------------------------------
+
+STAGE_CASES = [
+    (SamplingParams(), ["logits", "temperature"]),
+    (SamplingParams(temperature=0.7, min_p=0.1), ["logits", "temperature", "min_p"]),
+    (SamplingParams(top_p=0.8), ["logits", "temperature", "top_p"]),
+    (SamplingParams(top_k=1), ["logits", "temperature", "top_k"]),
+    (
+        SamplingParams(temperature=1.4, top_k=12, top_p=0.9, min_p=0.05),
+        ["logits", "temperature", "top_k", "top_p", "min_p"],
+    ),
+    (SamplingParams(temperature=0.0, top_k=3), ["logits", "temperature", "top_k"]),
+    (
+        SamplingParams(temperature=0.9, min_p=0.2, repetition_penalty=1.8),
+        ["logits", "repetition_penalty", "temperature", "min_p"],
+    ),
+    (
+        SamplingParams(temperature=0.6, top_p=0.7, repetition_penalty=0.5),
+        ["logits", "repetition_penalty", "temperature", "top_p"],
+    ),
+]
+
+
+@pytest.mark.parametrize(("params", "names"), STAGE_CASES)
+def test_sampling_stages_match_the_definitions(params: SamplingParams, names: list[str]) -> None:
+    logits = random_logits(1, seed=24)[0, :20] * 0.7
+    logits[3] = 0.0  # a zero logit: the penalty leaves it where it is
+    seen = torch.zeros(20, dtype=torch.bool)
+    seen[[0, 3, 5, 7, 11]] = True
+    seen_ids = set(seen.nonzero().flatten().tolist())
+    stages = sampling_stages(logits.to(torch.bfloat16).float(), params, seen)
+    expected = reference_stages(
+        logits.to(torch.bfloat16).float().tolist(),
+        params.temperature,
+        params.top_k,
+        params.top_p,
+        params.min_p,
+        params.repetition_penalty,
+        seen_ids,
+    )
+    assert [stage.name for stage in stages] == names == list(expected)
+    for stage in stages:
+        assert stage.probs.shape == (20,) and stage.probs.dtype == torch.float32
+        reference = torch.tensor(expected[stage.name])
+        assert torch.allclose(stage.probs, reference, atol=1e-6), stage.name
+        assert set(stage.probs.nonzero().flatten().tolist()) == set(
+            reference.nonzero().flatten().tolist()
+        ), stage.name
+
+
+@pytest.mark.parametrize(("params", "names"), STAGE_CASES)
+def test_the_last_stage_is_what_the_batch_draws_from(
+    params: SamplingParams, names: list[str]
+) -> None:
+    logits = random_logits(1, seed=25)[:, :20]
+    last = sampling_stages(logits[0], params)[-1].probs
+    if params.greedy:
+        assert last.tolist() == torch.nn.functional.one_hot(logits.argmax(), 20).tolist()
+    elif names[-1] != "min_p" or "top_k" in names or "top_p" in names:
+        filters = columns(1, params.temperature, params.top_k, params.top_p, params.min_p)
+        assert torch.allclose(last, filtered_probs(logits, **filters)[0], atol=1e-7)
+
+
+def test_sampling_stages_without_seen_or_with_penalty_one_skip_the_penalty() -> None:
+    logits = random_logits(1, seed=26)[0]
+    seen = torch.ones(VOCAB, dtype=torch.bool)
+    names = [s.name for s in sampling_stages(logits, SamplingParams(repetition_penalty=2.0))]
+    assert names == ["logits", "temperature"]
+    names = [s.name for s in sampling_stages(logits, SamplingParams(), seen)]
+    assert names == ["logits", "temperature"]
+    # The penalty stage is the softmax of the penalised logits.
+    stages = sampling_stages(logits, SamplingParams(repetition_penalty=2.0), seen)
+    penalised = torch.where(logits > 0, logits / 2, logits * 2)
+    assert torch.allclose(stages[1].probs, penalised.softmax(-1))
+    assert torch.allclose(stages[2].probs, penalised.softmax(-1))
+
+
+# ---- the batched draw: no slow path unless something failed, and one uniform per row ---------
+
+
+def solo_tokens(params: list[SamplingParams], logits, seen) -> list[int]:
+    """Each row drawn alone, in its own one-row batch (fresh generators)."""
+    return [
+        SamplingBatch([RowSampler(p)]).sample(logits[i : i + 1], seen[i : i + 1]).item()
+        for i, p in enumerate(params)
+    ]
+
+
+MANY_PATHS = [  # two or more rows on each path, so that every group is indexed
+    SamplingParams(temperature=0.9, seed=1),
+    SamplingParams(temperature=0.0, repetition_penalty=1.5),
+    SamplingParams(temperature=1.1, top_k=10, top_p=0.9, seed=2),
+    SamplingParams(temperature=0.6, min_p=0.1, repetition_penalty=1.3, seed=3),
+    SamplingParams(temperature=0.0),
+    SamplingParams(top_p=0.8, repetition_penalty=0.7, seed=4),
+    SamplingParams(temperature=1.5, seed=5),
+]
+
+
+def test_a_healthy_mixed_batch_never_takes_the_row_by_row_path(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    logits = random_logits(len(MANY_PATHS), seed=27)
+    seen = torch.rand(len(MANY_PATHS), VOCAB, generator=torch.Generator().manual_seed(1)) < 0.3
+    seen[:, logits[0].argmax()] = True
+    expected = solo_tokens(MANY_PATHS, logits, seen)
+
+    def slow_path(*args: object) -> None:
+        raise AssertionError("the batched draw raised on healthy rows")
+
+    monkeypatch.setattr(SamplingBatch, "_draw_each", slow_path)
+    batch = SamplingBatch([RowSampler(p) for p in MANY_PATHS])
+    tokens, failures = batch.draw(logits, seen)
+    assert failures == {} and tokens.dtype == torch.long and tokens.tolist() == expected
+    for params in (MANY_PATHS[:1] * 3, MANY_PATHS[2:3] * 3, MANY_PATHS[1:2] * 3):
+        rows = [RowSampler(p) for p in params]
+        tokens = SamplingBatch(rows).sample(logits[:3], seen[:3])
+        assert tokens.dtype == torch.long
+        assert tokens.tolist() == solo_tokens(params, logits[:3], seen[:3])
+
+
+def test_every_row_draws_one_uniform_per_step_and_greedy_batches_none() -> None:
+    params = [dataclasses.replace(p, seed=seed) for seed, p in enumerate(MANY_PATHS)]
+    rows, fresh = [RowSampler(p) for p in params], [RowSampler(p) for p in params]
+    SamplingBatch(rows).sample(random_logits(len(rows), seed=28))
+    for row, reference in zip(rows, fresh, strict=True):
+        reference.next_uniform()
+        assert torch.equal(row.generator.get_state(), reference.generator.get_state())
+    greedy = [RowSampler(SamplingParams(temperature=0.0, seed=i)) for i in range(3)]
+    states = [row.generator.get_state() for row in greedy]
+    SamplingBatch(greedy).sample(random_logits(3, seed=29))
+    assert all(torch.equal(r.generator.get_state(), s) for r, s in zip(greedy, states, strict=True))
+
+
+MARKER = 777.0  # a logit that, in this test, makes any draw of its row raise
+
+
+@pytest.mark.parametrize("greedy", [False, True])
+def test_after_a_batched_failure_each_row_draws_alone(
+    monkeypatch: pytest.MonkeyPatch, greedy: bool
+) -> None:
+    """The batched draw raises (a kernel that fails on batches, and on one poisoned row):
+    every row then draws alone, with its penalty and its own uniform; the rows already failed
+    are skipped and the poisoned row fails alone."""
+    params = [SamplingParams(temperature=0.0, repetition_penalty=1.4)] * 4 if greedy else MIXED
+    logits = random_logits(len(params), seed=30)
+    seen = torch.zeros(len(params), VOCAB, dtype=torch.bool)
+    seen[:, logits.argmax(dim=-1)] = True  # the penalty changes greedy choices
+    expected = solo_tokens(params, logits, seen)
+    batched = SamplingBatch._draw
+
+    def fragile(self: SamplingBatch, logits: torch.Tensor, *args: object) -> torch.Tensor:
+        if len(logits) > 1 or (logits == MARKER).any():
+            raise RuntimeError("a batched kernel failed")
+        return batched(self, logits, *args)
+
+    monkeypatch.setattr(SamplingBatch, "_draw", fragile)
+    tokens, failures = SamplingBatch([RowSampler(p) for p in params]).draw(logits, seen)
+    assert failures == {} and tokens.dtype == torch.long and tokens.tolist() == expected
+
+    # Row 1 fails before the draw (NaN), row 3 too where it samples (a broken generator); row
+    # 2 fails inside it. The rows after each failure are still drawn.
+    first = params[0]
+    rows = [RowSampler(first), RowSampler(first), RowSampler(first)]
+    rows += [RowSampler(first) if greedy else BrokenSampler(SamplingParams(seed=1))]
+    rows += [RowSampler(p) for p in params]
+    bad = random_logits(3, seed=31)
+    bad[0, 5] = math.nan
+    bad[1, 7] = MARKER
+    everything = torch.cat([logits[:1], bad, logits])
+    everything_seen = torch.cat([seen[:1], seen[:3], seen])
+    tokens, failures = SamplingBatch(rows).draw(everything, everything_seen)
+    expected_failures = {1: FailureReason.NON_FINITE_LOGITS, 2: FailureReason.SAMPLING_ERROR}
+    if not greedy:
+        expected_failures[3] = FailureReason.SAMPLING_ERROR
+    assert failures == expected_failures
+    healthy = [i for i in range(len(rows)) if i not in failures]
+    monkeypatch.undo()
+    assert tokens.dtype == torch.long
+    assert [tokens[i].item() for i in healthy] == [
+        SamplingBatch([RowSampler(rows[i].params)])
+        .sample(everything[i : i + 1], everything_seen[i : i + 1])
+        .item()
+        for i in healthy
+    ]
+
+
+# ---- logit bias and OpenAI's frequency / presence penalties (steps 0 and 1) -----------------
+
+
+def adjusted_reference(
+    logits: torch.Tensor, params: SamplingParams, seen=None, counts=None
+) -> torch.Tensor:
+    """Steps 0-1 by hand, in float64: bias, CTRL penalty on seen tokens, then
+    logit - frequency x count - presence x (count > 0)."""
+    out = logits.double().clone()
+    for token, bias in params.logit_bias:
+        if token < out.shape[-1]:
+            out[token] += bias
+    if seen is not None and params.repetition_penalty != 1.0:
+        p = params.repetition_penalty
+        out = torch.where(seen & (out > 0), out / p, torch.where(seen, out * p, out))
+    if counts is not None:
+        counts = counts.double()
+        out = out - params.frequency_penalty * counts - params.presence_penalty * (counts > 0)
+    return out
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("frequency_penalty", 2.5, "frequency_penalty must be in [-2, 2]"),
+        ("presence_penalty", -2.01, "presence_penalty must be in [-2, 2]"),
+        ("logit_bias", ((-1, 1.0),), "logit_bias must be pairs of a token id >= 0 and a bias "),
+        ("logit_bias", ((3, 100.5),), "logit_bias must be pairs of a token id >= 0 and a bias "),
+        ("logit_bias", ((True, 1.0),), "logit_bias must be pairs of a token id >= 0 and a bias "),
+    ],
+)
+def test_openai_penalties_and_bias_are_validated(field: str, value: object, message: str) -> None:
+    with pytest.raises(ValueError) as raised:
+        SamplingParams(**{field: value})
+    assert str(raised.value).startswith(message) and str(raised.value).endswith(f"{value!r}")
+    for edge in (-2.0, 2.0):
+        assert (
+            SamplingParams(frequency_penalty=edge, presence_penalty=edge).presence_penalty == edge
+        )
+    assert SamplingParams(logit_bias=((0, -100.0), (7, 100.0))).logit_bias == (
+        (0, -100.0),
+        (7, 100.0),
+    )
+
+
+def test_openai_penalties_follow_their_formula() -> None:
+    logits = random_logits(4, seed=40)
+    counts = torch.randint(0, 3, (4, VOCAB), generator=torch.Generator().manual_seed(2))
+    frequency = torch.tensor([0.0, 0.5, -1.0, 2.0])
+    presence = torch.tensor([1.0, 0.0, 0.7, -2.0])
+    out = apply_frequency_presence_penalties(logits, counts, frequency, presence)
+    for row in range(4):
+        params = SamplingParams(
+            frequency_penalty=float(frequency[row]), presence_penalty=float(presence[row])
+        )
+        expected = adjusted_reference(logits[row], params, counts=counts[row]).float()
+        assert out.dtype == torch.float32 and torch.allclose(out[row], expected, atol=1e-6)
+    with pytest.raises(ValueError) as raised:
+        apply_frequency_presence_penalties(logits, counts[:, 1:], frequency, presence)
+    assert str(raised.value) == f"counts must have shape (4, {VOCAB}), got (4, {VOCAB - 1})"
+
+
+ADJUSTED = [  # greedy rows, so that the argmax of the adjusted logits is the token
+    SamplingParams(temperature=0.0, logit_bias=((3, 100.0), (VOCAB + 5, 100.0))),
+    SamplingParams(temperature=0.0, frequency_penalty=2.0, presence_penalty=1.0),
+    SamplingParams(temperature=0.0, repetition_penalty=3.0, presence_penalty=2.0),
+    SamplingParams(temperature=0.0),
+    SamplingParams(temperature=0.0, logit_bias=((0, -100.0),), frequency_penalty=-2.0),
+]
+
+
+def test_bias_and_penalties_move_each_rows_argmax() -> None:
+    logits = random_logits(len(ADJUSTED), seed=41)
+    counts = torch.zeros(len(ADJUSTED), VOCAB)
+    counts[:, logits.argmax(-1)] = 3.0  # every row has generated its argmax three times
+    seen = counts > 0
+    expected = [
+        adjusted_reference(logits[i], p, seen[i], counts[i]).argmax().item()
+        for i, p in enumerate(ADJUSTED)
+    ]
+    assert expected[0] == 3 and expected[3] == logits[3].argmax()
+    assert expected[1] != logits[1].argmax() and expected[2] != logits[2].argmax()
+    batch = SamplingBatch([RowSampler(p) for p in ADJUSTED])
+    assert batch.sample(logits, seen, counts).tolist() == expected
+    # counts not given: no frequency / presence penalty (the bias still applies)
+    without = [
+        adjusted_reference(logits[i], p, seen[i]).argmax().item() for i, p in enumerate(ADJUSTED)
+    ]
+    assert batch.sample(logits, seen).tolist() == without
+    # a narrower vocabulary rebuilds the bias table
+    narrow = logits[:, : VOCAB - 10]
+    assert batch.sample(narrow).tolist() == [
+        adjusted_reference(narrow[i], p).argmax().item() for i, p in enumerate(ADJUSTED)
+    ]
+
+
+def test_the_row_by_row_path_keeps_bias_and_penalties(monkeypatch: pytest.MonkeyPatch) -> None:
+    logits = random_logits(len(ADJUSTED), seed=42)
+    counts = torch.zeros(len(ADJUSTED), VOCAB)
+    counts[:, logits.argmax(-1)] = 2.0
+    seen = counts > 0
+    expected = SamplingBatch([RowSampler(p) for p in ADJUSTED]).sample(logits, seen, counts)
+    batched = SamplingBatch._draw
+
+    def fails_for_batches(self: SamplingBatch, logits: torch.Tensor, *args: object):
+        if len(logits) > 1:
+            raise RuntimeError("a batched kernel failed")
+        return batched(self, logits, *args)
+
+    monkeypatch.setattr(SamplingBatch, "_draw", fails_for_batches)
+    tokens, failures = SamplingBatch([RowSampler(p) for p in ADJUSTED]).draw(logits, seen, counts)
+    assert failures == {} and tokens.tolist() == expected.tolist()
+
+
+def test_sampling_stages_show_bias_and_penalties_in_order() -> None:
+    logits = random_logits(1, seed=43)[0]
+    counts = torch.zeros(VOCAB)
+    counts[[1, 2, 3]] = torch.tensor([1.0, 2.0, 4.0])
+    seen = counts > 0
+    params = SamplingParams(
+        temperature=0.8,
+        repetition_penalty=1.5,
+        frequency_penalty=0.5,
+        presence_penalty=0.25,
+        logit_bias=((4, 3.0), (5, -3.0)),
+        min_p=0.05,
+    )
+    stages = sampling_stages(logits, params, seen, counts)
+    assert [s.name for s in stages] == [
+        "logits",
+        "logit_bias",
+        "repetition_penalty",
+        "frequency_presence_penalty",
+        "temperature",
+        "min_p",
+    ]
+    biased = adjusted_reference(logits, SamplingParams(logit_bias=params.logit_bias))
+    penalised = adjusted_reference(
+        logits, dataclasses.replace(params, frequency_penalty=0.0, presence_penalty=0.0), seen
+    )
+    final = adjusted_reference(logits, params, seen, counts)
+    for stage, reference in zip(
+        stages[1:5], [biased, penalised, final, final / params.temperature], strict=True
+    ):
+        assert torch.allclose(stage.probs, reference.softmax(-1).float(), atol=1e-6), stage.name
+    no_counts = [s.name for s in sampling_stages(logits, params, seen)]
+    assert "frequency_presence_penalty" not in no_counts and "logit_bias" in no_counts
+    plain = [s.name for s in sampling_stages(logits, SamplingParams(), seen, counts)]
+    assert plain == ["logits", "temperature"]
+
+
+def test_penalties_and_bias_move_the_greedy_choice_in_the_documented_order() -> None:
+    logits = torch.zeros(1, VOCAB)
+    logits[0, 3], logits[0, 5] = 2.0, 1.5
+    counts = torch.zeros(1, VOCAB)
+    counts[0, 3] = 1  # token 3 was generated once
+
+    def greedy(**params: object) -> int:
+        row = RowSampler(SamplingParams(temperature=0.0, **params))  # type: ignore[arg-type]
+        return SamplingBatch([row]).sample(logits, counts=counts).item()
+
+    assert greedy() == 3
+    assert greedy(frequency_penalty=0.6) == 5  # 2.0 - 0.6 < 1.5
+    assert greedy(presence_penalty=0.4) == 3  # 2.0 - 0.4 > 1.5
+    assert greedy(presence_penalty=0.6) == 5
+    assert greedy(logit_bias=((9, 100.0),)) == 9
+    assert greedy(logit_bias=((3, -100.0),)) == 5
+    # the bias applies before the penalties: +1 on token 3, then -0.6 × 1 leaves 2.4 > 1.5
+    assert greedy(logit_bias=((3, 1.0),), frequency_penalty=0.6) == 3
+    assert greedy(logit_bias=((VOCAB + 5, 100.0),)) == 3  # ids past the logits are ignored

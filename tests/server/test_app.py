@@ -236,7 +236,7 @@ def test_tokenize(client: httpx.Client, server: Running) -> None:
     text = "Fair is foul 🎭"
     body = client.post("/v1/tokenize", json={"model": "alibi", "prompt": text}).json()
     assert body["tokens"] == encode_prompt(tokenizer, text)
-    assert body["count"] == len(body["tokens"]) and body["max_model_len"] == 4 * CONTEXT_LENGTH
+    assert body["count"] == len(body["tokens"]) and body["max_context"] == 4 * CONTEXT_LENGTH
     bare = client.post("/v1/tokenize", json={"prompt": text, "add_special_tokens": False}).json()
     assert bare["tokens"] == body["tokens"][1:] and bare["model"] == "rope"
     assert tokenizer.decode(bare["tokens"]) == text

@@ -64,7 +64,13 @@ HOSTILE = [
     Hostile("token id 2**63", C, {"prompt": [1, 2**63]}, 400, "prompt", ("invalid_request_error", None), "vocabulary"),  # noqa: E501
     Hostile("token id 2**64 + 5", C, {"prompt": [2**64 + 5]}, 400, "prompt", ("invalid_request_error", None), "vocabulary"),  # noqa: E501
     Hostile("token ids as floats", C, {"prompt": [1.0, 2.0]}, 400, "prompt", INVALID, "integer"),
-    Hostile("a list of prompts", C, {"prompt": [[1, 2], [3]]}, 400, "prompt", INVALID, "integer"),
+    Hostile("prompts mixing texts and ids", C, {"prompt": ["a", [1]]}, 400, "prompt", INVALID, "string"),  # noqa: E501
+    Hostile("prompts nested too deep", C, {"prompt": [[[1]]]}, 400, "prompt", INVALID, "integer"),
+    Hostile("an unsupported OpenAI field", C, {**OK, "best_of": 3}, 400, "best_of", INVALID, "not supported"),  # noqa: E501
+    Hostile("logit_bias past the vocabulary", C, {**OK, "logit_bias": {"99999": 1}}, 400, "logit_bias", ("invalid_request_error", None), "vocabulary"),  # noqa: E501
+    Hostile("logit_bias past 100", C, {**OK, "logit_bias": {"5": 101}}, 400, "logit_bias", INVALID, "100"),  # noqa: E501
+    Hostile("logit_bias keyed by text", C, {**OK, "logit_bias": {"the": 1}}, 400, "logit_bias", INVALID, "pattern"),  # noqa: E501
+    Hostile("frequency_penalty 2.5", C, {**OK, "frequency_penalty": 2.5}, 400, "frequency_penalty", INVALID, "2"),  # noqa: E501
     Hostile("prompt null", C, {"prompt": None}, 400, "prompt", INVALID, "string"),
     # invalid Unicode: lone surrogates in every string field, invalid UTF-8 in the body
     Hostile("surrogate in prompt", C, {"prompt": "a\ud800b"}, 400, "prompt", INVALID, "lone surrogate"),  # noqa: E501
