@@ -22,7 +22,7 @@ WORKDIR /app
 RUN pip install torch==2.13.0 --index-url "${TORCH_INDEX_URL}"
 
 # Only what `pip install .` needs; tests, runs and checkpoints stay out of the image.
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md ordinal.py ./
 COPY model ./model
 COPY server ./server
 COPY clients ./clients

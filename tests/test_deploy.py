@@ -514,3 +514,15 @@ def test_nginx_spreads_requests_over_two_replicas_and_streams_unbuffered(
                 process.wait(timeout=20)
             except subprocess.TimeoutExpired:
                 process.kill()
+
+
+def test_image_copies_every_module_the_package_installs() -> None:
+    """``pip install .`` in the image needs each top-level module and package pyproject names."""
+    import tomllib
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    wanted = {f"{module}.py" for module in project.get("py-modules", [])}
+    wanted |= {pattern.rstrip("*") for pattern in project["packages"]["find"]["include"]}
+    copied = [arg.split()[:-1] for name, arg in dockerfile_instructions() if name == "COPY"]
+    sources = {Path(source).parts[0] for sources in copied for source in sources}
+    assert wanted <= sources, wanted - sources
