@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, Phase, settings
@@ -71,6 +72,17 @@ def test_no_request_gets_a_5xx_or_an_undocumented_answer(fuzzed_server: Running,
     sent[f"{case.method} {case.path}"] += 1
     sent[f"status {response.status_code}"] += 1
     case.validate_response(response, checks=CHECKS)
+
+
+def test_the_fuzzed_schema_is_the_one_the_server_serves(fuzzed_server: Running) -> None:
+    served = httpx.get(f"{fuzzed_server.url}/openapi.json", timeout=30).json()
+    assert served == documented_schema()
+    assert not [
+        (path, method)
+        for path, operations in served["paths"].items()
+        for method, operation in operations.items()
+        if "422" in operation["responses"]
+    ]
 
 
 def test_the_fuzzer_sent_enough_requests() -> None:

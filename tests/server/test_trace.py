@@ -492,3 +492,45 @@ def test_geometry_is_in_the_openapi_spec(client: httpx.Client) -> None:
             assert responses["404"]["content"]["application/json"]["schema"]["$ref"].endswith(
                 "ErrorBody"
             )
+
+
+SHIPPED = Path(__file__).resolve().parents[2] / "checkpoints"
+
+
+@pytest.fixture(scope="module")
+def shipped(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The ten shipped checkpoints, served as users get them."""
+    from tests.server.conftest import running_server, test_settings
+
+    with running_server(test_settings(SHIPPED)) as running:
+        yield running
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_the_shipped_models_trace_causal_attention_and_normalised_stages(
+    shipped: Running, scheme: str
+) -> None:
+    with httpx.Client(base_url=shipped.url, timeout=60) as client:
+        result = trace(client, model=scheme, top=2048, temperature=0.8, top_k=40, top_p=0.9)
+        attention = square(result["attention"])
+        torch.testing.assert_close(
+            attention.sum(-1), torch.ones(attention.shape[:-1]), atol=1e-3, rtol=0
+        )
+        for entry in result["next_token"]["stages"]:
+            assert sum(probs_of(entry).values()) == pytest.approx(1, abs=1e-4), entry["name"]
+        assert stage(result, "top_k")["kept"] <= 40
+        echo = client.post(
+            "/v1/completions",
+            json={"model": scheme, "prompt": PROMPT, "max_tokens": 0, "echo": True, "logprobs": 0},
+        ).json()["choices"][0]["logprobs"]["token_logprobs"]
+        expected = [-value / math.log(2) for value in echo[1:]]
+        assert result["surprisal"][1:] == pytest.approx(expected, abs=1e-3)
+        if scheme == "alibi":
+            slopes = shipped.service.models["alibi"].model.positional.slopes.flatten()
+            bias = square(result["position_bias"])
+            distance = torch.arange(bias.shape[-1])
+            expected_bias = -slopes[:, None, None] * (distance[:, None] - distance[None, :])
+            lower = torch.ones_like(bias[0], dtype=torch.bool).tril()
+            torch.testing.assert_close(
+                bias[:, lower], expected_bias[:, lower], rtol=5e-4, atol=1e-5
+            )
