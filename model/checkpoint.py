@@ -50,6 +50,7 @@ containers sharing a checkpoint folder must not save the same path at the same t
 from __future__ import annotations
 
 import contextlib
+import copy
 import ctypes
 import errno
 import functools
@@ -72,6 +73,7 @@ from tokenizers import Tokenizer
 
 from model.chat import DEFAULT_TEMPLATE, TOKENIZER_CONFIG_FILE
 from model.config import ConfigError, ModelConfig, write_json_atomic
+from model.positional import build_scheme
 from model.tokenizer import load_tokenizer
 from model.transformer import Transformer
 
@@ -391,6 +393,24 @@ def read_weights(weights_path: Path, config: ModelConfig) -> dict[str, torch.Ten
         return load_tensors(raw)
     except SafetensorError as error:  # replaced since check_weights read it
         raise _unreadable(weights_path, error) from None
+
+
+def with_positional(model: Transformer, overrides: dict[str, Any]) -> Transformer:
+    """``model`` with its positional parameters changed (e.g. rope's scaling), sharing every
+    weight with it: no tensor is copied, so a variant costs only its scheme's own tables.
+
+    Only for schemes without learned positional parameters (rope's scalings): the variant's
+    scheme is built afresh from the changed config.
+    """
+    config = model.config.replace(positional={**model.config.positional, **overrides})
+    scheme = build_scheme(config)
+    if any(True for _ in scheme.parameters()):
+        raise ValueError(f"scheme '{config.scheme}' has learned positions: no variant of it")
+    variant = copy.copy(model)  # the same parameters, buffers and submodules...
+    variant._modules = dict(model._modules)  # ...in a module table of its own
+    variant.config = config
+    variant.positional = scheme.to(model.token_embedding.weight.device)
+    return variant
 
 
 def check_weights(weights_path: Path, config: ModelConfig) -> str | None:

@@ -20,14 +20,14 @@ import torch
 from tokenizers import Tokenizer
 
 from model.chat import ChatTemplate
-from model.checkpoint import CONFIG_FILE, load_checkpoint
+from model.checkpoint import CONFIG_FILE, load_checkpoint, with_positional
 from model.positional import TABLE_SCHEMES
 from model.tokenizer import special_ids, token_bytes
 from model.transformer import Transformer
 from server.engine import Engine
 from server.errors import APIError, busy
 from server.metrics import Metrics
-from server.settings import Settings
+from server.settings import Settings, parse_rope_variant
 
 logger = logging.getLogger("ordinal.server")
 
@@ -128,6 +128,18 @@ class ServedModel:
 def load_model(name: str, folder: Path, settings: Settings, metrics: Metrics) -> ServedModel:
     device = resolve_device(settings.device)
     model, tokenizer = load_checkpoint(folder, device, settings.dtype)
+    return serve_model(name, model, tokenizer, folder, settings, metrics)
+
+
+def serve_model(
+    name: str,
+    model: Transformer,
+    tokenizer: Tokenizer,
+    folder: Path,
+    settings: Settings,
+    metrics: Metrics,
+) -> ServedModel:
+    """``model`` ready to serve as ``name``: its engine and per-vocabulary tables."""
     specials = special_ids(tokenizer)
     table = token_bytes(tokenizer)
     strings = [piece.decode("utf-8", errors="backslashreplace") for piece in table]
@@ -246,16 +258,35 @@ class Service:
             self.status[name] = ModelStatus(ModelState.FAILED, message)
             logger.error("model '%s' failed to load: %s", name, message)
             return
+        self._ready(served, started, loop)
+        if served.model.config.scheme == "rope":
+            for variant in self.settings.rope_variants:
+                self._serve_variant(served, folder, variant, loop)
+
+    def _ready(self, served: ServedModel, started: float, loop: asyncio.AbstractEventLoop) -> None:
         served.engine.start(loop)
-        self.models[name] = served
-        self.status[name] = ModelStatus(ModelState.READY)
+        self.models[served.name] = served
+        self.status[served.name] = ModelStatus(ModelState.READY)
         logger.info(
-            "model '%s' ready: %s, %s parameters, loaded in %.1f s",
-            name,
+            "model '%s' ready: %s %s, %s parameters, loaded in %.1f s",
+            served.name,
             served.model.config.scheme,
+            served.model.config.positional.get("scaling") or "",
             f"{served.model.num_parameters():,}",
             time.perf_counter() - started,
         )
+
+    def _serve_variant(
+        self, base: ServedModel, folder: Path, variant: str, loop: asyncio.AbstractEventLoop
+    ) -> None:
+        """``base`` under a context-extension ``variant`` ("yarn4"), on the same weights."""
+        started, name = time.perf_counter(), f"{base.name}+{variant}"
+        scaling, factor = parse_rope_variant(variant)
+        overrides = {"scaling": scaling, "scaling_factor": factor}
+        model = with_positional(base.model, overrides)
+        served = serve_model(name, model, base.tokenizer, folder, self.settings, self.metrics)
+        self.status[name] = ModelStatus()
+        self._ready(served, started, loop)
 
     async def close(self) -> None:
         for served in self.models.values():

@@ -7,6 +7,7 @@ Every field is both a flag (``--max-batch-size 8``) and an environment variable
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -14,6 +15,18 @@ from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 CommaList = Annotated[list[str], NoDecode]  # NoDecode: parsed by _split_commas, not as JSON
+ROPE_VARIANT = re.compile(r"^(linear|ntk|dynamic|yarn)([0-9]+(?:\.[0-9]+)?)$")
+
+
+def parse_rope_variant(variant: str) -> tuple[str, float]:
+    """ "yarn4" → ("yarn", 4.0): a rope scaling of model.positional.rope and its factor ≥ 1."""
+    match = ROPE_VARIANT.match(variant)
+    if match is None or float(match[2]) < 1:
+        raise ValueError(
+            f"rope variant {variant!r} is not SCALING+FACTOR with SCALING one of linear, ntk, "
+            "dynamic, yarn and FACTOR ≥ 1 (e.g. yarn4)"
+        )
+    return match[1], float(match[2])
 
 
 class Settings(BaseSettings):
@@ -84,6 +97,14 @@ class Settings(BaseSettings):
             "/metrics, /docs, /openapi.json and the playground)"
         ),
     )
+    rope_variants: CommaList = Field(
+        default_factory=list,
+        description=(
+            "context-extension variants of every rope model, served on the same weights as "
+            "models NAME+VARIANT: SCALING+FACTOR with SCALING linear, ntk, dynamic or yarn, "
+            "e.g. yarn4,ntk4 → rope+yarn4, rope+ntk4 (default: none)"
+        ),
+    )
     cors_origins: CommaList = Field(
         default_factory=list, description="origins allowed by CORS (default: none)"
     )
@@ -98,7 +119,14 @@ class Settings(BaseSettings):
             )
         return value
 
-    @field_validator("models", "cors_origins", mode="before")
+    @field_validator("rope_variants")
+    @classmethod
+    def _known_variants(cls, value: list[str]) -> list[str]:
+        for variant in value:
+            parse_rope_variant(variant)
+        return value
+
+    @field_validator("models", "cors_origins", "rope_variants", mode="before")
     @classmethod
     def _split_commas(cls, value: Any) -> Any:
         if isinstance(value, str):

@@ -4,10 +4,23 @@ Queries and keys are rotated by an angle proportional to their position, pair by
 score q_m · k_n depends on the content and on m − n only. Keys are rotated before they are cached.
 
 Options: ``rotary_fraction`` rotates only the first fraction of each head's dimensions (the rest
-pass through, as in GPT-NeoX); ``scaling`` ("linear" or "ntk") with ``scaling_factor`` stretches
-the trained range to serve longer contexts and is meant to be set at load time.
+pass through, as in GPT-NeoX); ``scaling`` with ``scaling_factor`` s stretches the trained range
+(``original_context``, default the config's context_length L) to serve longer contexts, and is
+meant to be set at load time — on the same weights (served as e.g. ``rope+yarn4``):
+
+- ``linear``: position interpolation (Chen et al. 2023): positions ÷ s.
+- ``ntk``: NTK-aware scaling: base × s^(d/(d−2)) — the highest frequency kept, the lowest
+  interpolated.
+- ``dynamic``: NTK with s grown to the current length n, as Hugging Face's ``dynamic`` rope type:
+  base × ((s·n/L) − (s − 1))^(d/(d−2)) once n > L, the trained base below. As there, keys
+  already cached keep the rotation they were cached with.
+- ``yarn`` (Peng et al. 2023): per pair, a ramp between interpolation (frequency ÷ s) for pairs
+  that turn fewer than ``beta_slow`` times over L and extrapolation (unchanged) for those that
+  turn more than ``beta_fast`` times; cos and sin scaled by the attention temperature
+  0.1·ln s + 1 (so q·k by its square), as Hugging Face's ``yarn``.
 """
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -16,7 +29,7 @@ from torch import Tensor
 from model.positional.base import PositionalScheme, Rotation
 from model.positional.sinusoidal import position_angles
 
-SCALINGS = (None, "linear", "ntk")
+SCALINGS = (None, "linear", "ntk", "dynamic", "yarn")
 
 
 @dataclass(frozen=True)
@@ -25,6 +38,9 @@ class RopeParams:
     rotary_fraction: float = 1.0
     scaling: str | None = None
     scaling_factor: float = 1.0
+    original_context: int | None = None  # the trained length the scaling starts from (None: L)
+    beta_fast: float = 32.0  # yarn: pairs turning more often than this over L extrapolate
+    beta_slow: float = 1.0  # yarn: pairs turning less often than this over L interpolate
 
     def __post_init__(self) -> None:
         if not 0.0 < self.rotary_fraction <= 1.0:
@@ -37,6 +53,15 @@ class RopeParams:
             )
         if self.scaling_factor < 1.0:
             raise ValueError(f"positional.scaling_factor must be ≥ 1, got {self.scaling_factor}")
+        if self.original_context is not None and self.original_context < 1:
+            raise ValueError(
+                f"positional.original_context must be ≥ 1, got {self.original_context}"
+            )
+        if not 0 < self.beta_slow < self.beta_fast:
+            raise ValueError(
+                f"positional.beta_slow ({self.beta_slow}) must be > 0 and below beta_fast "
+                f"({self.beta_fast})"
+            )
 
 
 def rope_angles(positions: Tensor, rotary_dim: int, base: float = 10000.0) -> Rotation:
@@ -48,6 +73,37 @@ def rope_angles(positions: Tensor, rotary_dim: int, base: float = 10000.0) -> Ro
     angles = position_angles(positions, rotary_dim, base)  # [..., rot/2], float64
     cos, sin = angles.cos(), angles.sin()
     return torch.cat((cos, cos), dim=-1).float(), torch.cat((sin, sin), dim=-1).float()
+
+
+def ntk_base(base: float, factor: float, rotary_dim: int) -> float:
+    """NTK-aware scaling's base: base × factor^(d/(d−2)). A single pair has only the highest
+    frequency (base⁰ = 1), so there is nothing to stretch."""
+    return base * factor ** (rotary_dim / (rotary_dim - 2)) if rotary_dim > 2 else base
+
+
+def yarn_inverse_frequencies(
+    rotary_dim: int, base: float, factor: float, original: int, beta_fast: float, beta_slow: float
+) -> Tensor:
+    """YaRN's frequency per pair → [rotary_dim/2] float64 (Hugging Face's
+    ``_compute_yarn_parameters``): pairs below the ``beta_fast`` correction dimension keep their
+    frequency, pairs past the ``beta_slow`` one are divided by ``factor``, a linear ramp between."""
+
+    def correction_dim(rotations: float) -> float:  # the pair that turns `rotations` times over L
+        return rotary_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(math.floor(correction_dim(beta_fast)), 0)
+    high = min(math.ceil(correction_dim(beta_slow)), rotary_dim - 1)
+    if low == high:
+        high += 0.001  # a ramp of width zero would divide by zero
+    pair = torch.arange(rotary_dim // 2, dtype=torch.float64)
+    extrapolated = base ** (-2 * pair / rotary_dim)
+    ramp = ((pair - low) / (high - low)).clamp(0, 1)  # 0: extrapolate, 1: interpolate
+    return extrapolated * (1 - ramp) + extrapolated / factor * ramp
+
+
+def yarn_attention_factor(factor: float) -> float:
+    """YaRN's attention temperature 0.1·ln s + 1 (1 for s ≤ 1), applied to cos and sin."""
+    return 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
 
 
 def apply_rotation(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -83,25 +139,59 @@ class RotaryPositions(PositionalScheme):
         self.rotary_dim = rotary_dim
         self.base = params.base
         self.position_divisor = 1.0
+        self.original_context = params.original_context or config.context_length
         if params.scaling == "linear":  # position interpolation: squeeze positions into range
             self.position_divisor = params.scaling_factor
-        elif params.scaling == "ntk" and rotary_dim > 2:
-            # NTK-aware: stretch the low frequencies, keep the highest. A single pair has only
-            # the highest frequency (base**0 = 1), so there is nothing to stretch.
-            self.base = params.base * params.scaling_factor ** (rotary_dim / (rotary_dim - 2))
+        elif params.scaling == "ntk":  # stretch the low frequencies, keep the highest
+            self.base = ntk_base(params.base, params.scaling_factor, rotary_dim)
 
         self._table: Rotation | None = None  # cos/sin per position, grown on demand
+        self._table_length = 0  # dynamic: the sequence length the table's base was chosen for
 
     def rotation(self, positions: Tensor) -> Rotation:
         # A decode step looks its positions up in one cos/sin table instead of recomputing the
         # angles (which cost rope a fifth of a small model's per-token time).
         needed = int(positions.max()) + 1 if positions.numel() else 0
         table = self._table
-        if table is None or table[0].shape[0] < needed or table[0].device != positions.device:
+        stale = (
+            self.params.scaling == "dynamic" and self._dynamic_length(needed) != self._table_length
+        )
+        if (
+            stale
+            or table is None
+            or table[0].shape[0] < needed
+            or table[0].device != positions.device
+        ):
             size = max(needed, self.config.context_length, 2 * (table[0].shape[0] if table else 0))
-            # float64 like the angles: m / s rounded to float32 would be off by 1e-4 at 10,000
-            grid = torch.arange(size, device=positions.device, dtype=torch.float64)
-            grid = grid / self.position_divisor
-            table = self._table = rope_angles(grid, self.rotary_dim, self.base)
+            table = self._table = self._build_table(size, needed, positions.device)
         cos, sin = table  # [N, rot]
         return cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)  # [B, 1, T, rot]
+
+    def _dynamic_length(self, needed: int) -> int:
+        """The length dynamic NTK scales for: the current one past L, else L (the trained base)."""
+        return max(needed, self.original_context)
+
+    def _build_table(self, size: int, needed: int, device: torch.device) -> Rotation:
+        """cos/sin [size, rot] for positions 0..size-1 under this scheme's scaling."""
+        params = self.params
+        # float64 like the angles: m / s rounded to float32 would be off by 1e-4 at 10,000
+        grid = torch.arange(size, device=device, dtype=torch.float64) / self.position_divisor
+        if params.scaling == "dynamic":
+            self._table_length = length = self._dynamic_length(needed)
+            stretch = params.scaling_factor * length / self.original_context
+            factor = stretch - (params.scaling_factor - 1)
+            return rope_angles(grid, self.rotary_dim, ntk_base(self.base, factor, self.rotary_dim))
+        if params.scaling == "yarn":
+            frequencies = yarn_inverse_frequencies(
+                self.rotary_dim,
+                self.base,
+                params.scaling_factor,
+                self.original_context,
+                params.beta_fast,
+                params.beta_slow,
+            ).to(device)
+            angles = grid.unsqueeze(-1) * frequencies
+            scale = yarn_attention_factor(params.scaling_factor)
+            cos, sin = angles.cos() * scale, angles.sin() * scale
+            return torch.cat((cos, cos), dim=-1).float(), torch.cat((sin, sin), dim=-1).float()
+        return rope_angles(grid, self.rotary_dim, self.base)

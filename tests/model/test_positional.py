@@ -562,7 +562,7 @@ def test_rope_angles_default_to_base_10000() -> None:
     [
         ({"rotary_fraction": 0.0}, "rotary_fraction must be in"),
         ({"rotary_fraction": 1.5}, "rotary_fraction must be in"),
-        ({"scaling": "yarn"}, "scaling must be one of"),
+        ({"scaling": "longrope"}, "scaling must be one of"),
         ({"scaling_factor": 0.5}, "scaling_factor must be ≥ 1"),
     ],
 )
@@ -774,3 +774,104 @@ def test_mds_installs_coordinates_zero_padded_and_scaled() -> None:
         with pytest.raises(ValueError, match=message):
             scheme.set_coordinates(torch.zeros(shape))
     build_scheme(tiny_config("mds", positional={"scheme": "mds", "rank": 32}))  # rank = d_model
+
+
+# ---- rope's context extension: dynamic NTK and YaRN -------------------------------------------
+
+
+def hf_yarn_frequencies(dim: int, base: float, factor: float, original: int) -> list[float]:
+    """A direct transcription of Hugging Face's ``_compute_yarn_parameters`` (beta_fast 32,
+    beta_slow 1), in plain Python: the reference our tensor code is held to."""
+
+    def find_correction_dim(num_rotations: float) -> float:
+        return (dim * math.log(original / (num_rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low = max(math.floor(find_correction_dim(32)), 0)
+    high = min(math.ceil(find_correction_dim(1)), dim - 1)
+    if low == high:
+        high += 0.001
+    frequencies = []
+    for i in range(dim // 2):
+        pos_freq = base ** (2 * i / dim)
+        ramp = min(max((i - low) / (high - low), 0.0), 1.0)
+        extrapolation_factor = 1 - ramp
+        interpolation, extrapolation = 1 / (factor * pos_freq), 1 / pos_freq
+        frequencies.append(
+            interpolation * (1 - extrapolation_factor) + extrapolation * extrapolation_factor
+        )
+    return frequencies
+
+
+@pytest.mark.parametrize(
+    ("dim", "base", "factor", "original"),
+    [(8, 10000.0, 4.0, 48), (32, 10000.0, 4.0, 128), (64, 500000.0, 8.0, 4096), (16, 10.0, 2.0, 7)],
+)
+def test_yarn_frequencies_are_hugging_faces(
+    dim: int, base: float, factor: float, original: int
+) -> None:
+    ours = rope_module.yarn_inverse_frequencies(dim, base, factor, original, 32.0, 1.0)
+    assert ours.tolist() == pytest.approx(
+        hf_yarn_frequencies(dim, base, factor, original), rel=1e-12
+    )
+    # the fastest pairs keep their frequency, the slowest are interpolated by the factor
+    plain = base ** (-torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    assert float(ours[0]) == float(plain[0]) or float(ours[0]) > float(plain[0]) / factor
+    assert float(ours[-1]) == pytest.approx(float(plain[-1]) / factor, rel=1e-12)
+
+
+def test_yarn_tables_are_the_ramped_angles_times_its_attention_temperature() -> None:
+    config = tiny_config("rope", d_model=64, n_heads=2, positional={"scheme": "rope"})
+    settings = {"scheme": "rope", "scaling": "yarn", "scaling_factor": 4.0}
+    yarn = build_scheme(config.replace(positional=settings))
+    positions = torch.arange(0, 400, 3).unsqueeze(0)
+    cos, sin = yarn.rotation(positions)
+    frequencies = torch.tensor(hf_yarn_frequencies(32, 10000.0, 4.0, config.context_length))
+    angles = positions[0].double().unsqueeze(-1) * frequencies
+    temperature = 0.1 * math.log(4.0) + 1
+    expected = torch.cat((angles, angles), dim=-1)
+    # float32 tables: half a unit in the last place of values up to the temperature (~1.14)
+    close = {"atol": 2e-6, "rtol": 0}
+    torch.testing.assert_close(cos[0, 0].double(), expected.cos() * temperature, **close)
+    torch.testing.assert_close(sin[0, 0].double(), expected.sin() * temperature, **close)
+    # still relative: q_m · k_n depends on m − n only, now scaled by the temperature squared
+    q, k = torch.randn(2, 1, 1, 1, 32, generator=torch.Generator().manual_seed(3))
+    score = lambda m, n: (  # noqa: E731
+        yarn.rotate(q, torch.tensor([[m]])) * yarn.rotate(k, torch.tensor([[n]]))
+    ).sum()
+    assert score(205, 200).item() == pytest.approx(score(15, 10).item(), rel=1e-4)
+    plain = build_scheme(config)
+    unscaled = (plain.rotate(q, torch.tensor([[0]])) * plain.rotate(k, torch.tensor([[0]]))).sum()
+    assert score(0, 0).item() == pytest.approx(unscaled.item() * temperature**2, rel=1e-5)
+
+
+def test_dynamic_ntk_keeps_the_trained_base_within_the_context_and_grows_past_it() -> None:
+    config = tiny_config("rope", d_model=64, n_heads=2, positional={"scheme": "rope"})
+    length, factor, d = config.context_length, 4.0, 32
+    dynamic = build_scheme(
+        config.replace(
+            positional={"scheme": "rope", "scaling": "dynamic", "scaling_factor": factor}
+        )
+    )
+    plain = build_scheme(config)
+    within = torch.arange(length).unsqueeze(0)
+    for ours, reference in zip(dynamic.rotation(within), plain.rotation(within), strict=True):
+        assert torch.equal(ours, reference)
+    for current in (length + 1, 3 * length, 10 * length):
+        positions = torch.arange(current).unsqueeze(0)
+        base = 10000.0 * ((factor * current / length) - (factor - 1)) ** (d / (d - 2))
+        cos, _ = dynamic.rotation(positions)
+        angles = positions[0].double().unsqueeze(-1) * base ** (
+            -torch.arange(0, d, 2, dtype=torch.float64) / d
+        )
+        expected = torch.cat((angles, angles), dim=-1).cos()
+        torch.testing.assert_close(cos[0, 0].double(), expected, atol=1e-6, rtol=0)
+    # back within the context (a new, short request): the trained base again
+    for ours, reference in zip(dynamic.rotation(within), plain.rotation(within), strict=True):
+        assert torch.equal(ours, reference)
+
+
+def test_yarn_ramp_bounds_are_checked() -> None:
+    with pytest.raises(ValueError, match="beta_slow"):
+        RopeParams(scaling="yarn", scaling_factor=2.0, beta_fast=1.0, beta_slow=2.0)
+    with pytest.raises(ValueError, match="original_context"):
+        RopeParams(scaling="yarn", scaling_factor=2.0, original_context=0)
