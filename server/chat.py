@@ -11,7 +11,7 @@ from starlette.responses import Response
 from model.chat import ChatTemplateError, Message
 from server.completions import build_job, choice_seed, respond
 from server.errors import APIError
-from server.schemas import ChatRequest, CompletionRequest
+from server.schemas import ChatRequest, CompletionRequest, SamplingRequest
 from server.service import Service
 from server.writer import ChatWriter
 
@@ -30,19 +30,12 @@ async def create_chat_completion(body: ChatRequest, request: Request, service: S
     room = served.max_context - len(scene.prompt_ids)
     # Already validated as a chat request: built as a completion without validating again
     # (the scene's own stop strings may pass the 4 a client may send).
+    sampling = {field: getattr(body, field) for field in SamplingRequest.model_fields}
     completion = CompletionRequest.model_construct(
-        model=body.model,
+        **sampling,
         prompt=scene.prompt_ids,
         echo=False,
         max_tokens=body.token_budget or max(room, 1),
-        temperature=body.temperature,
-        top_p=body.top_p,
-        top_k=body.top_k,
-        min_p=body.min_p,
-        repetition_penalty=body.repetition_penalty,
-        frequency_penalty=body.frequency_penalty,
-        presence_penalty=body.presence_penalty,
-        logit_bias=body.logit_bias,
         seed=body.seed,
         stop=[*(body.stop or []), *scene.stops],
         stream=body.stream,
