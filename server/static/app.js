@@ -46,8 +46,23 @@ const state = {
 
 class ServerError extends Error {}
 
+// A server started with ORDINAL_API_KEY wants `Authorization: Bearer KEY` on /v1/*: the page
+// asks for the key once (on the first 401) and keeps it for this tab only.
+const KEY_STORAGE = "ordinal-api-key";
+
+async function call(path, options = {}) {
+  const key = sessionStorage.getItem(KEY_STORAGE);
+  const headers = { ...(options.headers ?? {}), ...(key ? { Authorization: `Bearer ${key}` } : {}) };
+  const response = await fetch(path, { ...options, headers });
+  if (response.status !== 401) return response;
+  const entered = window.prompt("This ordinal server needs its API key:");
+  if (!entered) return response;
+  sessionStorage.setItem(KEY_STORAGE, entered.trim());
+  return call(path, options);
+}
+
 async function post(path, body, signal) {
-  return answer(await fetch(path, {
+  return answer(await call(path, {
     method: "POST",
     headers: { "Content-Type": "application/json" },
     body: JSON.stringify(body),
@@ -56,7 +71,7 @@ async function post(path, body, signal) {
 }
 
 async function get(path) {
-  return answer(await fetch(path));
+  return answer(await call(path));
 }
 
 async function answer(response) {
@@ -67,7 +82,7 @@ async function answer(response) {
 
 // Yields each `data:` payload of a streamed completion (parsed), until [DONE].
 async function* streamCompletion(body, signal) {
-  const response = await fetch("/v1/completions", {
+  const response = await call("/v1/completions", {
     method: "POST",
     headers: { "Content-Type": "application/json" },
     body: JSON.stringify({ ...body, stream: true }),
@@ -835,7 +850,7 @@ async function start() {
   document.body.dataset.view = "generate";
   showSliderValues();
   legend("prob-legend", { color: { type: "linear", domain: [0, 1], scheme: "RdYlGn", label: "p(token)" }, opacity: 0.6 });
-  const response = await fetch("/v1/models");
+  const response = await call("/v1/models");
   const data = await response.json();
   if (!response.ok) {
     $("status").textContent = data.error ? data.error.message : "the server is not ready";

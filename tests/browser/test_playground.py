@@ -177,3 +177,37 @@ def test_encodings_draws_a_scheme_and_redraws_for_another(watched: Watched) -> N
         "document.querySelector('#report-what').textContent.startsWith('corpus synthetic')"
     )
     assert page.locator("#figures img[src*=synthetic]").count() == 6
+
+
+def test_a_server_with_an_api_key_asks_for_it_once(browser: Any, checkpoints: Any) -> None:
+    """With ORDINAL_API_KEY set the page's /v1 calls get a 401: it asks for the key, then
+    sends it on every call (the page itself and its assets need none)."""
+    from tests.server.conftest import running_server, test_settings
+
+    settings = test_settings(checkpoints, models=["rope"], api_key="sesame", stream_interval=0)
+    with running_server(settings) as running:
+        context = browser.new_context()
+        page = context.new_page()
+        asked: list[str] = []
+
+        def answer(dialog: Any) -> None:
+            asked.append(dialog.message)
+            dialog.accept("sesame")
+
+        page.on("dialog", answer)
+        sent: list[str | None] = []
+        page.on(
+            "request",
+            lambda r: "/v1/" in r.url and sent.append(r.headers.get("authorization")),
+        )
+        page.goto(running.url + "/")
+        page.wait_for_selector("body[data-ready=true]")
+        assert len(asked) == 1 and "API key" in asked[0]
+        assert page.text_content("#status") == "1 models loaded"
+        set_value(page, "#max_tokens", 4)
+        page.click("#generate")
+        page.wait_for_function(
+            "document.querySelector('#generate-stats').textContent.includes('finished')"
+        )
+        assert sent[0] is None and set(sent[1:]) == {"Bearer sesame"}
+        context.close()
