@@ -165,6 +165,28 @@ def train_options(parser: argparse.ArgumentParser) -> None:
         group.add_argument(flag(name), type=int, metavar="N", help=f"default {default}")
 
 
+def _comma_ints(text: str) -> list[int]:
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        message = f"{text!r} is not a comma-separated list of integers"
+        raise argparse.ArgumentTypeError(message) from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give positive multiples, e.g. 1,2,4,8")
+    return values
+
+
+def _rope_variants(text: str) -> list[tuple[str, str, float]]:
+    """ "yarn4,ntk2" → [("yarn4", "yarn", 4.0), ("ntk2", "ntk", 2.0)] (pydantic only, no torch)."""
+    from server.settings import parse_rope_variant
+
+    variants = [part.strip() for part in text.split(",") if part.strip()]
+    try:
+        return [(variant, *parse_rope_variant(variant)) for variant in variants]
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
 def eval_options(parser: argparse.ArgumentParser) -> None:
     """Options of ``ordinal eval`` (``model.evaluate.run``)."""
     parser.add_argument(
@@ -175,13 +197,25 @@ def eval_options(parser: argparse.ArgumentParser) -> None:
         help="checkpoint folders (files among them, such as checkpoints/README.md, are skipped)",
     )
     parser.add_argument("--plot", type=Path, help="write a PNG of loss by position to this path")
-    parser.add_argument(
-        "--multiples",
-        type=int,
-        nargs="+",
+    lengths = parser.add_mutually_exclusive_group()
+    lengths.add_argument(
+        "--lengths",
+        dest="multiples",
+        type=_comma_ints,
         default=list(EVAL_MULTIPLES),
-        metavar="M",
-        help="window lengths as multiples of the training context",
+        metavar="M,M,...",
+        help="window lengths as multiples of the training context, e.g. 1,2,4,8",
+    )
+    lengths.add_argument(
+        "--multiples", dest="multiples", type=int, nargs="+", metavar="M", help="as --lengths"
+    )
+    parser.add_argument(
+        "--rope-variants",
+        type=_rope_variants,
+        default=[],
+        metavar="VARIANT,...",
+        help="also score every rope checkpoint under these context extensions, on the same "
+        "weights (SCALING+FACTOR: linear, ntk, dynamic or yarn; e.g. yarn4,ntk4)",
     )
     parser.add_argument("--table", type=Path, help="write a markdown table of the results here")
     parser.add_argument(

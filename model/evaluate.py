@@ -37,6 +37,7 @@ from model.data import IGNORE_INDEX, ValidationStream, validation_stream
 from model.transformer import Transformer
 
 EVAL_FILE = "eval.json"
+RopeVariant = tuple[str, str, float]  # ("yarn4", "yarn", 4.0): name, rope scaling, its factor
 MULTIPLES = (1, 2, 4)
 # Relative difference under which a new figure counts as the saved one (float rounding).
 SAME_FIGURE = 1e-6
@@ -109,11 +110,22 @@ def weights_digest(path: Path) -> str:
 
 
 def evaluate_checkpoint(
-    path: Path, multiples: list[int], device: str = "cpu", batch_size: int = 16
+    path: Path,
+    multiples: list[int],
+    device: str = "cpu",
+    batch_size: int = 16,
+    variant: RopeVariant | None = None,
 ) -> dict[str, Any]:
-    """Score one checkpoint on the validation plays (a progress bar on stderr) → its report."""
+    """Score one checkpoint on the validation plays (a progress bar on stderr) → its report.
+
+    ``variant`` (name, scaling, factor) scores a rope checkpoint under that context extension,
+    on the same weights; the report's scheme is then ``rope+NAME``.
+    """
     digest = weights_digest(path) if (path / WEIGHTS_FILE).is_file() else None
-    model, tokenizer = load_checkpoint(path, device=_device(device))
+    overrides = None
+    if variant is not None:
+        overrides = {"scaling": variant[1], "scaling_factor": variant[2]}
+    model, tokenizer = load_checkpoint(path, device=_device(device), positional_overrides=overrides)
     stream = validation_stream(tokenizer, load_corpus().validation)
     context = model.config.context_length
     limit = model.positional.max_positions
@@ -129,7 +141,7 @@ def evaluate_checkpoint(
         }
     return {
         "checkpoint": str(path),
-        "scheme": model.config.scheme,
+        "scheme": model.config.scheme + (f"+{variant[0]}" if variant else ""),
         "weights_sha256": digest,
         "parameters": model.num_parameters(),
         "context_length": context,
@@ -277,6 +289,15 @@ def checkpoint_folders(paths: list[Path]) -> list[Path]:
     return folders
 
 
+def _summary(report: dict[str, Any]) -> str:
+    """One line: the scheme, then bpc at each length."""
+    cells = [
+        f"{k}: " + (f"bpc {r['bpc']:.3f}" if r["supported"] else "unsupported")
+        for k, r in report["results"].items()
+    ]
+    return f"{report['scheme']:>10}  " + "  ".join(cells)
+
+
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     """``ordinal eval``: score each checkpoint (or reuse its eval.json), print a line per
     checkpoint, then write what was asked: eval.json files, the plot, the table."""
@@ -286,17 +307,20 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         reused = report is not None
         if report is None:
             report = evaluate_checkpoint(path, args.multiples, args.device, args.batch_size)
-        cells = [
-            f"{k}: " + (f"bpc {r['bpc']:.3f}" if r["supported"] else "unsupported")
-            for k, r in report["results"].items()
-        ]
         note = ""
         if args.save and not reused:
             note = f"  (wrote {path / EVAL_FILE})" if save_report(path, report) else "  (unchanged)"
         elif reused:
             note = f"  (from {path / EVAL_FILE})"
-        print(f"{report['scheme']:>10}  " + "  ".join(cells) + note)
+        print(_summary(report) + note)
         reports.append(report)
+        if report["scheme"] == "rope":
+            for variant in getattr(args, "rope_variants", []):
+                scored = evaluate_checkpoint(
+                    path, args.multiples, args.device, args.batch_size, variant
+                )
+                print(_summary(scored))
+                reports.append(scored)
     if args.plot:
         plot_loss_by_position(reports, args.plot)
     if args.table:

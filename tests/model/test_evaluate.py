@@ -229,3 +229,38 @@ def test_reuse_checks_the_weights_hash_not_file_times(
     assert calls == [one_checkpoint, one_checkpoint]
     assert second["weights_sha256"] != first["weights_sha256"]
     assert second["results"]["1x"]["loss"] != first["results"]["1x"]["loss"]
+
+
+def test_lengths_up_to_8x_and_rope_variants_on_the_same_weights(one_checkpoint: Path) -> None:
+    """--lengths 1,2,4,8 scores four window lengths; --rope-variants adds one report per
+    variant of each rope checkpoint, whose 1× loss differs from the plain one where the
+    scaling changes the rotation at the trained length (linear) and not at all for dynamic
+    (the trained base within the trained length)."""
+    args = eval_args(
+        str(one_checkpoint), "--lengths", "1,2,4,8", "--rope-variants", "linear2,dynamic4"
+    )
+    plain, linear, dynamic = model.evaluate.run(args)
+    assert [r["scheme"] for r in (plain, linear, dynamic)] == [
+        "rope",
+        "rope+linear2",
+        "rope+dynamic4",
+    ]
+    assert list(plain["results"]) == ["1x", "2x", "4x", "8x"]
+    assert plain["results"]["8x"]["window"] == 8 * CONTEXT
+    assert linear["weights_sha256"] == plain["weights_sha256"]
+
+    def losses(report: dict[str, Any], length: str) -> list[float]:
+        return report["results"][length]["loss_by_position"]
+
+    assert losses(linear, "1x") != losses(plain, "1x")  # positions ÷ 2 everywhere
+    assert losses(dynamic, "1x") == losses(plain, "1x")  # within L: the trained base exactly
+    assert losses(dynamic, "8x") != losses(plain, "8x")
+    assert not (one_checkpoint / EVAL_FILE).exists()  # variants are never saved as the checkpoint's
+
+
+@pytest.mark.parametrize(
+    "bad", [["--lengths", "1,x"], ["--lengths", "0,2"], ["--rope-variants", "yarn"]]
+)
+def test_bad_lengths_or_variants_are_usage_errors(bad: list[str]) -> None:
+    with pytest.raises(SystemExit):
+        eval_args("some/checkpoint", *bad)
