@@ -24,6 +24,7 @@ import queue
 import threading
 import time
 from collections import deque
+from enum import StrEnum
 
 import torch
 
@@ -31,12 +32,22 @@ from model.sampling import FailureReason
 from model.transformer import Transformer
 from server.batch import DecodeBatch, StepLogprobs
 from server.errors import APIError, busy
-from server.job import Event, Failure, Job, PromptScores, TokenEvent
+from server.job import Event, Failure, Job, PromptScores, Stage, TokenEvent
 from server.metrics import MODEL_ERROR, SHUTDOWN, ModelMetrics
 
 logger = logging.getLogger("ordinal.server")
 
 Delivery = list[tuple[asyncio.Queue, Event]]
+
+
+class Message(StrEnum):
+    """What the event loop asks of the engine's thread, through its inbox."""
+
+    SUBMIT = "submit"  # run this job
+    CANCEL = "cancel"  # drop this job wherever it is
+    STOP = "stop"  # fail what is left and end the thread
+
+
 SAMPLING_FAILURES = {
     FailureReason.NON_FINITE_LOGITS: "sampling failed for this request: the model's logits "
     "for it were not finite (the other requests in its batch were not affected)",
@@ -72,7 +83,7 @@ class Engine:
         self.batch = DecodeBatch(model, max_batch_size, max_context, vocab, filler)
         self.capacity = max_batch_size + max_queue  # jobs in the engine: decoding or waiting
         self.metrics = metrics
-        self._inbox: queue.SimpleQueue[tuple[str, Job | None]] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[tuple[Message, Job | None]] = queue.SimpleQueue()
         self._waiting: deque[Job] = deque()  # engine thread only
         self._submitted = 0  # written by the event loop only
         self._released = 0  # written by the engine thread only
@@ -96,7 +107,7 @@ class Engine:
     async def close(self) -> None:
         """Stop the thread; jobs still running or waiting get a 503 Failure."""
         self._stopping = True
-        self._inbox.put(("stop", None))
+        self._inbox.put((Message.STOP, None))
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 30)
 
@@ -116,13 +127,13 @@ class Engine:
             )
         self._submitted += 1
         self.metrics.waiting.inc()
-        self._inbox.put(("submit", job))
+        self._inbox.put((Message.SUBMIT, job))
 
     def cancel(self, job: Job) -> None:
         """Stop ``job`` and free its row before the next step (no-op once it has finished)."""
         if not job.closed:
             job.closed = True
-            self._inbox.put(("cancel", job))
+            self._inbox.put((Message.CANCEL, job))
 
     # ---- engine thread ---------------------------------------------------------------------
 
@@ -135,7 +146,7 @@ class Engine:
                 except Exception:  # a failed step fails its jobs, never the thread
                     logger.exception("model '%s': decode step failed", self.name)
                     decoding = self.batch.clear()
-                    admitted = [job for job in self._admitted if job.stage != "done"]
+                    admitted = [job for job in self._admitted if job.stage != Stage.DONE]
                     jobs = decoding + [job for job in admitted if job not in decoding]
                     self.metrics.failures[MODEL_ERROR].inc(len(jobs))
                     self._fail(jobs, APIError(500, "the model failed on this batch"))
@@ -150,11 +161,11 @@ class Engine:
         while idle or not self._inbox.empty():
             kind, job = self._inbox.get()
             idle = False
-            if kind == "stop":
+            if kind == Message.STOP:
                 return False
             assert job is not None
-            if kind == "submit":
-                job.stage = "queued"
+            if kind == Message.SUBMIT:
+                job.stage = Stage.QUEUED
                 self._waiting.append(job)
             else:
                 self._drop(job)
@@ -162,10 +173,10 @@ class Engine:
 
     def _drop(self, job: Job) -> None:
         """A cancelled job leaves wherever it is."""
-        if job.stage == "queued":
+        if job.stage == Stage.QUEUED:
             self._waiting.remove(job)
             self.metrics.waiting.dec()
-        elif job.stage == "running":
+        elif job.stage == Stage.RUNNING:
             self.batch.remove([job])
             self.metrics.running.set(len(self.batch))
         else:
@@ -174,7 +185,7 @@ class Engine:
         self._release(job)
 
     def _release(self, job: Job) -> None:
-        job.stage = "done"
+        job.stage = Stage.DONE
         self._released += 1
 
     def _step(self) -> None:
@@ -211,7 +222,7 @@ class Engine:
         self._admitted = []
         while self._waiting and len(joining) < self.batch.free:
             job = self._waiting.popleft()
-            job.stage = "running"
+            job.stage = Stage.RUNNING
             job.admitted_at = time.perf_counter()
             self._admitted.append(job)
             self.metrics.waiting.dec()
@@ -285,7 +296,7 @@ class Engine:
 
     def _fail(self, jobs: list[Job], error: APIError) -> None:
         for job in jobs:
-            if job.stage == "queued":
+            if job.stage == Stage.QUEUED:
                 self.metrics.waiting.dec()
             self._release(job)
         self.metrics.running.set(len(self.batch))

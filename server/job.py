@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from enum import StrEnum
 from typing import NamedTuple
 
 from model.generate import SequenceState
@@ -45,6 +46,15 @@ Event = TokenEvent | PromptScores | Failure
 EXPIRED = Failure(APIError(504, "the request took longer than the server's request timeout"))
 
 
+class Stage(StrEnum):
+    """Where a job is, as the engine's thread sees it."""
+
+    NEW = "new"  # created on the event loop, not yet read from the inbox
+    QUEUED = "queued"  # waiting for a batch row
+    RUNNING = "running"  # decoding in a row (or having its prompt scored)
+    DONE = "done"  # finished, failed or cancelled: it holds nothing in the engine
+
+
 class Job:
     """One completion request: what to compute, and the queue its results arrive in.
 
@@ -69,12 +79,8 @@ class Job:
         self.admitted_at = self.first_token_at = 0.0  # set by the engine
         self.events: asyncio.Queue[Event] = asyncio.Queue()
         self.closed = False  # loop side: the final event was read, or the job was cancelled
-        self.stage = "new"  # engine side: new → queued → running → done
+        self.stage = Stage.NEW  # engine side: NEW → QUEUED → RUNNING → DONE
         self.row: int | None = None
-
-    @property
-    def uses_penalty(self) -> bool:
-        return self.sampler.params.repetition_penalty != 1.0
 
     async def next_events(self) -> list[Event]:
         """Wait for at least one event; return every event that has arrived, in order."""
