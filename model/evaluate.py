@@ -222,8 +222,9 @@ def plot_loss_by_position(reports: list[dict[str, Any]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axes = plt.subplots(figsize=(10, 6))
-    for report in reports:
+    figure, axes = plt.subplots(figsize=(12, 6))
+    palette = plt.get_cmap("tab20").colors  # 20 colours: ten schemes and their variants apart
+    for index, report in enumerate(reports):
         supported = [r for r in report["results"].values() if r["supported"]]
         if not supported:
             continue
@@ -232,7 +233,15 @@ def plot_loss_by_position(reports: list[dict[str, Any]], path: Path) -> None:
         smooth = F.avg_pool1d(
             curve.view(1, 1, -1), 9, stride=1, padding=4, count_include_pad=False
         ).view(-1)
-        axes.plot(range(len(curve)), smooth.tolist(), label=report["scheme"], linewidth=1.4)
+        variant = "+" in report["scheme"]  # a rope context extension: dashed
+        axes.plot(
+            range(len(curve)),
+            smooth.tolist(),
+            label=report["scheme"],
+            linewidth=1.4,
+            color=palette[(2 * index + index // 10) % len(palette)],
+            linestyle="--" if variant else "-",
+        )
     context = reports[0]["context_length"]
     axes.axvline(context, color="grey", linestyle="--", linewidth=1)
     axes.text(context, axes.get_ylim()[1], " training context", va="top", color="grey")
@@ -240,7 +249,7 @@ def plot_loss_by_position(reports: list[dict[str, Any]], path: Path) -> None:
     axes.set_ylabel("validation loss (nats/token, 9-token moving average)")
     axes.set_title("Loss by position on the validation plays")
     axes.set_ylim(top=min(axes.get_ylim()[1], 8.0))
-    axes.legend(ncol=2)
+    axes.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=9)
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".png")
