@@ -40,9 +40,11 @@ SCHEMES = (
     "lowrank",
 )
 CORPORA = ("synthetic", "shakespeare")
-# model.train.TrainConfig's fields and defaults, and the shipped model's sizes
-# (model.train.DEFAULT_MODEL) that `ordinal train` takes as flags.
-TRAIN_DEFAULTS: dict[str, int | float] = {
+# model.config.PRESETS, in its order (the first is the default); tests/model/test_train.py checks.
+PRESETS = ("shipped", "candidate", "tiny")
+# model.config.TrainConfig's fields and defaults (the shipped preset's recipe), and the shipped
+# preset's model sizes (model.train.DEFAULT_MODEL) that `ordinal train` takes as flags.
+TRAIN_DEFAULTS: dict[str, int | float | str] = {
     "steps": 2000,
     "batch_size": 32,
     "grad_accum": 1,
@@ -51,6 +53,10 @@ TRAIN_DEFAULTS: dict[str, int | float] = {
     "warmup_steps": 100,
     "weight_decay": 0.1,
     "grad_clip": 1.0,
+    "optimizer": "adamw",
+    "muon_lr": 0.02,
+    "muon_momentum": 0.95,
+    "sequence_starts": "speech",
     "eval_every": 500,
     "eval_windows": 64,
     "save_every": 500,
@@ -66,6 +72,8 @@ MODEL_SIZE_DEFAULTS: dict[str, int] = {
     "max_positions": 128,
     "vocab_size": 2048,
 }
+# The choices of TrainConfig's string fields (model.config.OPTIMIZERS, SEQUENCE_STARTS).
+TRAIN_CHOICES = {"optimizer": ("adamw", "muon"), "sequence_starts": ("speech", "line")}
 EVAL_MULTIPLES = (1, 2, 4)  # model.evaluate.MULTIPLES
 
 
@@ -120,7 +128,17 @@ def train_options(parser: argparse.ArgumentParser) -> None:
         "--scheme", required=True, metavar="SCHEME", help="positional scheme: " + ", ".join(SCHEMES)
     )
     parser.add_argument("--out", required=True, type=Path, help="checkpoint folder to write")
-    parser.add_argument("--config", type=Path, help='JSON file: {"model": {...}, "train": {...}}')
+    parser.add_argument(
+        "--preset",
+        choices=PRESETS,
+        default=PRESETS[0],
+        help="named recipe: architecture and training settings (model.config.PRESETS)",
+    )
+    parser.add_argument(
+        "--config",
+        type=Path,
+        help='JSON file: {"model": {...}, "train": {...}}, over the preset',
+    )
     parser.add_argument(
         "--tokenizer",
         type=Path,
@@ -151,14 +169,17 @@ def train_options(parser: argparse.ArgumentParser) -> None:
         help="scheme parameters as JSON, e.g. '{\"base\": 500}'",
     )
     group = parser.add_argument_group(
-        "recipe (a flag beats the --config file, which beats the default)"
+        "recipe (a flag beats the --config file, which beats the preset; defaults shown are the "
+        "shipped preset's)"
     )
     for name, default in TRAIN_DEFAULTS.items():
         note = " (global: split across torchrun processes)" if name == "batch_size" else ""
+        choices = TRAIN_CHOICES.get(name)
         group.add_argument(
             flag(name),
             type=type(default),
-            metavar="N" if isinstance(default, int) else "X",
+            choices=choices,
+            metavar=None if choices else "N" if isinstance(default, int) else "X",
             help=f"default {default}{note}",
         )
     for name, default in MODEL_SIZE_DEFAULTS.items():

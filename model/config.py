@@ -1,28 +1,49 @@
-"""The one configuration dataclass: config.json → ModelConfig → Transformer.
+"""The configuration dataclasses and the named presets: config.json → ModelConfig → Transformer.
 
-Every architectural difference between checkpoints is data in this dataclass (as in litgpt's
+Every architectural difference between checkpoints is data in ``ModelConfig`` (as in litgpt's
 Config); the positional scheme and its parameters live in the ``positional`` dict, whose keys are
-checked by the scheme's own parameter dataclass (see ``model.positional``).
+checked by the scheme's own parameter dataclass (see ``model.positional``). ``TrainConfig`` is the
+training recipe (optimiser, schedule, data order). ``PRESETS`` names whole recipes, litgpt's
+``name_to_config``: ``shipped`` is what built the shipped checkpoints and what ``ordinal train``
+uses unless told otherwise; ``candidate`` is the recipe the short ablations kept; ``tiny`` runs
+in seconds (CI). Nothing here imports torch.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
+import math
 import os
 import tempfile
+import typing
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 NORMS = ("layernorm", "rmsnorm")
-# gelu_tanh is GPT-2's tanh approximation of GELU (also several times faster on CPU).
-MLPS = ("gelu", "gelu_tanh", "swiglu")
+# gelu_tanh is GPT-2's tanh approximation of GELU (also several times faster on CPU); relu2 is
+# ReLU squared (Primer; modded-nanogpt).
+MLPS = ("gelu", "gelu_tanh", "swiglu", "relu2")
 DTYPES = ("float32", "bfloat16", "float16")
+# adamw: AdamW for every parameter. muon: Muon (torch.optim.Muon) for the blocks' matrices,
+# AdamW for the embeddings, gains, biases and positional parameters.
+OPTIMIZERS = ("adamw", "muon")
+# Where a training sequence may start: at a speech (document) boundary only, or also at any
+# line of a speech (see model.data.TrainingSequences).
+SEQUENCE_STARTS = ("speech", "line")
 
 
 class ConfigError(ValueError):
     """A config value is unknown, missing or inconsistent; the message names the field."""
+
+
+def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(f"{name} must be one of {list(choices)}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -31,7 +52,9 @@ class ModelConfig:
 
     ``context_length`` is the length the model was trained on; ``max_positions`` is the hard cap
     for schemes that keep a table of positions (learned, mds, lowrank). ``dtype`` is the dtype the
-    weights are stored in on disk (the run dtype is chosen at load time).
+    weights are stored in on disk (the run dtype is chosen at load time). ``qk_norm`` RMS-normalises
+    each head's queries and keys (with a learned gain per dimension) before the positional
+    rotation and the dot product.
     """
 
     vocab_size: int = 2048
@@ -46,6 +69,7 @@ class ModelConfig:
     mlp: str = "gelu"
     bias: bool = False
     tie_embeddings: bool = True
+    qk_norm: bool = False
     positional: dict[str, Any] = field(default_factory=lambda: {"scheme": "rope"})
     dtype: str = "float32"
 
@@ -68,6 +92,9 @@ class ModelConfig:
         _check_choice("norm", self.norm, NORMS)
         _check_choice("mlp", self.mlp, MLPS)
         _check_choice("dtype", self.dtype, DTYPES)
+        for name in ("bias", "tie_embeddings", "qk_norm"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if not isinstance(self.positional, dict) or "scheme" not in self.positional:
             raise ConfigError('positional must be a dict with a "scheme" key')
         # Imported here because the schemes import this module for the type.
@@ -112,9 +139,172 @@ class ModelConfig:
         return cls.from_dict(data)
 
 
-def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ConfigError(f"{name} must be one of {list(choices)}, got {value!r}")
+# Smallest valid value of the TrainConfig counts that must be positive (all others: 0).
+_TRAIN_MINIMUM = {
+    "steps": 1,
+    "batch_size": 1,
+    "grad_accum": 1,
+    "eval_every": 1,
+    "eval_windows": 1,
+    "save_every": 1,
+}
+_TRAIN_CHOICES = {"optimizer": OPTIMIZERS, "sequence_starts": SEQUENCE_STARTS}
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """The training recipe. Its defaults are the ``shipped`` preset's (ordinal.py restates them
+    for ``--help``; tests/server/test_cli.py checks they agree).
+
+    ``lr`` is AdamW's peak learning rate; under ``optimizer="muon"`` the blocks' matrices take
+    ``muon_lr`` instead (Muon's updates are orthogonalised, so its scale is its own), on the
+    same warmup-and-cosine shape. ``weight_decay`` applies to matrices (and the embedding),
+    under either optimiser.
+    """
+
+    steps: int = 2000
+    batch_size: int = 32
+    grad_accum: int = 1
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup_steps: int = 100
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    optimizer: str = "adamw"
+    muon_lr: float = 0.02
+    muon_momentum: float = 0.95
+    sequence_starts: str = "speech"
+    eval_every: int = 500
+    eval_windows: int = 64
+    save_every: int = 500
+    seed: int = 1337
+    threads: int = 0  # 0 = torch's default
+
+    def __post_init__(self) -> None:
+        # A wrong type or range would otherwise surface as a TypeError or ZeroDivisionError
+        # only after the corpus has been encoded.
+        for name, kind in _train_field_types().items():
+            value = getattr(self, name)
+            if kind is str:
+                _check_choice(f"train.{name}", value, _TRAIN_CHOICES[name])
+                continue
+            allowed = int if kind is int else (int, float)
+            if isinstance(value, bool) or not isinstance(value, allowed):
+                expected = "an integer" if kind is int else "a number"
+                raise ConfigError(f"train.{name} must be {expected}, got {value!r}")
+            smallest = _TRAIN_MINIMUM.get(name, 0)
+            if name != "seed" and value < smallest:
+                raise ConfigError(f"train.{name} must be ≥ {smallest}, got {value!r}")
+        for name in ("lr", "muon_lr"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"train.{name} must be positive, got {getattr(self, name)!r}")
+        if self.muon_momentum >= 1:
+            raise ConfigError(f"train.muon_momentum must be < 1, got {self.muon_momentum!r}")
+
+    def lr_at(self, step: int) -> float:
+        """Linear warmup to ``lr``, then cosine decay to ``min_lr`` at the last step."""
+        if step < self.warmup_steps:
+            return self.lr * (step + 1) / self.warmup_steps
+        progress = (step - self.warmup_steps) / max(1, self.steps - self.warmup_steps)
+        return self.min_lr + 0.5 * (self.lr - self.min_lr) * (1 + math.cos(math.pi * progress))
+
+    def replace(self, **changes: Any) -> TrainConfig:
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> TrainConfig:
+        """Build from a dict, rejecting unknown keys with the list of valid ones."""
+        valid = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - valid)
+        if unknown:
+            raise ConfigError(f"unknown train setting(s) {unknown}; valid: {sorted(valid)}")
+        return cls(**data)
+
+
+@functools.cache
+def _train_field_types() -> dict[str, type]:
+    """TrainConfig's field types as classes (annotations are strings under postponed evaluation)."""
+    return typing.get_type_hints(TrainConfig)
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A whole recipe by name: the architecture (every ``ModelConfig`` field but ``positional``
+    and ``dtype``: the same for every scheme), each scheme's own parameters, and the training
+    settings. Only the positional scheme differs between the checkpoints one preset builds."""
+
+    model: Mapping[str, Any]
+    train: TrainConfig
+    positional: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+
+    def model_config(self, scheme: str) -> ModelConfig:
+        """The preset's architecture with ``scheme`` and that scheme's parameters."""
+        positional = {**self.positional.get(scheme, {}), "scheme": scheme}
+        return ModelConfig.from_dict({**self.model, "positional": positional})
+
+
+# What built the shipped checkpoints (checkpoints/README.md, "Recipe").
+_SHIPPED_MODEL = {
+    "vocab_size": 2048,
+    "d_model": 128,
+    "n_layers": 4,
+    "n_heads": 4,
+    "d_ff": 512,
+    "context_length": 128,
+    "max_positions": 128,
+    "dropout": 0.1,
+    "norm": "layernorm",
+    "mlp": "gelu",
+    "bias": False,
+    "tie_embeddings": True,
+    "qk_norm": False,
+}
+# Sinusoidal is scaled so its entries start with the spread of the learned table (std 0.02)
+# rather than swamping token embeddings 35-fold; integer and binary stay the seeds' raw baselines.
+_SHIPPED_POSITIONAL: dict[str, dict[str, Any]] = {
+    "sinusoidal": {"scale": 0.028},
+    "mds": {"rank": 32},
+    "lowrank": {"rank": 32},
+}
+
+PRESETS: dict[str, Preset] = {
+    "shipped": Preset(model=_SHIPPED_MODEL, train=TrainConfig(), positional=_SHIPPED_POSITIONAL),
+    # What the short ablations on rope kept (checkpoints/README.md, "Recipe ablations"): Muon for
+    # the matrices, ReLU², no dropout, sequences from any line. Not yet run at the full budget:
+    # the retraining session checks it on rope before training all ten with it.
+    "candidate": Preset(
+        model={**_SHIPPED_MODEL, "mlp": "relu2", "dropout": 0.0},
+        train=TrainConfig(optimizer="muon", sequence_starts="line"),
+        positional=_SHIPPED_POSITIONAL,
+    ),
+    # The same code path in seconds (CI: `make checkpoints PRESET=tiny`): a one-layer model,
+    # a few steps. Its own tokenizer size, so it never reuses the shipped tokenizer by accident.
+    "tiny": Preset(
+        model={
+            **_SHIPPED_MODEL,
+            "vocab_size": 300,
+            "d_model": 32,
+            "n_layers": 1,
+            "n_heads": 2,
+            "d_ff": 64,
+            "context_length": 32,
+            "max_positions": 32,
+        },
+        train=TrainConfig(
+            steps=6, batch_size=4, warmup_steps=2, eval_every=6, eval_windows=4, save_every=6
+        ),
+        positional={"sinusoidal": {"scale": 0.028}, "mds": {"rank": 8}, "lowrank": {"rank": 8}},
+    ),
+}
+DEFAULT_PRESET = "shipped"
+
+
+def preset(name: str) -> Preset:
+    """The preset called ``name``; an unknown name is a ConfigError listing the valid ones."""
+    if name not in PRESETS:
+        raise ConfigError(f"unknown preset {name!r}; valid: {sorted(PRESETS)}")
+    return PRESETS[name]
 
 
 def write_json_atomic(path: str | Path, data: Any) -> None:
@@ -124,14 +314,30 @@ def write_json_atomic(path: str | Path, data: Any) -> None:
 
 def write_text_atomic(path: str | Path, text: str) -> None:
     """Write ``text`` to ``path`` via a temp file in the same folder and os.replace."""
+    write_atomic(path, lambda staging: staging.write_text(text))
+
+
+def write_atomic(path: str | Path, write: Callable[[Path], object]) -> None:
+    """``write(staging)`` writes the file's content to ``staging`` (a temp file beside ``path``),
+    which then replaces ``path`` at once: readers see the old file or the new one, never a part.
+    Any writer that takes a path fits (``torch.save``, ``Figure.savefig``, ...)."""
+    with atomic_path(path) as staging:
+        write(staging)
+
+
+@contextmanager
+def atomic_path(path: str | Path) -> Iterator[Path]:
+    """A temp path in ``path``'s folder; when the block ends without error it replaces ``path``
+    (readable by all: checkpoints are shared read-only); on error it is removed."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    staging = Path(name)
     try:
-        with os.fdopen(fd, "w") as handle:
-            handle.write(text)
-        os.chmod(tmp, 0o644)  # mkstemp makes it private; checkpoints are shared read-only
-        os.replace(tmp, path)
+        yield staging
+        os.chmod(staging, 0o644)  # mkstemp makes it private
+        os.replace(staging, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        staging.unlink(missing_ok=True)
         raise

@@ -1,7 +1,10 @@
 """Token sequences for training, validation and positional statistics.
 
-Every sequence starts at a document (speech) boundary, so position i always means "the i-th
-token after the start of a speech" — the premise of the positional-geometry analysis.
+Validation windows and the sequences the positional statistics are measured on
+(:func:`boundary_sequences`) start at a document (speech) boundary, so position i means "the
+i-th token after the start of a speech" — the premise of the positional-geometry analysis.
+Training sequences do too by default; they may also start at any line of a speech
+(``TrainingSequences(..., line_breaks=...)``), which gives many more distinct sequences.
 
 Layout of the token stream: ``doc_0 + [eos] + doc_1 + [eos] + ...``. A training sample starting
 at document i is ``[bos] + stream[start_i : start_i + context_length]``; inputs are all but its
@@ -11,7 +14,7 @@ last token and targets all but its first, so the model predicts every token, ``<
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -55,15 +58,38 @@ def _document_stream(
     return stream, starts
 
 
+def line_break_ids(tokenizer: Tokenizer) -> frozenset[int]:
+    """Ids of the tokens whose text holds a newline: a line of a speech starts after one."""
+    return frozenset(
+        token for token in range(tokenizer.get_vocab_size()) if "\n" in tokenizer.decode([token])
+    )
+
+
+def _line_starts(
+    stream: torch.Tensor, document_starts: torch.Tensor, line_breaks: Collection[int]
+) -> torch.Tensor:
+    """Offsets [S] of every document start and every token that follows a line break inside a
+    document (never the ``<|eos|>`` ending one, which the next document's start covers)."""
+    breaks = torch.tensor(sorted(line_breaks), dtype=stream.dtype)
+    after_break = torch.zeros(len(stream), dtype=torch.bool)
+    after_break[1:] = torch.isin(stream[:-1], breaks)
+    after_break[document_starts] = True
+    return after_break.nonzero().squeeze(1)
+
+
 class TrainingSequences:
-    """Training batches of sequences that each begin at a document boundary.
+    """Training batches of sequences, each beginning at one of the stream's *starts*.
+
+    The starts are the document boundaries, or with ``line_breaks`` (token ids that end a line,
+    :func:`line_break_ids`) also every line inside a document. Either way a sample is
+    ``[bos] + stream[start : start + context_length]`` over the training documents only.
 
     The token stream is stored once, flat; a batch is gathered by index arithmetic. Which
-    documents start the sequences of a step depends only on (seed, step, batch_size): sample
-    ``k = step * batch_size + b`` of the run starts at document ``order(epoch)[k % D]`` with
-    ``epoch = k // D``, where ``order`` is a seeded permutation of the D documents. So every
-    document starts exactly one sequence per epoch, a resumed run sees the same data, and runs
-    that differ only in their positional encoding train on identical batches.
+    starts begin the sequences of a step depends only on (seed, step, batch_size): sample
+    ``k = step * batch_size + b`` of the run begins at start ``order(epoch)[k % S]`` with
+    ``epoch = k // S``, where ``order`` is a seeded permutation of the S starts. So every start
+    begins exactly one sequence per epoch, a resumed run sees the same data, and runs that
+    differ only in their positional encoding train on identical batches.
     """
 
     def __init__(
@@ -72,16 +98,27 @@ class TrainingSequences:
         context_length: int,
         seed: int,
         special: SpecialIds,
+        line_breaks: Collection[int] | None = None,
     ) -> None:
         """``documents``: token ids of each training document (see :func:`encode_documents`)."""
         _require_positive("context_length", context_length)
         self.context_length = context_length
         self.seed = seed
         self.special = special
-        self.stream, self.starts = _document_stream(documents, special.eos)
+        self.stream, self.document_starts = _document_stream(documents, special.eos)
+        self.starts = (
+            self.document_starts
+            if line_breaks is None
+            else _line_starts(self.stream, self.document_starts, line_breaks)
+        )
 
     @property
     def num_documents(self) -> int:
+        return len(self.document_starts)
+
+    @property
+    def num_starts(self) -> int:
+        """Distinct sequences the sampler draws from (``num_documents`` without line starts)."""
         return len(self.starts)
 
     @property
@@ -89,41 +126,43 @@ class TrainingSequences:
         """Tokens in the stream, one ``<|eos|>`` per document included."""
         return len(self.stream)
 
-    def document_order(self, epoch: int) -> torch.Tensor:
-        """The permutation [D] of document indices used as sequence starts in ``epoch``."""
+    def start_order(self, epoch: int) -> torch.Tensor:
+        """The permutation [S] of start indices used in ``epoch``."""
         generator = torch.Generator().manual_seed(self.seed * _EPOCH_SEED_STRIDE + epoch)
-        return torch.randperm(self.num_documents, generator=generator)
+        return torch.randperm(self.num_starts, generator=generator)
 
-    def start_documents(self, step: int, batch_size: int) -> torch.Tensor:
-        """Indices [B] of the documents that the sequences of ``step`` start at."""
+    def start_indices(self, step: int, batch_size: int) -> torch.Tensor:
+        """Indices [B] into ``starts`` of the sequences of ``step`` (document indices when
+        sequences start at documents only)."""
         if step < 0:
             raise DataError(f"step must be non-negative, got {step}")
         _require_positive("batch_size", batch_size)
         sample = step * batch_size + torch.arange(batch_size)
-        epochs = sample // self.num_documents
+        epochs = sample // self.num_starts
         starts = torch.empty(batch_size, dtype=torch.long)
-        # A batch spans at most a few epochs (one unless batch_size approaches D).
+        # A batch spans at most a few epochs (one unless batch_size approaches S).
         for epoch in epochs.unique().tolist():
             in_epoch = epochs == epoch
-            starts[in_epoch] = self.document_order(epoch)[sample[in_epoch] % self.num_documents]
+            starts[in_epoch] = self.start_order(epoch)[sample[in_epoch] % self.num_starts]
         return starts
 
-    def sequences(self, document_indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Inputs and targets, both [B, context_length] long, for sequences starting at documents.
+    def sequences(self, start_indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inputs and targets, both [B, context_length] long, for sequences beginning at
+        ``starts[start_indices]``.
 
         Where the stream runs out, inputs hold ``<|pad|>`` and targets :data:`IGNORE_INDEX`.
         """
-        offsets = self.starts[document_indices].unsqueeze(1) + torch.arange(self.context_length)
+        offsets = self.starts[start_indices].unsqueeze(1) + torch.arange(self.context_length)
         real = offsets < self.num_tokens
         following = self.stream[offsets.clamp(max=self.num_tokens - 1)]
         targets = following.masked_fill(~real, IGNORE_INDEX)
-        bos = torch.full((len(document_indices), 1), self.special.bos, dtype=torch.long)
+        bos = torch.full((len(start_indices), 1), self.special.bos, dtype=torch.long)
         shifted = following[:, :-1].masked_fill(~real[:, :-1], self.special.pad)
         return torch.cat([bos, shifted], dim=1), targets
 
     def batch(self, step: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The batch of training step ``step``: inputs [B, T] and targets [B, T], long."""
-        return self.sequences(self.start_documents(step, batch_size))
+        return self.sequences(self.start_indices(step, batch_size))
 
 
 def boundary_sequences(
@@ -132,7 +171,8 @@ def boundary_sequences(
     """One training-style input sequence starting at every document → [D, length] long.
 
     ``<|bos|>`` first, then the document and those after it (padding where the stream ends):
-    the sequences whose position-by-position statistics the geometry analysis measures.
+    the sequences whose position-by-position statistics the geometry analysis measures — always
+    speech-aligned, whatever starts training uses.
     """
     everything = TrainingSequences(documents, length, seed=0, special=special)
     return everything.sequences(torch.arange(everything.num_documents))[0]

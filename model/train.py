@@ -1,16 +1,18 @@
 """``ordinal train``: train one checkpoint on the Shakespeare corpus, the same way for every scheme.
 
 Every scheme gets the same model size, tokenizer, data order, token budget and seed, so the
-shipped checkpoints compare fairly: only ``positional`` differs. AdamW with linear warmup and
-cosine decay, gradient clipping and accumulation; periodic validation; a tqdm bar with loss and
-tokens/s; resumable from the last saved state (``--resume``); the checkpoint folder and the
-metrics JSON are written atomically. Runs on CPU by default, and unchanged under ``torchrun``
-(DistributedDataParallel; gloo on CPU, NCCL on GPUs, one process per device): each rank takes its
-slice of the same global batch, and the loss is the mean over the global batch's scored tokens,
-so N processes follow one process's loss curve to float rounding (dropout aside: each process
-draws its own masks, so compare with ``dropout`` 0). The options are ``ordinal train``'s
-(ordinal.py): that module restates ``TrainConfig``'s defaults and ``DEFAULT_MODEL``'s sizes so
-its ``--help`` needs no torch, and tests/server/test_cli.py checks that both agree.
+shipped checkpoints compare fairly: only ``positional`` differs. The recipe is a named preset
+(``model.config.PRESETS``; ``--preset``, default ``shipped``), then the ``--config`` file, then
+individual flags. AdamW, or Muon for the blocks' matrices with AdamW for the rest; linear warmup
+and cosine decay, gradient clipping and accumulation; periodic validation; a tqdm bar with loss
+and tokens/s; resumable from the last saved state (``--resume``); the checkpoint folder, the
+metrics JSON and the state are written atomically. Runs on CPU by default, and unchanged under
+``torchrun`` (DistributedDataParallel; gloo on CPU, NCCL on GPUs, one process per device): each
+rank takes its slice of the same global batch, and the loss is the mean over the global batch's
+scored tokens, so N processes follow one process's loss curve to float rounding (dropout aside:
+each process draws its own masks, so compare with ``dropout`` 0). The options are ``ordinal
+train``'s (ordinal.py): that module restates ``TrainConfig``'s defaults and the shipped preset's
+sizes so its ``--help`` needs no torch, and tests/server/test_cli.py checks that both agree.
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import os
 import time
 from dataclasses import dataclass
@@ -28,16 +29,27 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from tokenizers import Tokenizer
 from tqdm import tqdm
 
 from model.checkpoint import save_checkpoint
-from model.config import ConfigError, ModelConfig, write_json_atomic
+from model.config import (
+    DEFAULT_PRESET,
+    PRESETS,
+    ConfigError,
+    ModelConfig,
+    TrainConfig,
+    preset,
+    write_atomic,
+    write_json_atomic,
+)
 from model.corpus import load_corpus
 from model.data import (
     IGNORE_INDEX,
     TrainingSequences,
     boundary_sequences,
     encode_documents,
+    line_break_ids,
     validation_stream,
 )
 from model.geometry.corpus import measure_corpus
@@ -51,34 +63,16 @@ from model.tokenizer import (
 )
 from model.transformer import Transformer
 
+__all__ = ["TrainConfig", "configs_from_args", "run"]  # TrainConfig lives in model.config
+
 METRICS_FILE = "metrics.json"
 STATE_FILE = "state.pt"
 
-# The shipped architecture: what `ordinal train --scheme NAME` builds unless told otherwise.
-DEFAULT_MODEL = {
-    "vocab_size": 2048,
-    "d_model": 128,
-    "n_layers": 4,
-    "n_heads": 4,
-    "d_ff": 512,
-    "context_length": 128,
-    "max_positions": 128,
-    "dropout": 0.1,
-    "norm": "layernorm",
-    "mlp": "gelu",
-    "bias": False,
-    "tie_embeddings": True,
-}
-
-# Per-scheme parameters of the shipped checkpoints (anything not listed uses the defaults).
-# Sinusoidal is scaled so its entries start with the spread of the learned table (std 0.02)
-# rather than swamping token embeddings 35-fold; integer and binary stay the seeds' raw baselines.
+# The shipped architecture and per-scheme parameters (the `shipped` preset), by their old names.
+DEFAULT_MODEL: dict[str, Any] = dict(PRESETS[DEFAULT_PRESET].model)
 DEFAULT_POSITIONAL: dict[str, dict[str, Any]] = {
-    "sinusoidal": {"scale": 0.028},
-    "mds": {"rank": 32},
-    "lowrank": {"rank": 32},
+    scheme: dict(params) for scheme, params in PRESETS[DEFAULT_PRESET].positional.items()
 }
-
 
 # ModelConfig fields that `ordinal train` also takes as flags (--d-model 192, ...).
 MODEL_SIZE_FLAGS = (
@@ -90,58 +84,6 @@ MODEL_SIZE_FLAGS = (
     "max_positions",
     "vocab_size",
 )
-
-
-# Smallest valid value of the TrainConfig counts that must be positive (all others: 0).
-_TRAIN_MINIMUM = {
-    "steps": 1,
-    "batch_size": 1,
-    "grad_accum": 1,
-    "eval_every": 1,
-    "eval_windows": 1,
-    "save_every": 1,
-}
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    """Optimisation settings; the defaults are the shipped recipe."""
-
-    steps: int = 2000
-    batch_size: int = 32
-    grad_accum: int = 1
-    lr: float = 3e-3
-    min_lr: float = 3e-4
-    warmup_steps: int = 100
-    weight_decay: float = 0.1
-    grad_clip: float = 1.0
-    eval_every: int = 500
-    eval_windows: int = 64
-    save_every: int = 500
-    seed: int = 1337
-    threads: int = 0  # 0 = torch's default
-
-    def __post_init__(self) -> None:
-        # A wrong type or range would otherwise surface as a TypeError or ZeroDivisionError
-        # only after the corpus has been encoded.
-        for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
-            integer = field.type == "int"
-            if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)):
-                kind = "an integer" if integer else "a number"
-                raise ConfigError(f"train.{field.name} must be {kind}, got {value!r}")
-            smallest = _TRAIN_MINIMUM.get(field.name, 0)
-            if field.name != "seed" and value < smallest:
-                raise ConfigError(f"train.{field.name} must be ≥ {smallest}, got {value!r}")
-        if self.lr <= 0:
-            raise ConfigError(f"train.lr must be positive, got {self.lr!r}")
-
-    def lr_at(self, step: int) -> float:
-        """Linear warmup to ``lr``, then cosine decay to ``min_lr`` at the last step."""
-        if step < self.warmup_steps:
-            return self.lr * (step + 1) / self.warmup_steps
-        progress = (step - self.warmup_steps) / max(1, self.steps - self.warmup_steps)
-        return self.min_lr + 0.5 * (self.lr - self.min_lr) * (1 + math.cos(math.pi * progress))
 
 
 def read_config_file(path: Path) -> dict[str, dict[str, Any]]:
@@ -162,19 +104,21 @@ def read_config_file(path: Path) -> dict[str, dict[str, Any]]:
 
 
 def configs_from_args(args: argparse.Namespace) -> tuple[ModelConfig, TrainConfig]:
-    """Defaults, then the --config file, then individual flags."""
+    """The preset (``--preset``), then the --config file, then individual flags."""
+    recipe = preset(getattr(args, "preset", None) or DEFAULT_PRESET)
     file = read_config_file(args.config) if args.config else {}
-    model_fields = {**DEFAULT_MODEL, **file.get("model", {})}
+    model_fields = {**recipe.model, **file.get("model", {})}
+    file_positional = model_fields.pop("positional", {})
     for source, value in [
-        ("the config file's model.positional", model_fields.get("positional", {})),
+        ("the config file's model.positional", file_positional),
         ("--positional", args.positional or {}),
     ]:
         if not isinstance(value, dict):
             raise ConfigError(f"{source} must be a JSON object, got {value!r}")
-    positional = {**DEFAULT_POSITIONAL.get(args.scheme, {}), **(args.positional or {})}
     model_fields["positional"] = {
-        **model_fields.get("positional", {}),
-        **positional,
+        **recipe.positional.get(args.scheme, {}),
+        **file_positional,
+        **(args.positional or {}),
         "scheme": args.scheme,
     }
     for name in MODEL_SIZE_FLAGS:
@@ -183,16 +127,11 @@ def configs_from_args(args: argparse.Namespace) -> tuple[ModelConfig, TrainConfi
     model_fields["max_positions"] = max(
         model_fields["max_positions"], model_fields["context_length"]
     )
-    train_fields = dict(file.get("train", {}))
+    train_fields = {**dataclasses.asdict(recipe.train), **file.get("train", {})}
     for field in dataclasses.fields(TrainConfig):
-        if getattr(args, field.name) is not None:
+        if getattr(args, field.name, None) is not None:
             train_fields[field.name] = getattr(args, field.name)
-    valid = {field.name for field in dataclasses.fields(TrainConfig)}
-    if set(train_fields) - valid:
-        raise ConfigError(
-            f"unknown train setting(s) {sorted(set(train_fields) - valid)}; valid: {sorted(valid)}"
-        )
-    return ModelConfig.from_dict(model_fields), TrainConfig(**train_fields)
+    return ModelConfig.from_dict(model_fields), TrainConfig.from_dict(train_fields)
 
 
 def prepare_tokenizer(path: Path, vocab_size: int):
@@ -284,6 +223,101 @@ def _global_sum(value: torch.Tensor, world: int) -> torch.Tensor:
     return value
 
 
+@dataclass(frozen=True)
+class TrainingData:
+    """What a run trains and validates on: the shared tokenizer, the encoded training documents,
+    the training sampler and the first ``eval_windows`` validation windows."""
+
+    tokenizer: Tokenizer
+    documents: list[list[int]]
+    special: SpecialIds
+    sequences: TrainingSequences
+    val_inputs: torch.Tensor
+    val_targets: torch.Tensor
+
+
+def load_training_data(
+    tokenizer_path: Path, model_config: ModelConfig, train_config: TrainConfig
+) -> TrainingData:
+    """Tokenizer (trained the first time), training sampler and validation windows.
+
+    The sampler sees the training plays only; ``sequence_starts="line"`` lets its sequences
+    start at any line of a speech as well as at a speech.
+    """
+    tokenizer = prepare_tokenizer(tokenizer_path, model_config.vocab_size)
+    corpus = load_corpus()
+    documents = encode_documents(tokenizer, corpus.train)
+    special = special_ids(tokenizer)
+    line_breaks = line_break_ids(tokenizer) if train_config.sequence_starts == "line" else None
+    sequences = TrainingSequences(
+        documents, model_config.context_length, train_config.seed, special, line_breaks
+    )
+    val_inputs, val_targets = validation_stream(tokenizer, corpus.validation).windows(
+        model_config.context_length
+    )
+    window_count = train_config.eval_windows
+    return TrainingData(
+        tokenizer,
+        documents,
+        special,
+        sequences,
+        val_inputs[:window_count],
+        val_targets[:window_count],
+    )
+
+
+def build_optimizers(
+    model: Transformer, train_config: TrainConfig, device: torch.device
+) -> list[torch.optim.Optimizer]:
+    """AdamW (β 0.9/0.95) over every parameter, or with ``optimizer="muon"`` Muon over the
+    blocks' weight matrices and AdamW over the rest (embedding, gains, biases, positional).
+
+    Weight decay applies to matrices and the embedding, never to gains, biases or positional
+    parameters. Each parameter group keeps its peak rate in ``peak_lr`` for the schedule.
+    """
+    matrices, decayed, other = [], [], []
+    for name, parameter in model.named_parameters():
+        if train_config.optimizer == "muon" and parameter.dim() == 2 and name.startswith("blocks."):
+            matrices.append(parameter)
+        elif parameter.dim() >= 2 and "positional" not in name and "norm" not in name:
+            decayed.append(parameter)
+        else:
+            other.append(parameter)
+    adamw = torch.optim.AdamW(
+        [
+            {"params": decayed, "weight_decay": train_config.weight_decay},
+            {"params": other, "weight_decay": 0.0},
+        ],
+        lr=train_config.lr,
+        betas=(0.9, 0.95),
+        fused=device.type == "cuda",
+    )
+    optimizers: list[torch.optim.Optimizer] = [adamw]
+    if matrices:
+        optimizers.append(
+            torch.optim.Muon(
+                matrices,
+                lr=train_config.muon_lr,
+                weight_decay=train_config.weight_decay,
+                momentum=train_config.muon_momentum,
+            )
+        )
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            group["peak_lr"] = group["lr"]
+    return optimizers
+
+
+def set_learning_rates(
+    optimizers: list[torch.optim.Optimizer], train_config: TrainConfig, step: int
+) -> None:
+    """Every group on the same warmup-and-cosine shape, scaled to its own peak rate."""
+    scale = train_config.lr_at(step) / train_config.lr
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            group["lr"] = group["peak_lr"] * scale
+
+
 def _train(
     args: argparse.Namespace,
     model_config: ModelConfig,
@@ -301,63 +335,13 @@ def _train(
     if train_config.threads:
         torch.set_num_threads(train_config.threads)
     torch.manual_seed(train_config.seed)
-
-    tokenizer = prepare_tokenizer(args.tokenizer, model_config.vocab_size)
-    corpus = load_corpus()
-    documents = encode_documents(tokenizer, corpus.train)
-    special = special_ids(tokenizer)
-    sequences = TrainingSequences(
-        documents, model_config.context_length, train_config.seed, special
-    )
-    val_inputs, val_targets = validation_stream(tokenizer, corpus.validation).windows(
-        model_config.context_length
-    )
-    val_inputs = val_inputs[: train_config.eval_windows]
-    val_targets = val_targets[: train_config.eval_windows]
-
-    model = Transformer(model_config)
-    install_corpus_geometry(model, documents, special, train_config.seed)
-    model.to(device)
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "positional" not in n]
-    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2 or "positional" in n]
-    optimizer = torch.optim.AdamW(
-        [
-            {"params": decay, "weight_decay": train_config.weight_decay},
-            {"params": no_decay, "weight_decay": 0.0},
-        ],
-        lr=train_config.lr,
-        betas=(0.9, 0.95),
-        fused=device.type == "cuda",
-    )
-    trainable: torch.nn.Module = model
-    if world > 1:
-        trainable = torch.nn.parallel.DistributedDataParallel(
-            model, device_ids=[device] if device.type == "cuda" else None
+    session = _Session.start(args, model_config, train_config, device, rank, world)
+    metrics, start_step = _fresh_metrics(model_config, train_config), 0
+    if args.resume and session.state_path.exists():
+        metrics, start_step = _load_state(
+            session.state_path, session.model, session.optimizers, device
         )
 
-    state_dir = args.state_dir or Path("runs") / args.out.name
-    state_path = state_dir / STATE_FILE
-    metrics: dict[str, Any] = {
-        "scheme": model_config.scheme,
-        "model": model_config.to_dict(),
-        "train": dataclasses.asdict(train_config),
-        "train_loss": [],
-        "val_loss": [],
-        "tokens_seen": 0,
-        "wall_seconds": 0.0,
-    }
-    start_step = 0
-    if args.resume and state_path.exists():
-        state = torch.load(state_path, map_location=device, weights_only=False)
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        metrics, start_step = state["metrics"], state["step"]
-        torch.set_rng_state(state["rng"])  # dropout masks continue as in an uninterrupted run
-
-    tokens_per_step = (
-        train_config.batch_size * train_config.grad_accum * model_config.context_length
-    )
-    micro_batch = train_config.batch_size // world
     progress = tqdm(
         range(start_step, train_config.steps),
         initial=start_step,
@@ -366,77 +350,186 @@ def _train(
         desc=model_config.scheme,
         mininterval=2.0,
     )
-    model.train()
+    tokens_per_step = (
+        train_config.batch_size * train_config.grad_accum * model_config.context_length
+    )
     clock = time.perf_counter()
     wall_before = metrics["wall_seconds"]
     for step in progress:
-        for group in optimizer.param_groups:
-            group["lr"] = train_config.lr_at(step)
-        step_loss = torch.zeros((), dtype=torch.float64, device=device)
-        for micro in range(train_config.grad_accum):
-            inputs, targets = sequences.batch(
-                step * train_config.grad_accum + micro, train_config.batch_size
-            )
-            inputs = inputs[rank * micro_batch : (rank + 1) * micro_batch].to(device)
-            targets = targets[rank * micro_batch : (rank + 1) * micro_batch].to(device)
-            # The mean over the global batch's scored tokens, whatever share each process has:
-            # DDP averages the gradients of `world` processes, so each scales its sum by world.
-            scored = _global_sum((targets != IGNORE_INDEX).sum(), world).clamp(min=1)
-            logits = trainable(inputs)
-            loss_sum = F.cross_entropy(
-                logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
-            )
-            (loss_sum * world / scored / train_config.grad_accum).backward()
-            step_loss += loss_sum.detach().double() / scored / train_config.grad_accum
-        torch.nn.utils.clip_grad_norm_(model.parameters(), train_config.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        step_loss_value = _global_sum(step_loss, world).item()
-
+        loss = session.optimise(step)
         metrics["tokens_seen"] += tokens_per_step
         metrics["wall_seconds"] = wall_before + time.perf_counter() - clock
-        metrics["train_loss"].append([step + 1, round(step_loss_value, 4)])
+        metrics["train_loss"].append([step + 1, round(loss, 4)])
         progress.set_postfix(
-            loss=f"{step_loss_value:.3f}",
+            loss=f"{loss:.3f}",
             tok_s=f"{metrics['tokens_seen'] / max(metrics['wall_seconds'], 1e-9):.0f}",
             refresh=False,
         )
         last = step + 1 in (train_config.steps, args.stop_at)
         if (step + 1) % train_config.eval_every == 0 or last:
-            # Every process holds the same weights, so each scores the same windows alike.
-            val = validation_loss(model, val_inputs, val_targets, device)
+            val = session.validate()
             metrics["val_loss"].append([step + 1, round(val, 4)])
             if rank == 0:
                 progress.write(f"step {step + 1}: val loss {val:.4f}")
         if rank == 0 and ((step + 1) % train_config.save_every == 0 or last):
-            metrics["tokens_per_second"] = metrics["tokens_seen"] / metrics["wall_seconds"]
-            metrics["step"] = step + 1
-            save_checkpoint(args.out, model, tokenizer, dtype=args.storage_dtype)
-            write_json_atomic(args.out / METRICS_FILE, metrics)
-            _save_state(state_path, model, optimizer, metrics, step + 1)
+            session.save(metrics, step + 1)
         if step + 1 == args.stop_at:
             break
     return metrics
 
 
+@dataclass(frozen=True)
+class _Session:
+    """One process's training run: its data, model (DDP-wrapped as ``trainable`` under
+    torchrun), optimisers and where it saves."""
+
+    args: argparse.Namespace
+    train_config: TrainConfig
+    device: torch.device
+    rank: int
+    world: int
+    data: TrainingData
+    model: Transformer
+    trainable: torch.nn.Module
+    optimizers: list[torch.optim.Optimizer]
+    state_path: Path
+
+    @classmethod
+    def start(
+        cls,
+        args: argparse.Namespace,
+        model_config: ModelConfig,
+        train_config: TrainConfig,
+        device: torch.device,
+        rank: int,
+        world: int,
+    ) -> _Session:
+        data = load_training_data(args.tokenizer, model_config, train_config)
+        model = Transformer(model_config)
+        install_corpus_geometry(model, data.documents, data.special, train_config.seed)
+        model.to(device).train()
+        trainable: torch.nn.Module = model
+        if world > 1:
+            trainable = torch.nn.parallel.DistributedDataParallel(
+                model, device_ids=[device] if device.type == "cuda" else None
+            )
+        state_path = (args.state_dir or Path("runs") / args.out.name) / STATE_FILE
+        optimizers = build_optimizers(model, train_config, device)
+        return cls(
+            args, train_config, device, rank, world, data, model, trainable, optimizers, state_path
+        )
+
+    def optimise(self, step: int) -> float:
+        """One optimisation step on step ``step``'s global batch; returns its mean loss."""
+        set_learning_rates(self.optimizers, self.train_config, step)
+        loss = _train_step(
+            self.trainable,
+            self.data.sequences,
+            self.train_config,
+            step,
+            self.rank,
+            self.world,
+            self.device,
+        )
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.train_config.grad_clip)
+        for optimizer in self.optimizers:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    def validate(self) -> float:
+        """Loss on the first validation windows (every process holds the same weights, so each
+        scores them alike)."""
+        return validation_loss(self.model, self.data.val_inputs, self.data.val_targets, self.device)
+
+    def save(self, metrics: dict[str, Any], step: int) -> None:
+        """The checkpoint folder, its metrics.json and the resumable state, each atomically."""
+        metrics["tokens_per_second"] = metrics["tokens_seen"] / metrics["wall_seconds"]
+        metrics["step"] = step
+        save_checkpoint(
+            self.args.out, self.model, self.data.tokenizer, dtype=self.args.storage_dtype
+        )
+        write_json_atomic(self.args.out / METRICS_FILE, metrics)
+        _save_state(self.state_path, self.model, self.optimizers, metrics, step)
+
+
+def _fresh_metrics(model_config: ModelConfig, train_config: TrainConfig) -> dict[str, Any]:
+    return {
+        "scheme": model_config.scheme,
+        "model": model_config.to_dict(),
+        "train": dataclasses.asdict(train_config),
+        "train_loss": [],
+        "val_loss": [],
+        "tokens_seen": 0,
+        "wall_seconds": 0.0,
+    }
+
+
+def _train_step(
+    trainable: torch.nn.Module,
+    sequences: TrainingSequences,
+    train_config: TrainConfig,
+    step: int,
+    rank: int,
+    world: int,
+    device: torch.device,
+) -> float:
+    """Forward and backward over step ``step``'s global batch (this process's slice of each
+    micro-batch); returns the global batch's mean loss. Gradients are left for the optimiser."""
+    micro_batch = train_config.batch_size // world
+    step_loss = torch.zeros((), dtype=torch.float64, device=device)
+    for micro in range(train_config.grad_accum):
+        inputs, targets = sequences.batch(
+            step * train_config.grad_accum + micro, train_config.batch_size
+        )
+        inputs = inputs[rank * micro_batch : (rank + 1) * micro_batch].to(device)
+        targets = targets[rank * micro_batch : (rank + 1) * micro_batch].to(device)
+        # The mean over the global batch's scored tokens, whatever share each process has:
+        # DDP averages the gradients of `world` processes, so each scales its sum by world.
+        scored = _global_sum((targets != IGNORE_INDEX).sum(), world).clamp(min=1)
+        logits = trainable(inputs)
+        loss_sum = F.cross_entropy(
+            logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+        )
+        (loss_sum * world / scored / train_config.grad_accum).backward()
+        step_loss += loss_sum.detach().double() / scored / train_config.grad_accum
+    return _global_sum(step_loss, world).item()
+
+
 def _save_state(
     path: Path,
     model: Transformer,
-    optimizer: torch.optim.Optimizer,
+    optimizers: list[torch.optim.Optimizer],
     metrics: dict[str, Any],
     step: int,
 ) -> None:
     """Full-precision weights, optimizer moments and progress, written atomically."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    torch.save(
-        {
-            "model": model.state_dict(),
-            "optimizer": optimizer.state_dict(),
-            "metrics": metrics,
-            "step": step,
-            "rng": torch.get_rng_state(),
-        },
-        tmp,
-    )
-    os.replace(tmp, path)
+    state = {
+        "model": model.state_dict(),
+        "optimizers": [optimizer.state_dict() for optimizer in optimizers],
+        "metrics": metrics,
+        "step": step,
+        "rng": torch.get_rng_state(),
+    }
+    write_atomic(path, lambda staging: torch.save(state, staging))
+
+
+def _load_state(
+    path: Path,
+    model: Transformer,
+    optimizers: list[torch.optim.Optimizer],
+    device: torch.device,
+) -> tuple[dict[str, Any], int]:
+    """Restore what :func:`_save_state` wrote; returns the metrics so far and the next step."""
+    state = torch.load(path, map_location=device, weights_only=False)
+    saved = state["optimizers"] if "optimizers" in state else [state["optimizer"]]  # older runs
+    if len(saved) != len(optimizers):
+        raise ConfigError(
+            f"{path} holds {len(saved)} optimizer state(s), this recipe has {len(optimizers)}: "
+            "resume with the optimizer the run started with"
+        )
+    model.load_state_dict(state["model"])
+    for optimizer, optimizer_state in zip(optimizers, saved, strict=True):
+        optimizer.load_state_dict(optimizer_state)
+    torch.set_rng_state(state["rng"])  # dropout masks continue as in an uninterrupted run
+    return state["metrics"], state["step"]

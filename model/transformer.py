@@ -74,7 +74,8 @@ def make_norm(config: ModelConfig) -> nn.Module:
 
 
 class Attention(nn.Module):
-    """Multi-head causal self-attention with a fused QKV projection."""
+    """Multi-head causal self-attention with a fused QKV projection; with ``config.qk_norm``,
+    queries and keys are RMS-normalised per head (a learned gain each) before rotation."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -82,6 +83,10 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(config.d_model, 3 * config.d_model, bias=config.bias)
         self.proj = nn.Linear(config.d_model, config.d_model, bias=config.bias)
         self.dropout = config.dropout
+        # [2, 1, 1, 1, hd]: the query gain and the key gain, broadcast over [2, B, H, T, hd].
+        self.qk_norm = (
+            nn.Parameter(torch.ones(2, 1, 1, 1, config.head_dim)) if config.qk_norm else None
+        )
 
     def forward(
         self,
@@ -97,6 +102,8 @@ class Attention(nn.Module):
         batch, length, width = x.shape
         qkv = self.qkv(x).view(batch, length, 3, self.n_heads, self.head_dim)
         qkv = qkv.permute(2, 0, 3, 1, 4)  # [3, B, H, T, hd]
+        if self.qk_norm is not None:  # queries and keys [2, B, H, T, hd] normalised, values kept
+            qkv = torch.cat([F.rms_norm(qkv[:2], (self.head_dim,)) * self.qk_norm, qkv[2:]])
         queries, keys, values = qkv
         if rotation is not None:  # queries and keys in one call: half the small ops
             queries, keys = apply_rotation(qkv[:2], *rotation)
@@ -117,12 +124,13 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    """GELU MLP (exact, or GPT-2's tanh approximation), or SwiGLU (gate and value projections
-    fused into one matrix)."""
+    """GELU MLP (exact, or GPT-2's tanh approximation), ReLU² MLP, or SwiGLU (gate and value
+    projections fused into one matrix)."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.gated = config.mlp == "swiglu"
+        self.squared_relu = config.mlp == "relu2"
         self.gelu_approximation = "tanh" if config.mlp == "gelu_tanh" else "none"
         expanded = 2 * config.d_ff if self.gated else config.d_ff
         self.up = nn.Linear(config.d_model, expanded, bias=config.bias)
@@ -135,6 +143,8 @@ class FeedForward(nn.Module):
         if self.gated:
             gate, value = hidden.chunk(2, dim=-1)
             hidden = F.silu(gate) * value
+        elif self.squared_relu:
+            hidden = F.relu(hidden).square()
         else:
             hidden = F.gelu(hidden, approximate=self.gelu_approximation)
         out = self.down(hidden)

@@ -1,5 +1,6 @@
-"""ModelConfig rejects bad input with a message that names the field and the valid choices, and
-every architectural combination it accepts builds a model that runs."""
+"""ModelConfig and TrainConfig reject bad input with a message that names the field and the valid
+choices, every architectural combination ModelConfig accepts builds a model that runs, every
+preset fits every scheme, and the atomic writers never leave a partial file."""
 
 from __future__ import annotations
 
@@ -11,10 +12,20 @@ from pathlib import Path
 import pytest
 import torch
 
-from model.config import MLPS, NORMS, ConfigError, ModelConfig
+from model.config import (
+    MLPS,
+    NORMS,
+    PRESETS,
+    ConfigError,
+    ModelConfig,
+    TrainConfig,
+    preset,
+    write_atomic,
+    write_text_atomic,
+)
 from model.positional import SCHEMES
 from model.transformer import Transformer
-from tests.model.conftest import ALL_SCHEMES, random_tokens, tiny_config
+from tests.model.conftest import ALL_SCHEMES, random_model, random_tokens, tiny_config
 
 
 def test_unknown_key_lists_the_valid_keys() -> None:
@@ -46,7 +57,7 @@ def test_unknown_scheme_parameter_lists_the_valid_ones() -> None:
     ("positional", "message"),
     [
         ({"scheme": "rope", "rotary_fraction": 0.0}, "rotary_fraction"),
-        ({"scheme": "rope", "scaling": "yarn"}, "scaling"),
+        ({"scheme": "rope", "scaling": "longrope"}, "scaling"),
         ({"scheme": "rope", "scaling_factor": 0.5}, "scaling_factor"),
         ({"scheme": "binary", "bits": 0}, "bits"),
         ({"scheme": "t5", "num_buckets": 32, "max_distance": 10}, "max_distance"),
@@ -155,3 +166,100 @@ def test_replace_validates_again() -> None:
     assert config.replace(n_layers=3).n_layers == 3
     with pytest.raises(ConfigError, match="n_heads"):
         config.replace(n_heads=5)
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_every_preset_builds_every_scheme(name: str) -> None:
+    recipe = preset(name)
+    for scheme in ALL_SCHEMES:
+        config = recipe.model_config(scheme)
+        assert config.scheme == scheme
+        assert {k: v for k, v in config.to_dict().items() if k in recipe.model} == dict(
+            recipe.model
+        )
+        Transformer(config)  # the scheme's parameters fit the preset's architecture
+    assert isinstance(recipe.train, TrainConfig)
+
+
+def test_unknown_preset_lists_the_valid_ones() -> None:
+    with pytest.raises(
+        ConfigError, match=r"unknown preset 'huge'; valid: \['candidate', 'shipped', 'tiny'\]"
+    ):
+        preset("huge")
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"steps": 2.0}, "train.steps must be an integer"),
+        ({"steps": True}, "train.steps must be an integer"),
+        ({"lr": "fast"}, "train.lr must be a number"),
+        ({"batch_size": 0}, r"train.batch_size must be ≥ 1"),
+        ({"lr": 0.0}, "train.lr must be positive"),
+        ({"muon_lr": 0.0}, "train.muon_lr must be positive"),
+        ({"muon_momentum": 1.0}, "train.muon_momentum must be < 1"),
+        ({"optimizer": "sgd"}, r"train.optimizer must be one of \['adamw', 'muon'\]"),
+        ({"sequence_starts": "word"}, r"train.sequence_starts must be one of"),
+    ],
+)
+def test_bad_train_setting_is_named(changes: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        TrainConfig(**changes)
+    assert TrainConfig(lr=1, min_lr=0).lr == 1  # an integer is a number
+    with pytest.raises(ConfigError, match=r"unknown train setting\(s\) \['stepz'\]"):
+        TrainConfig.from_dict({"stepz": 3})
+
+
+def test_relu2_is_relu_squared() -> None:
+    model = Transformer(tiny_config("rope", mlp="relu2")).eval()
+    mlp = model.blocks[0].mlp
+    x = torch.randn(2, 5, 32)
+    torch.testing.assert_close(mlp(x), mlp.down(torch.relu(mlp.up(x)) ** 2))
+
+
+def test_qk_norm_normalises_each_heads_queries_and_keys() -> None:
+    """With unit gains every query and key has RMS 1 per head, so scaling the QKV projection's
+    query and key rows changes nothing; without QK-norm it changes the logits."""
+    tokens = random_tokens(2, 9, seed=1)
+    for qk_norm in (True, False):
+        torch.manual_seed(0)
+        model = Transformer(tiny_config("rope", qk_norm=qk_norm)).eval()
+        assert (model.blocks[0].attention.qk_norm is not None) == qk_norm
+        with torch.no_grad():
+            before = model(tokens)
+            for block in model.blocks:
+                block.attention.qkv.weight[: 2 * 32] *= 7.0
+            after = model(tokens)
+        assert torch.allclose(before, after, atol=1e-5) == qk_norm
+    names = [name for name, _ in Transformer(tiny_config(qk_norm=True)).named_parameters()]
+    assert "blocks.0.attention.qk_norm" in names
+    assert not any("qk_norm" in name for name, _ in Transformer(tiny_config()).named_parameters())
+
+
+def test_atomic_writers_leave_the_old_file_on_error(tmp_path: Path) -> None:
+    path = tmp_path / "sub" / "state.bin"
+    write_atomic(path, lambda staging: staging.write_bytes(b"old"))
+    assert path.read_bytes() == b"old" and oct(path.stat().st_mode & 0o777) == "0o644"
+
+    def fail(staging: Path) -> None:
+        staging.write_bytes(b"half")
+        raise RuntimeError("disk full")
+
+    with pytest.raises(RuntimeError, match="disk full"):
+        write_atomic(path, fail)
+    assert path.read_bytes() == b"old"
+    write_text_atomic(path, "new")
+    assert path.read_text() == "new"
+    assert sorted(p.name for p in path.parent.iterdir()) == ["state.bin"]  # no temp file left
+
+
+@pytest.mark.parametrize("scheme", ["rope", "alibi", "learned"])
+def test_qk_norm_and_relu2_decode_incrementally_as_a_full_forward(scheme: str) -> None:
+    """The cached decode path with the new options (keys are cached normalised): a rotation,
+    a score bias and an additive scheme."""
+    from tests.model.test_transformer import SEQUENCE_LENGTH, decode_and_compare
+
+    model = random_model(scheme, seed=1, qk_norm=True, mlp="relu2")
+    tokens = random_tokens(4, SEQUENCE_LENGTH, seed=2)
+    with torch.no_grad():
+        decode_and_compare(model, tokens, model(tokens), seed=3)

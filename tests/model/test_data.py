@@ -1,6 +1,7 @@
-"""Properties of model.data: training sequences start at a speech boundary and are a pure
-function of (seed, step); validation windows score every token once; positional counts match
-a plain count."""
+"""Properties of model.data: training sequences start at a speech boundary (or, with line starts,
+at a line of a speech) and are a pure function of (seed, step); the geometry's sequences stay
+speech-aligned; validation windows score every token once; positional counts match a plain
+count."""
 
 import random
 import re
@@ -14,7 +15,9 @@ from model.data import (
     IGNORE_INDEX,
     DataError,
     TrainingSequences,
+    boundary_sequences,
     encode_documents,
+    line_break_ids,
     positional_token_counts,
     validation_stream,
     validation_windows,
@@ -89,11 +92,11 @@ def test_every_document_starts_one_sequence_per_epoch():
     documents = random_documents(random.Random(0), 10)
     training = TrainingSequences(documents, context_length=4, seed=3, special=SPECIAL)
     # 3 per step for 10 steps: 30 samples = exactly 3 epochs, whose boundaries fall mid-batch.
-    starts = torch.cat([training.start_documents(step, 3) for step in range(10)]).tolist()
+    starts = torch.cat([training.start_indices(step, 3) for step in range(10)]).tolist()
     for epoch in range(3):
         assert sorted(starts[epoch * 10 : (epoch + 1) * 10]) == list(range(10))
     # A batch larger than the corpus spans several epochs at once; same samples, same starts.
-    assert training.start_documents(0, 30).tolist() == starts
+    assert training.start_indices(0, 30).tolist() == starts
 
 
 def test_batches_are_a_pure_function_of_seed_and_step(training, train_ids, tokenizer):
@@ -116,6 +119,86 @@ def test_every_training_sequence_begins_with_a_speaker(training, tokenizer):
         assert torch.equal(inputs[:, 1:][real], targets[:, :-1][real])
         for row in inputs.tolist():
             assert SPEAKER_PREFIX.match(tokenizer.decode(row[1:])), tokenizer.decode(row[1:])
+
+
+@pytest.fixture(scope="module")
+def line_training(train_ids, tokenizer):
+    return TrainingSequences(
+        train_ids, 48, seed=7, special=special_ids(tokenizer), line_breaks=line_break_ids(tokenizer)
+    )
+
+
+def test_line_starts_are_every_speech_and_every_line_of_one(line_training, training, tokenizer):
+    breaks = line_break_ids(tokenizer)
+    assert breaks and all("\n" in tokenizer.decode([token]) for token in breaks)
+    assert "\n" not in tokenizer.decode([t for t in range(512) if t not in breaks])
+    starts = set(line_training.starts.tolist())
+    assert set(training.starts.tolist()) <= starts  # every speech still starts sequences
+    stream = line_training.stream.tolist()
+    expected = set(training.starts.tolist()) | {
+        i + 1 for i, token in enumerate(stream[:-1]) if token in breaks
+    }
+    assert starts == expected
+    assert line_training.num_starts > 3 * line_training.num_documents  # many more sequences
+    assert line_training.num_documents == training.num_documents
+
+
+def test_line_start_sequences_begin_a_line_of_a_training_speech(line_training, tokenizer, corpus):
+    """Every sequence is <|bos|> + a line of a training speech and what follows it: text of the
+    training plays only (the stream holds no other), from the start of one of their lines."""
+    train_lines = {line for speech in corpus.train for line in speech.split("\n")}
+    validation_only = {
+        line for speech in corpus.validation for line in speech.split("\n") if len(line) > 40
+    } - train_lines
+    assert len(validation_only) > 1000
+    bos = special_ids(tokenizer).bos
+    for step in random.Random(3).sample(range(100_000), 10):
+        inputs, targets = line_training.batch(step, 32)
+        assert (inputs[:, 0] == bos).all()
+        real = targets[:, :-1] != IGNORE_INDEX
+        assert torch.equal(inputs[:, 1:][real], targets[:, :-1][real])
+        for row in inputs.tolist():
+            # <|eos|> ends a speech: a line break for this purpose
+            text = tokenizer.decode(row[1:], skip_special_tokens=False).replace("<|eos|>", "\n")
+            text = text.replace("<|pad|>", "")
+            first_line = text.split("\n")[0]
+            assert first_line in train_lines or "\n" not in text, text
+            assert not any(line in validation_only for line in text.split("\n")[1:-1])
+
+
+def test_line_starts_keep_every_start_once_per_epoch_and_a_pure_function_of_the_step(
+    line_training, train_ids, tokenizer
+):
+    count = line_training.num_starts
+    first_epoch = torch.cat(
+        [line_training.start_indices(step, 1000) for step in range(count // 1000)]
+    )
+    assert len(set(first_epoch.tolist())) == len(first_epoch)  # no start twice within an epoch
+    again = TrainingSequences(
+        train_ids, 48, seed=7, special=special_ids(tokenizer), line_breaks=line_break_ids(tokenizer)
+    )
+    for step in (0, 17, 5_000):
+        assert torch.equal(line_training.batch(step, 16)[0], again.batch(step, 16)[0])
+
+
+def test_the_geometry_sequences_are_speech_aligned_whatever_training_uses(
+    train_ids, tokenizer, line_training
+):
+    """boundary_sequences (what ordinal geometry and the mds table measure) is one sequence per
+    speech, [bos] + the speech and those after it: the line sampler changes none of it."""
+    special = special_ids(tokenizer)
+    sequences = boundary_sequences(train_ids, 48, special)
+    assert sequences.shape == (len(train_ids), 48)
+    for index in random.Random(4).sample(range(len(train_ids)), 200):
+        following = [
+            t for document in train_ids[index : index + 60] for t in (*document, special.eos)
+        ]
+        assert sequences[index].tolist() == [special.bos, *following[:47]]
+    speech_starts = line_training.document_starts
+    assert torch.equal(
+        sequences,
+        line_training.sequences(torch.searchsorted(line_training.starts, speech_starts))[0],
+    )
 
 
 @pytest.mark.parametrize("window", [1, 7, 64, 10_000])

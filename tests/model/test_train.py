@@ -1,6 +1,9 @@
-"""``ordinal train``: a short run learns, a resumed run equals an uninterrupted one, the mds scheme
-gets the training corpus's geometry, a bad config is a one-line error, and two processes under
-``torchrun`` (gloo, DDP) follow one process's loss curve with the same global batch.
+"""``ordinal train``: the shipped preset is what it uses by default, a short run learns, a resumed
+run equals an uninterrupted one (AdamW, and Muon with every recipe option on), line-start
+sequences never reach the validation plays, the mds scheme gets the training corpus's
+speech-aligned geometry whatever the sampler, a bad config is a one-line error, two processes
+under ``torchrun`` (gloo, DDP) follow one process's loss curve with the same global batch, and
+``make checkpoints`` rebuilds checkpoints with its recipe (on the tiny preset).
 
 Training runs on a slice of the training split (monkeypatched ``load_corpus``) so the whole file
 takes seconds; the code under test is unchanged: it trains its tokenizer, encodes, samples and
@@ -10,6 +13,7 @@ saves exactly as it does on the full corpus.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -24,7 +28,9 @@ import numpy as np
 import pytest
 import torch
 
+import model.config
 import model.train
+import ordinal
 from model.checkpoint import load_checkpoint
 from model.corpus import Corpus, load_corpus
 from model.data import TrainingSequences, boundary_sequences, encode_documents
@@ -32,7 +38,7 @@ from model.geometry.corpus import measure_corpus
 from model.geometry.metrics import pairwise_distances
 from model.tokenizer import load_tokenizer, special_ids
 from model.train import METRICS_FILE, STATE_FILE, prepare_tokenizer
-from ordinal import main, train_options
+from ordinal import build_parser, main, train_options
 
 REPO = Path(__file__).resolve().parents[2]
 # The venv's own torchrun (torch's launcher), else one on PATH.
@@ -151,12 +157,136 @@ def test_resumed_run_equals_an_uninterrupted_one(
     torch.testing.assert_close(actual["model"], expected["model"])
 
 
+def test_the_shipped_preset_is_what_ordinal_train_uses_by_default(tmp_path: Path) -> None:
+    out = ["train", "--scheme", "sinusoidal", "--out", str(tmp_path / "ck")]
+    shipped = model.config.PRESETS["shipped"]
+    model_config, train_config = model.train.configs_from_args(build_parser().parse_args(out))
+    assert model_config == shipped.model_config("sinusoidal")
+    assert model_config.positional == {"scheme": "sinusoidal", "scale": 0.028}
+    assert train_config == shipped.train == model.config.TrainConfig()
+    assert tuple(model.config.PRESETS) == ordinal.PRESETS and ordinal.PRESETS[0] == "shipped"
+    assert ordinal.TRAIN_CHOICES == {
+        "optimizer": model.config.OPTIMIZERS,
+        "sequence_starts": model.config.SEQUENCE_STARTS,
+    }
+
+    tiny = model.config.PRESETS["tiny"]
+    args = build_parser().parse_args([*out, "--preset", "tiny"])
+    assert model.train.configs_from_args(args) == (tiny.model_config("sinusoidal"), tiny.train)
+
+    # preset < --config file < flags, the scheme's preset parameters included
+    config = tmp_path / "config.json"
+    config.write_text(
+        json.dumps(
+            {
+                "model": {"mlp": "relu2", "n_layers": 2, "positional": {"scale": 0.5}},
+                "train": {"optimizer": "muon", "steps": 7},
+            }
+        )
+    )
+    flags = ["--preset", "tiny", "--config", str(config), "--n-layers", "3", "--steps", "9"]
+    model_config, train_config = model.train.configs_from_args(
+        build_parser().parse_args([*out, *flags])
+    )
+    assert (model_config.mlp, model_config.n_layers, model_config.d_model) == ("relu2", 3, 32)
+    assert model_config.positional == {"scheme": "sinusoidal", "scale": 0.5}
+    assert (train_config.optimizer, train_config.steps) == ("muon", 9)
+    assert train_config.batch_size == tiny.train.batch_size
+
+
+# Every new option at once: Muon, ReLU², QK-norm, no dropout, sequences from any line.
+RECIPE_OPTIONS = {
+    "model": {"mlp": "relu2", "qk_norm": True, "dropout": 0.0},
+    "train": {"optimizer": "muon", "sequence_starts": "line"},
+}
+
+
+def test_muon_run_resumed_equals_an_uninterrupted_one_and_never_sees_validation_text(
+    tmp_path: Path,
+    tokenizer_path: Path,
+    small_corpus: Corpus,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    seen: list[torch.Tensor] = []
+
+    class RecordingSequences(TrainingSequences):
+        def batch(self, step: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+            inputs, targets = super().batch(step, batch_size)
+            seen.append(inputs)
+            return inputs, targets
+
+    monkeypatch.setattr(model.train, "TrainingSequences", RecordingSequences)
+    (tmp_path / "config.json").write_text(json.dumps(RECIPE_OPTIONS))
+    extra = ["--config", str(tmp_path / "config.json"), "--storage-dtype", "float32"]
+    whole = model.train.run(train_args(tmp_path / "whole", tokenizer_path, *extra))
+    assert whole["train"]["optimizer"] == "muon" and whole["model"]["qk_norm"] is True
+    assert np.mean(losses(whole)[-5:]) < np.mean(losses(whole)[:5])
+
+    model.train.run(train_args(tmp_path / "parts", tokenizer_path, *extra, "--stop-at", "15"))
+    resumed = model.train.run(train_args(tmp_path / "parts", tokenizer_path, *extra, "--resume"))
+    np.testing.assert_allclose(losses(resumed), losses(whole), rtol=1e-4)
+    expected = torch.load(tmp_path / "whole" / "state" / STATE_FILE, weights_only=False)
+    actual = torch.load(tmp_path / "parts" / "state" / STATE_FILE, weights_only=False)
+    torch.testing.assert_close(actual["model"], expected["model"])
+    assert len(actual["optimizers"]) == 2  # AdamW and Muon, both restored
+    muon_state = actual["optimizers"][1]["state"]
+    assert muon_state and all("momentum_buffer" in value for value in muon_state.values())
+
+    # The sampler draws from the training plays only, now from any line of a speech.
+    tokenizer = load_tokenizer(tokenizer_path)
+    train_lines = {line for speech in small_corpus.train for line in speech.split("\n")}
+    validation_only = {
+        line for speech in small_corpus.validation for line in speech.split("\n") if len(line) > 20
+    } - train_lines
+    assert validation_only
+    texts = [
+        tokenizer.decode(row[1:], skip_special_tokens=False).replace("<|eos|>", "\n")
+        for batch in seen
+        for row in batch.tolist()
+    ]
+    assert not any(line in text for text in texts for line in validation_only)
+    speaker_first = sum(text.split("\n")[0].endswith(":") for text in texts)
+    assert 0 < speaker_first < len(texts)  # some sequences start at a speech, others mid-speech
+
+
+def test_make_checkpoints_rebuilds_with_the_preset_on_the_tiny_one(tmp_path: Path) -> None:
+    """The Makefile's own recipe, run on the tiny preset for two schemes into a tmp folder: the
+    code path `make checkpoints` takes for the shipped ones (on the full corpus), in seconds."""
+    if shutil.which("make") is None:
+        pytest.skip("make is not installed")
+    checkpoints, runs = tmp_path / "checkpoints", tmp_path / "runs"
+    command = [
+        *("make", "--no-print-directory", "-o", ".venv/.installed", "checkpoints"),
+        *("PRESET=tiny", "SCHEMES=rope alibi", f"CHECKPOINT_DIR={checkpoints}", f"RUNS={runs}"),
+        f"ORDINAL={sys.executable} -m ordinal",
+    ]
+    environment = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    result = subprocess.run(
+        command, cwd=REPO, env=environment, capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    tiny = model.config.PRESETS["tiny"]
+    for scheme in ("rope", "alibi"):
+        loaded, _ = load_checkpoint(checkpoints / scheme, device="cpu")
+        assert loaded.config.replace(dtype="float32") == tiny.model_config(scheme)
+        metrics = json.loads((checkpoints / scheme / METRICS_FILE).read_text())
+        assert metrics["train"] == dataclasses.asdict(tiny.train)
+        assert (checkpoints / scheme / "eval.json").exists()
+        assert (runs / scheme / STATE_FILE).exists()
+    assert (runs / "tokenizer.json").exists()
+    assert (checkpoints / "loss_by_position.png").exists()
+    assert "rope" in (checkpoints / "results.md").read_text()
+
+
+@pytest.mark.parametrize("starts", ["speech", "line"])
 def test_mds_table_is_the_training_corpus_geometry_and_is_not_trained(
-    tmp_path: Path, tokenizer_path: Path, small_corpus: Corpus
+    tmp_path: Path, tokenizer_path: Path, small_corpus: Corpus, starts: str
 ) -> None:
     # A table of n = 32 positions with rank 32 ≥ n - 1 keeps every MDS dimension, so distances
-    # must reproduce the Hellinger matrix exactly (Hellinger distance is Euclidean).
+    # must reproduce the Hellinger matrix exactly (Hellinger distance is Euclidean). Line-start
+    # training sequences change nothing here: the statistics are the speech-aligned ones.
     flags = ["--max-positions", str(CONTEXT), "--positional", '{"rank": 32}', "--steps", "3"]
+    flags += ["--sequence-starts", starts]
     flags += ["--storage-dtype", "float32"]
     model.train.run(train_args(tmp_path, tokenizer_path, *flags, scheme="mds"))
     trained, tokenizer = load_checkpoint(tmp_path / "ck", device="cpu")
