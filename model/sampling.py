@@ -47,6 +47,7 @@ MIN_TEMPERATURE = 1e-5
 # The CTRL penalty divides or multiplies logits by this; outside [0.01, 100] a float32 logit
 # can reach inf (and 0 × inf = NaN): no useful penalty lies there.
 MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
+_NO_UNIFORM = torch.zeros(1)  # the stand-in uniform of a row whose generator failed
 MAX_OPENAI_PENALTY = 2.0  # frequency and presence penalties lie in [-2, 2], as OpenAI's
 MAX_TOP_K = 2**63 - 1  # int64; callers cap top_k at their vocabulary first
 
@@ -256,13 +257,14 @@ class SamplingBatch:
         """One uniform per row per step, whichever path it draws along (None: all greedy)."""
         if self.all_greedy:
             return None
-        uniforms = torch.zeros(len(self.rows))
+        drawn = []  # one [1] tensor per row, joined once: no per-row writes into a tensor
         for index, row in enumerate(self.rows):
             try:
-                uniforms[index] = row.next_uniform()
+                drawn.append(row.next_uniform())
             except Exception:
                 failures[index] = FailureReason.SAMPLING_ERROR
-        return uniforms.to(device)
+                drawn.append(_NO_UNIFORM)
+        return torch.cat(drawn).to(device)
 
     def _draw(self, logits: Tensor, history: _History, uniforms: Tensor | None) -> Tensor:
         """Every row's token: bias and penalties, then each row group along its path."""

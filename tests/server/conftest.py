@@ -207,3 +207,10 @@ def gate(server: Running) -> Iterator[Callable[[str], Gate]]:
     yield install
     for installed in gates:
         installed.open()
+
+
+def openai_client(running: Running) -> Any:
+    """OpenAI's own Python client, pointed at ``running`` (no retries: a failure shows at once)."""
+    import openai
+
+    return openai.OpenAI(base_url=f"{running.url}/v1", api_key="unused", max_retries=0)

@@ -11,11 +11,11 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import openai
 import pytest
 
 from model.chat import TOKENIZER_CONFIG_FILE
 from tests.server.conftest import Running, running_server, test_settings
+from tests.server.conftest import openai_client as client_of
 
 SHIPPED = Path(__file__).resolve().parents[2] / "checkpoints"
 SCENE = [
@@ -25,10 +25,6 @@ SCENE = [
     {"role": "user", "content": "But new struck nine."},
 ]
 SPEAKER_LINE = re.compile(r"^[A-Z][A-Z' .-]*:$", re.M)
-
-
-def client_of(running: Running) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{running.url}/v1", api_key="unused", max_retries=0)
 
 
 def test_chat_with_the_openai_client(server: Running) -> None:

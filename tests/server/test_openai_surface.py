@@ -8,19 +8,15 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import openai
 import pytest
 
 from model.checkpoint import load_checkpoint
 from model.generate import encode_prompt, generate
 from model.sampling import SamplingParams
 from tests.server.conftest import Running
+from tests.server.conftest import openai_client as client_of
 
 SCENE = [{"role": "user", "content": "Good morrow."}]
-
-
-def client_of(running: Running) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{running.url}/v1", api_key="unused", max_retries=0)
 
 
 def texts(answer: Any) -> list[str]:
