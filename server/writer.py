@@ -83,6 +83,8 @@ class CompletionWriter:
             pieces: list[Piece] = []
             for event in await job.next_events():
                 if isinstance(event, Failure):
+                    if pieces:  # tokens that arrived with the failure still reach the client
+                        yield pieces
                     raise event.error
                 if isinstance(event, TokenEvent):
                     piece = self._token_piece(event)

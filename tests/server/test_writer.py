@@ -1,0 +1,47 @@
+"""The writer turns a job's events into pieces in the order the engine sent them."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from model.sampling import SamplingParams
+from server.errors import APIError
+from server.job import Failure, Job, TokenEvent
+from server.schemas import CompletionRequest
+from server.writer import CompletionWriter, Piece
+
+
+def writer_and_job() -> tuple[CompletionWriter, Job]:
+    body = CompletionRequest(model="m", prompt="x", return_tokens_as_token_ids=True)
+    served: Any = SimpleNamespace(name="m", token_strings=[], token_bytes=[])
+    job = Job([1, 2], state=SimpleNamespace(), params=SamplingParams(), logprobs=None,
+              score_prompt=False)  # fmt: skip
+    return CompletionWriter(body, served, job.prompt_ids), job
+
+
+@pytest.mark.parametrize("tokens_before_failure", [0, 1, 3])
+def test_tokens_that_arrive_with_a_failure_are_written_before_it_raises(
+    tokens_before_failure: int,
+) -> None:
+    """The engine may deliver a row's last tokens and its failure in one wake-up of the loop:
+    the client must still see those tokens, then the error."""
+    writer, job = writer_and_job()
+    for token in range(tokens_before_failure):
+        job.events.put_nowait(TokenEvent(token, f"t{token}", None))
+    job.events.put_nowait(Failure(APIError(500, "broke", code="sampling_failed")))
+
+    async def read() -> tuple[list[Piece], APIError]:
+        written: list[Piece] = []
+        with pytest.raises(APIError) as raised:
+            async for pieces in writer.read(job):
+                written.extend(pieces)
+        return written, raised.value
+
+    written, error = asyncio.run(read())
+    assert [text for text, _, _ in written] == [f"t{t}" for t in range(tokens_before_failure)]
+    assert error.code == "sampling_failed"
+    assert writer.completion_tokens == tokens_before_failure
