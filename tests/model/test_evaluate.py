@@ -26,13 +26,13 @@ import model.evaluate
 from model.checkpoint import data_section, save_checkpoint
 from model.corpus import Corpus, load_corpus
 from model.evaluate import EVAL_FILE
+from model.positional import TABLE_SCHEMES
 from model.tokenizer import count_characters, special_ids, train_tokenizer
 from model.transformer import Transformer
 from ordinal import eval_options
 from tests.model.conftest import tiny_config
 
 CONTEXT = tiny_config().context_length
-TABLE_SCHEMES = ("learned", "mds", "lowrank")
 UNBOUNDED_SCHEMES = ("rope", "alibi")
 SUPPORTED_FIELDS = {"window", "supported", "tokens", "loss", "bpc", "loss_by_position"}
 

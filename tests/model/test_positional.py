@@ -9,12 +9,15 @@ scaling, Mesh TensorFlow's T5 buckets, the ALiBi authors' slopes, Vaswani et al.
 
 from __future__ import annotations
 
+import ast
 import math
 import re
+from pathlib import Path
 
 import pytest
 import torch
 
+import model.positional
 from model.cache import KVCache
 from model.config import ConfigError
 from model.positional import (
@@ -296,6 +299,33 @@ def test_formula_schemes_accept_positions_past_max_positions(scheme: str) -> Non
     with torch.no_grad():
         logits = model(random_tokens(1, 100, seed=25))  # max_positions is 64
     assert torch.isfinite(logits).all()
+
+
+def runtime_imports(path: Path) -> set[str]:
+    """The modules ``path`` imports when it runs (``if TYPE_CHECKING:`` blocks left out)."""
+    tree = ast.parse(path.read_text())
+    typing_only = {
+        id(node)
+        for block in ast.walk(tree)
+        if isinstance(block, ast.If) and ast.unparse(block.test) == "TYPE_CHECKING"
+        for node in ast.walk(block)
+    }
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and id(node) not in typing_only:
+            names.add(node.module or "")
+        elif isinstance(node, ast.Import) and id(node) not in typing_only:
+            names.update(alias.name for alias in node.names)
+    return names
+
+
+def test_schemes_import_only_each_other_and_the_config_error() -> None:
+    # Pure tensor code, and no cycle with model.config (which imports the registry).
+    folder = Path(model.positional.__file__).parent
+    for path in sorted(folder.glob("*.py")):
+        ours = {name for name in runtime_imports(path) if name.split(".")[0] == "model"}
+        allowed = {name for name in ours if name.startswith("model.positional")}
+        assert ours - allowed <= {"model.errors"}, path.name
 
 
 # --------------------------------------------------------------------------------- every scheme
