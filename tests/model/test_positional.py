@@ -227,6 +227,18 @@ def test_alibi_bias_is_minus_slope_times_distance() -> None:
     torch.testing.assert_close(bias, -alibi_slopes(6).view(1, 6, 1, 1) * distance)
 
 
+@pytest.mark.parametrize("scheme", ["alibi", "t5"])
+def test_score_bias_depends_only_on_query_minus_key(scheme: str) -> None:
+    positional = random_model(scheme, seed=26).positional  # t5: a random bucket table
+    generator = torch.Generator().manual_seed(27)
+    queries = torch.randint(0, 300, (3, 9), generator=generator)
+    keys = torch.randint(0, 300, (40,), generator=generator)
+    for shift in torch.randint(1, 2000, (4,), generator=generator).tolist():
+        shifted = positional.attention_bias(queries + shift, keys + shift)
+        torch.testing.assert_close(shifted, positional.attention_bias(queries, keys))
+    assert positional.attention_bias(queries, keys).std() > 0  # the distance does matter
+
+
 @pytest.mark.parametrize(
     ("num_buckets", "max_distance"), [(32, 128), (8, 24), (16, 64), (10, 100), (2, 8), (64, 1000)]
 )
