@@ -6,7 +6,7 @@ checked by the scheme's own parameter dataclass (see ``model.positional``). ``Tr
 training recipe (optimiser, schedule, data order). ``PRESETS`` names whole recipes, litgpt's
 ``name_to_config``: ``shipped`` is what built the shipped checkpoints and what ``ordinal train``
 uses unless told otherwise; ``candidate`` is the recipe the short ablations kept; ``tiny`` runs
-in seconds (CI). Nothing here imports torch.
+in seconds (CI).
 """
 
 from __future__ import annotations
@@ -24,6 +24,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from model.errors import ConfigError
+from model.positional import scheme_params
+
 NORMS = ("layernorm", "rmsnorm")
 # gelu_tanh is GPT-2's tanh approximation of GELU (also several times faster on CPU); relu2 is
 # ReLU squared (Primer; modded-nanogpt).
@@ -37,10 +40,6 @@ OPTIMIZERS = ("adamw", "muon")
 SEQUENCE_STARTS = ("speech", "line")
 
 
-class ConfigError(ValueError):
-    """A config value is unknown, missing or inconsistent; the message names the field."""
-
-
 def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise ConfigError(f"{name} must be one of {list(choices)}, got {value!r}")
@@ -51,10 +50,10 @@ class ModelConfig:
     """Architecture of a decoder-only transformer.
 
     ``context_length`` is the length the model was trained on; ``max_positions`` is the hard cap
-    for schemes that keep a table of positions (learned, mds, lowrank). ``dtype`` is the dtype the
-    weights are stored in on disk (the run dtype is chosen at load time). ``qk_norm`` RMS-normalises
-    each head's queries and keys (with a learned gain per dimension) before the positional
-    rotation and the dot product.
+    for schemes that keep a table of positions (``PositionalScheme.is_table``). ``dtype`` is the
+    dtype the weights are stored in on disk (the run dtype is chosen at load time). ``qk_norm``
+    RMS-normalises each head's queries and keys (with a learned gain per dimension) before the
+    positional rotation and the dot product.
     """
 
     vocab_size: int = 2048
@@ -97,9 +96,6 @@ class ModelConfig:
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if not isinstance(self.positional, dict) or "scheme" not in self.positional:
             raise ConfigError('positional must be a dict with a "scheme" key')
-        # Imported here because the schemes import this module for the type.
-        from model.positional import scheme_params
-
         scheme_params(self)  # validates the scheme name and its parameters
 
     @property

@@ -1,10 +1,20 @@
 """``ordinal eval``: validation loss, bits per character and loss by position at 1×, 2×, 4×.
 
 Every validation token is scored exactly once, in back-to-back windows of m × context_length
-tokens that each start with <|bos|> (``model.data.ValidationStream``). Bits per character divide
-the total negative log-likelihood by ln 2 × the characters those tokens stand for, so models with
-different tokenizers compare fairly. A scheme whose table ends before a window does is reported
-as unsupported at that length, with the reason, rather than crashed.
+tokens that each start with <|bos|> at a speech, or where a speech longer than a window left
+off (``model.data.ValidationStream``). Bits per character divide the total negative
+log-likelihood by ln 2 × the characters those tokens stand for, so models with different
+tokenizers compare fairly. A scheme whose table ends before a window does is reported as
+unsupported at that length, with the reason, rather than crashed.
+
+Loss by position averages every position over the same windows. A scoring window holds whole
+speeches while they fit, so its room after the last one would be padding, and only the few
+windows filled nearly to the end would reach the last positions — mostly with a speech's final
+tokens and its <|eos|>, which are easy, so every curve fell over its last positions
+(checkpoints/README.md has the numbers). So the padding is replaced by the text that follows, as
+training sequences run on past a speech's end (``running_windows``): the model is causal, so no
+scored token's loss changes, and every window that does not run off the end of the stream has a
+target at every position.
 
 Nothing is written into a checkpoint unless asked (``--save``), and then eval.json is left
 byte-identical when it was made from the same weights and the new figures agree with it to
@@ -86,19 +96,50 @@ def score_windows(
             "reason": f"the '{model.config.scheme}' scheme has a table of {limit} positions; "
             f"a {window}-token window needs positions up to {window - 1}",
         }
-    inputs, targets = stream.windows(window)
-    losses = token_losses(model, inputs, targets, batch_size, progress)
-    scored = targets != IGNORE_INDEX
+    padded_inputs, targets = stream.windows(window)
+    inputs, running = running_windows(stream, padded_inputs, targets)
+    losses = token_losses(model, inputs, running, batch_size, progress)
+    scored = targets != IGNORE_INDEX  # each validation token once: the bpc
     total = float(losses[scored].sum())
-    per_position = losses.sum(0) / scored.sum(0).clamp(min=1)
+    full = (running != IGNORE_INDEX).all(dim=1)  # the windows behind every point of the curve
+    if not full.any():
+        raise ValueError(
+            f"the validation stream ({len(stream.tokens)} tokens) is shorter than one "
+            f"{window}-token window"
+        )
     return {
         "window": window,
         "supported": True,
         "tokens": int(scored.sum()),
         "loss": total / int(scored.sum()),
         "bpc": total / (math.log(2) * stream.characters),
-        "loss_by_position": [round(value, 4) for value in per_position.tolist()],
+        "position_windows": int(full.sum()),
+        "loss_by_position": [round(value, 4) for value in losses[full].mean(0).tolist()],
     }
+
+
+def running_windows(
+    stream: ValidationStream, inputs: torch.Tensor, targets: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``stream.windows`` with each window's padding replaced by the text that follows it →
+    inputs, targets [N, W]: row r is [bos] + the stream from its first scored token on, as a
+    training sequence runs on past the end of its speech.
+
+    The windows' scored tokens are back-to-back chunks of the stream, so row r starts at the
+    number of tokens the rows before it score. Past the end of the stream a row keeps its
+    padding (target IGNORE_INDEX): those rows are left out of the loss by position.
+    """
+    scored = targets != IGNORE_INDEX
+    counts = scored.sum(dim=1)
+    offsets = (counts.cumsum(0) - counts).unsqueeze(1) + torch.arange(targets.shape[1])  # [N, W]
+    inside = offsets < len(stream.tokens)
+    running = stream.tokens[offsets.clamp(max=len(stream.tokens) - 1)].masked_fill(
+        ~inside, IGNORE_INDEX
+    )
+    if not torch.equal(running[scored], targets[scored]):
+        raise ValueError("the scoring windows are not back-to-back chunks of the stream")
+    following = running[:, :-1].masked_fill(~inside[:, :-1], stream.special.pad)
+    return torch.cat([inputs[:, :1], following], dim=1), running
 
 
 def weights_digest(path: Path) -> str:
@@ -197,6 +238,8 @@ def saved_report(path: Path, multiples: list[int]) -> dict[str, Any] | None:
         report.get("results", {})
     ):
         return None
+    if any(r["supported"] and "position_windows" not in r for r in report["results"].values()):
+        return None  # its loss by position averaged each position over other windows
     report["results"] = {key: report["results"][key] for key in wanted}
     return report
 
@@ -237,7 +280,7 @@ def plot_loss_by_position(reports: list[dict[str, Any]], path: Path) -> None:
         axes.plot(
             range(len(curve)),
             smooth.tolist(),
-            label=report["scheme"],
+            label=f"{report['scheme']} ({longest['position_windows']} windows)",
             linewidth=1.4,
             color=palette[(2 * index + index // 10) % len(palette)],
             linestyle="--" if variant else "-",
@@ -247,7 +290,12 @@ def plot_loss_by_position(reports: list[dict[str, Any]], path: Path) -> None:
     axes.text(context, axes.get_ylim()[1], " training context", va="top", color="grey")
     axes.set_xlabel("position in window (tokens)")
     axes.set_ylabel("validation loss (nats/token, 9-token moving average)")
-    axes.set_title("Loss by position on the validation plays")
+    axes.set_title(
+        "Loss by position on the validation plays\n"
+        "every position averaged over the same windows (how many: legend), each starting at a "
+        "speech\nand running on past its end into the next, as training sequences do",
+        fontsize=10,
+    )
     axes.set_ylim(top=min(axes.get_ylim()[1], 8.0))
     axes.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=9)
     figure.tight_layout()

@@ -17,8 +17,7 @@ from torch import Tensor, nn
 from model.cache import CacheWrite, KVCache
 from model.config import ModelConfig
 from model.positional import build_scheme
-from model.positional.base import Rotation
-from model.positional.rope import apply_rotation
+from model.positional.rotation import Rotation, apply_rotation
 
 
 @dataclass(frozen=True)

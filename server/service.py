@@ -21,7 +21,6 @@ from tokenizers import Tokenizer
 
 from model.chat import ChatTemplate
 from model.checkpoint import CONFIG_FILE, load_checkpoint, with_positional
-from model.positional import TABLE_SCHEMES
 from model.tokenizer import special_ids, token_bytes
 from model.transformer import Transformer
 from server.engine import Engine
@@ -78,12 +77,12 @@ def check_settings(settings: Settings) -> None:
 def context_limit(model: Transformer, configured: int | None) -> int:
     """Most tokens (prompt + completion) one sequence of ``model`` may hold.
 
-    Default: max_positions for the table schemes (learned, mds, lowrank), else 4 ×
+    Default: max_positions for the table schemes (``PositionalScheme.is_table``), else 4 ×
     context_length. A configured value replaces the default but never passes a scheme's own
     cap (a table's rows, or 2**bits for binary).
     """
     config, cap = model.config, model.positional.max_positions
-    default = config.max_positions if config.scheme in TABLE_SCHEMES else 4 * config.context_length
+    default = config.max_positions if model.positional.is_table else 4 * config.context_length
     limit = configured or default
     return limit if cap is None else min(limit, cap)
 

@@ -38,8 +38,9 @@ LENGTH_TOLERANCE = 1e-6
 # 0.25–0.6 (rope is near the top of that range only with tiny heads, where its 1 rad/token
 # frequency dominates).
 SMOOTHNESS_LIMIT = 0.75
-# relative distance recoverable: dot products along every diagonal j − i = const vary (std) by at
-# most this fraction of the mean dot-product magnitude; float32 tables reach ~1e-7.
+# relative distance recoverable: what the scheme puts into the score of query i and key j (see
+# score_terms) varies along every diagonal i − j = const (std) by at most this fraction of its
+# mean magnitude; float32 tables and rotations reach ~1e-7.
 RELATIVE_TOLERANCE = 1e-4
 # The largest position probed when looking for a scheme's limit.
 PROBE_CEILING = 2**20
@@ -54,7 +55,8 @@ class RequirementRow:
     length_drift: max |PE_n(p) − PE_2n(p)| / max |PE| over p < n (the same position computed in
         sequences of length n and 2n).
     smoothness: max_p ‖PE(p+1) − PE(p)‖ / median pairwise distance.
-    relative_error: max over diagonals of std(PE_i·PE_j) / mean |PE_i·PE_j|.
+    relative_error: max over diagonals i − j = const of the spread of each score term (std / mean
+        magnitude; see score_terms), 0 when every way the scheme acts sees i − j alone.
     position_limit: the first position the scheme refuses (None: none up to PROBE_CEILING).
     """
 
@@ -151,18 +153,61 @@ def smoothness(vectors: Tensor) -> float:
     return float(steps.max() / median) if median > 0 else math.nan
 
 
-def relative_error(vectors: Tensor) -> float:
-    """max over offsets k of std_i(PE_i·PE_{i+k}) / mean |PE_i·PE_j|.  vectors: [n, w], n >= 3.
+def score_terms(scheme: PositionalScheme, n_positions: int, seed: int = 0) -> list[Tensor]:
+    """What the scheme adds to the attention score of query i and key j, for i, j in 0..n−1, one
+    term per way it acts → each [heads, n, n] float64 (an empty list for ``none``):
 
-    0 when every dot product depends on the offset alone (position differences recoverable).
+    - added vector: PE_i·PE_j (one "head"). It depends on i − j alone exactly when one
+      orthogonal shift map M_k takes every PE(p) to PE(p + k), as sinusoidal's rotations do
+      (equal Gram diagonals make p ↦ p + k an isometry). A merely linear M_k would prove
+      nothing: n ≤ d independent vectors (any random table) always admit one.
+    - rotation: R(i)q · R(j)k for a fixed random q and k per head (``seed``); for rope this is
+      q · R(j − i)k, a function of i − j.
+    - score bias: the bias itself (alibi and t5 build it from i − j).
     """
-    gram = (vectors @ vectors.T).numpy()
-    scale = np.abs(gram).mean()
+    positions = torch.arange(n_positions).unsqueeze(0)
+    terms = []
+    with torch.no_grad():
+        embedding = scheme.embedding(positions)
+        if embedding is not None:
+            vectors = embedding[0].double()
+            terms.append((vectors @ vectors.T).unsqueeze(0))
+        if scheme.rotation(positions) is not None:
+            config = scheme.config
+            generator = torch.Generator().manual_seed(seed)
+            q, k = torch.randn(2, 1, config.n_heads, 1, config.head_dim, generator=generator)
+            shape = (1, config.n_heads, n_positions, config.head_dim)
+            rotated_q = scheme.rotate(q.expand(shape), positions)[0].double()
+            rotated_k = scheme.rotate(k.expand(shape), positions)[0].double()
+            terms.append(rotated_q @ rotated_k.transpose(1, 2))
+        bias = scheme.attention_bias(positions, positions[0])
+        if bias is not None:
+            terms.append(bias[0].double())
+    return [term.cpu() for term in terms]
+
+
+def diagonal_spread(term: Tensor) -> float:
+    """max over offsets d ≥ 0 and heads of std_i term[h, i + d, i], over the mean |term| of the
+    pairs a causal model scores (query at or after key). term: [heads, n, n]; NaN if all 0."""
+    matrices = term.numpy()
+    rows, columns = np.tril_indices(matrices.shape[-1])
+    scale = np.abs(matrices[:, rows, columns]).mean()
     if scale == 0:
         return math.nan
-    n = len(gram)
-    spread = max(np.diagonal(gram, offset=k).std() for k in range(n - 1))
+    spread = max(
+        np.diagonal(matrices, offset=-offset, axis1=1, axis2=2).std(axis=-1).max()
+        for offset in range(matrices.shape[-1])
+    )
     return float(spread / scale)
+
+
+def relative_error(scheme: PositionalScheme, n_positions: int) -> float:
+    """The largest diagonal spread of the scheme's score terms over positions 0..n−1: 0 when
+    every way it acts sees only i − j (relative distance recoverable), NaN when it adds nothing
+    to any score."""
+    spreads = [diagonal_spread(term) for term in score_terms(scheme, n_positions)]
+    measured = [spread for spread in spreads if not math.isnan(spread)]
+    return max(measured) if measured else math.nan
 
 
 def measure_requirements(scheme: PositionalScheme, n_positions: int) -> RequirementRow:
@@ -175,7 +220,7 @@ def measure_requirements(scheme: PositionalScheme, n_positions: int) -> Requirem
     widest = float(pairwise_distances(vectors).max())
     drift = length_drift(scheme, n_positions)
     smooth_ratio = smoothness(vectors)
-    relative = relative_error(vectors)
+    relative = relative_error(scheme, n_positions)
     limit = first_refused_position(scheme)
     return RequirementRow(
         scheme=scheme.name,

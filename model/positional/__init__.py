@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
+from model.errors import ConfigError
 from model.positional.alibi import AlibiPositions
 from model.positional.base import PositionalScheme, PositionOutOfRange, positions_table
 from model.positional.binary import BinaryPositions
@@ -41,14 +42,12 @@ SCHEMES: dict[str, type[PositionalScheme]] = {
     )
 }
 
-# Schemes whose positions are a table with a hard cap at max_positions.
-TABLE_SCHEMES = ("learned", "mds", "lowrank")
+# Schemes whose positions are a table with a hard cap at max_positions (each says so itself).
+TABLE_SCHEMES = tuple(name for name, scheme in SCHEMES.items() if scheme.is_table)
 
 
 def scheme_params(config: ModelConfig) -> Any:
     """Validate ``config.positional`` and return the scheme's parameter dataclass."""
-    from model.config import ConfigError
-
     settings = dict(config.positional)
     name = settings.pop("scheme")
     if name not in SCHEMES:
@@ -71,8 +70,6 @@ def build_scheme(config: ModelConfig) -> PositionalScheme:
     try:
         return SCHEMES[config.scheme](config, scheme_params(config))
     except ValueError as error:
-        from model.config import ConfigError
-
         if isinstance(error, ConfigError):
             raise
         raise ConfigError(f"positional ({config.scheme}): {error}") from None

@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import Tensor, nn
 
+from model.positional.rotation import Rotation, apply_rotation
+
 if TYPE_CHECKING:
     from model.config import ModelConfig
 
@@ -32,21 +34,23 @@ class NoParams:
     """Schemes without parameters accept no keys beyond "scheme"."""
 
 
-Rotation = tuple[Tensor, Tensor]  # (cos, sin), each [..., T, rotary_dim]
-
-
 class PositionalScheme(nn.Module):
-    """Base class and registry interface. Subclasses set ``name`` and, if any, ``Params``."""
+    """Base class and registry interface. Subclasses set ``name`` and, if any, ``Params``, and
+    ``is_table`` when their positions are the rows of a table of ``config.max_positions``."""
 
     name: ClassVar[str] = ""
     Params: ClassVar[type] = NoParams
+    # True: one stored row per position, so positions stop at config.max_positions;
+    # False: a formula, computed for any position.
+    is_table: ClassVar[bool] = False
 
     def __init__(self, config: ModelConfig, params: Any) -> None:
         super().__init__()
         self.config = config
         self.params = params
-        # None = formula-based, any position is fine; an int = positions must stay below it.
-        self.max_positions: int | None = None
+        # None = any position is fine; an int = positions must stay below it (a table's rows,
+        # or a formula's own limit, such as binary's 2**bits).
+        self.max_positions: int | None = config.max_positions if self.is_table else None
 
     def embedding(self, positions: Tensor) -> Tensor | None:
         """Additive vectors for ``positions`` [B, T] (long) → [B, T, d_model], or None."""
@@ -65,8 +69,6 @@ class PositionalScheme(nn.Module):
         rotation = self.rotation(positions)
         if rotation is None:
             return x
-        from model.positional.rope import apply_rotation
-
         return apply_rotation(x, *rotation)
 
     def check_positions(self, positions: Tensor) -> None:

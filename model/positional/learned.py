@@ -8,10 +8,10 @@ from model.positional.base import PositionalScheme
 
 class LearnedPositions(PositionalScheme):
     name = "learned"
+    is_table = True
 
     def __init__(self, config, params) -> None:
         super().__init__(config, params)
-        self.max_positions = config.max_positions
         self.table = nn.Parameter(torch.randn(config.max_positions, config.d_model) * 0.02)
 
     def embedding(self, positions: Tensor) -> Tensor:

@@ -24,11 +24,11 @@ class LowRankParams:
 
 class LowRankPositions(PositionalScheme):
     name = "lowrank"
+    is_table = True
     Params = LowRankParams
 
     def __init__(self, config, params: LowRankParams) -> None:
         super().__init__(config, params)
-        self.max_positions = config.max_positions
         # Scaled so each entry of A·Bᵀ starts near N(0, 0.02²), like a learned table.
         self.position_factor = nn.Parameter(torch.randn(config.max_positions, params.rank))
         self.model_factor = nn.Parameter(

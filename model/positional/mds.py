@@ -27,6 +27,7 @@ class MdsParams:
 
 class MdsPositions(PositionalScheme):
     name = "mds"
+    is_table = True
     Params = MdsParams
 
     def __init__(self, config, params: MdsParams) -> None:
@@ -35,7 +36,6 @@ class MdsPositions(PositionalScheme):
             raise ValueError(
                 f"positional.rank ({params.rank}) must be ≤ d_model ({config.d_model})"
             )
-        self.max_positions = config.max_positions
         # Placeholder until training fills in P_MDS of the corpus (any fixed matrix is valid).
         self.register_buffer("coordinates", torch.randn(config.max_positions, params.rank) * 0.02)
 

@@ -26,7 +26,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from model.positional.base import PositionalScheme, Rotation
+from model.positional.base import PositionalScheme
+from model.positional.rotation import Rotation, apply_rotation
 from model.positional.sinusoidal import position_angles
 
 SCALINGS = (None, "linear", "ntk", "dynamic", "yarn")
@@ -104,19 +105,6 @@ def yarn_inverse_frequencies(
 def yarn_attention_factor(factor: float) -> float:
     """YaRN's attention temperature 0.1·ln s + 1 (1 for s ≤ 1), applied to cos and sin."""
     return 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
-
-
-def apply_rotation(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate the first ``cos.shape[-1]`` dims of ``x`` [..., T, head_dim]; the rest pass through.
-
-    ``cos``/``sin`` [..., T, rot] broadcast against ``x``'s leading dims.
-    """
-    rotary_dim = cos.shape[-1]
-    rotated, passed = x[..., :rotary_dim], x[..., rotary_dim:]
-    first, second = rotated.chunk(2, dim=-1)
-    rotated_half = torch.cat((-second, first), dim=-1)
-    out = rotated * cos.to(x.dtype) + rotated_half * sin.to(x.dtype)
-    return torch.cat((out, passed), dim=-1) if passed.shape[-1] else out
 
 
 def apply_rope(x: Tensor, positions: Tensor, base: float = 10000.0) -> Tensor:

@@ -25,16 +25,25 @@ from tokenizers import Tokenizer
 import model.evaluate
 from model.checkpoint import data_section, save_checkpoint
 from model.corpus import Corpus, load_corpus
-from model.evaluate import EVAL_FILE
+from model.data import IGNORE_INDEX, validation_stream
+from model.evaluate import EVAL_FILE, running_windows, token_losses
+from model.positional import TABLE_SCHEMES
 from model.tokenizer import count_characters, special_ids, train_tokenizer
 from model.transformer import Transformer
 from ordinal import eval_options
 from tests.model.conftest import tiny_config
 
 CONTEXT = tiny_config().context_length
-TABLE_SCHEMES = ("learned", "mds", "lowrank")
 UNBOUNDED_SCHEMES = ("rope", "alibi")
-SUPPORTED_FIELDS = {"window", "supported", "tokens", "loss", "bpc", "loss_by_position"}
+SUPPORTED_FIELDS = {
+    "window",
+    "supported",
+    "tokens",
+    "loss",
+    "bpc",
+    "position_windows",
+    "loss_by_position",
+}
 
 
 @pytest.fixture(scope="module")
@@ -105,6 +114,56 @@ def test_eval_json_carries_every_field(
                 assert set(result) == {"window", "supported", "reason"}
         one = on_disk["results"]["1x"]
         assert (on_disk["loss"], on_disk["bpc"]) == (one["loss"], one["bpc"])
+
+
+@pytest.mark.parametrize("multiple", [1, 4])
+def test_running_windows_run_on_past_the_last_speech_as_training_sequences_do(
+    tokenizer: Tokenizer, validation: tuple[str, ...], multiple: int
+) -> None:
+    stream = validation_stream(tokenizer, validation)
+    window = multiple * CONTEXT
+    padded_inputs, targets = stream.windows(window)
+    inputs, running = running_windows(stream, padded_inputs, targets)
+    scored = targets != IGNORE_INDEX
+    assert torch.equal(running[scored], targets[scored])  # the same tokens scored, in place
+    starts, offset, full = set(stream.starts.tolist()), 0, 0
+    for row in range(len(targets)):
+        # each window begins at a speech, or where a speech longer than a window left off ...
+        assert offset in starts or int(scored[row - 1].sum()) == window
+        expected = stream.tokens[offset : offset + window]  # ... and runs on from there
+        assert torch.equal(running[row, : len(expected)], expected)
+        assert (running[row, len(expected) :] == IGNORE_INDEX).all()  # only past the stream's end
+        assert inputs[row, 0] == stream.special.bos
+        assert torch.equal(inputs[row, 1 : len(expected)], expected[:-1])
+        full += len(expected) == window
+        offset += int(scored[row].sum())
+    assert offset == len(stream.tokens)
+    # Two consecutive windows score more than a window's worth (the speech that did not fit
+    # opens the next), so at most the last two start too near the end to run a full window.
+    assert full >= len(targets) - 2
+    assert (padded_inputs != inputs).any() and (~scored).any()  # there was padding to replace
+
+
+def test_running_on_changes_no_scored_loss_and_fills_every_position(
+    evaluated: tuple[list[dict[str, Any]], Path], tokenizer: Tokenizer, validation: tuple[str, ...]
+) -> None:
+    torch.manual_seed(3)
+    causal = Transformer(tiny_config("alibi")).eval()
+    stream = validation_stream(tokenizer, validation)
+    padded_inputs, targets = stream.windows(2 * CONTEXT)
+    inputs, running = running_windows(stream, padded_inputs, targets)
+    scored = targets != IGNORE_INDEX
+    padded = token_losses(causal, padded_inputs, targets)
+    torch.testing.assert_close(token_losses(causal, inputs, running)[scored], padded[scored])
+    # each report's loss by position: every position over the same windows, all the full ones
+    reports, _ = evaluated
+    for report in reports:
+        for result in report["results"].values():
+            if result["supported"]:
+                _, targets = stream.windows(result["window"])
+                starts = (targets != IGNORE_INDEX).sum(1).cumsum(0)[:-1]
+                full = 1 + int((starts + result["window"] <= len(stream.tokens)).sum())
+                assert result["position_windows"] == full
 
 
 def test_bits_per_character_divide_by_characters_not_tokens(
@@ -229,6 +288,17 @@ def test_reuse_checks_the_weights_hash_not_file_times(
     assert calls == [one_checkpoint, one_checkpoint]
     assert second["weights_sha256"] != first["weights_sha256"]
     assert second["results"]["1x"]["loss"] != first["results"]["1x"]["loss"]
+
+
+def test_reuse_rescores_an_eval_json_whose_curve_predates_the_running_windows(
+    one_checkpoint: Path,
+) -> None:
+    model.evaluate.run(eval_args(str(one_checkpoint), "--multiples", "1", "--save"))
+    assert model.evaluate.saved_report(one_checkpoint, [1]) is not None
+    report = json.loads((one_checkpoint / EVAL_FILE).read_text())
+    del report["results"]["1x"]["position_windows"]  # as eval.json files made before it
+    (one_checkpoint / EVAL_FILE).write_text(json.dumps(report))
+    assert model.evaluate.saved_report(one_checkpoint, [1]) is None
 
 
 def test_lengths_up_to_8x_and_rope_variants_on_the_same_weights(one_checkpoint: Path) -> None:

@@ -329,12 +329,46 @@ def test_binary_is_not_smooth(requirements: dict[str, RequirementRow]) -> None:
         assert requirements[name].smooth is True, name
 
 
-def test_sinusoidal_recovers_relative_distance(requirements: dict[str, RequirementRow]) -> None:
-    for name in ("sinusoidal", "rope"):
+def test_relative_distance_is_recovered_by_each_relative_way_of_acting(
+    requirements: dict[str, RequirementRow],
+) -> None:
+    # a shift map (sinusoidal's M_k), a rotation (rope) and a bias of i − j (alibi, t5)
+    for name in ("sinusoidal", "rope", "alibi", "t5"):
         assert requirements[name].relative_recoverable is True, name
         assert requirements[name].relative_error < 1e-6, name
-    for name in ("integer", "binary", "learned", "lowrank"):
+    for name in ("integer", "binary", "learned", "mds", "lowrank"):
         assert requirements[name].relative_recoverable is False, name
+    assert requirements["none"].relative_recoverable is None  # nothing reaches the scores
+
+
+class AbsoluteBias(PositionalScheme):
+    """A score bias of i · j: a bias, but of the absolute positions."""
+
+    name = "absolute-bias"
+
+    def attention_bias(self, q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor:
+        product = (q_positions.unsqueeze(-1) * k_positions).float() * 1e-3  # [B, Tq, Tk]
+        return product.unsqueeze(1).expand(-1, self.config.n_heads, -1, -1)
+
+
+class QuadraticRotation(PositionalScheme):
+    """Rope's rotation with angles p²/100: a rotation, but not by an angle linear in p."""
+
+    name = "quadratic-rotation"
+
+    def rotation(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        angles = (positions.double() ** 2 / 100).unsqueeze(-1)  # [B, T, 1]
+        angles = angles.expand(*positions.shape, self.config.head_dim).unsqueeze(1)
+        return angles.cos().float(), angles.sin().float()  # [B, 1, T, head_dim]
+
+
+@pytest.mark.parametrize("scheme", [AbsoluteBias, QuadraticRotation])
+def test_relative_distance_is_refused_to_absolute_biases_and_rotations(
+    scheme: type[PositionalScheme],
+) -> None:
+    row = measure_requirements(scheme(SMALL, None), SMALL.context_length)
+    assert row.relative_recoverable is False
+    assert row.relative_error > 0.1
 
 
 def test_tables_cannot_go_past_max_positions(requirements: dict[str, RequirementRow]) -> None:

@@ -9,12 +9,15 @@ scaling, Mesh TensorFlow's T5 buckets, the ALiBi authors' slopes, Vaswani et al.
 
 from __future__ import annotations
 
+import ast
 import math
 import re
+from pathlib import Path
 
 import pytest
 import torch
 
+import model.positional
 from model.cache import KVCache
 from model.config import ConfigError
 from model.positional import (
@@ -224,6 +227,18 @@ def test_alibi_bias_is_minus_slope_times_distance() -> None:
     torch.testing.assert_close(bias, -alibi_slopes(6).view(1, 6, 1, 1) * distance)
 
 
+@pytest.mark.parametrize("scheme", ["alibi", "t5"])
+def test_score_bias_depends_only_on_query_minus_key(scheme: str) -> None:
+    positional = random_model(scheme, seed=26).positional  # t5: a random bucket table
+    generator = torch.Generator().manual_seed(27)
+    queries = torch.randint(0, 300, (3, 9), generator=generator)
+    keys = torch.randint(0, 300, (40,), generator=generator)
+    for shift in torch.randint(1, 2000, (4,), generator=generator).tolist():
+        shifted = positional.attention_bias(queries + shift, keys + shift)
+        torch.testing.assert_close(shifted, positional.attention_bias(queries, keys))
+    assert positional.attention_bias(queries, keys).std() > 0  # the distance does matter
+
+
 @pytest.mark.parametrize(
     ("num_buckets", "max_distance"), [(32, 128), (8, 24), (16, 64), (10, 100), (2, 8), (64, 1000)]
 )
@@ -296,6 +311,33 @@ def test_formula_schemes_accept_positions_past_max_positions(scheme: str) -> Non
     with torch.no_grad():
         logits = model(random_tokens(1, 100, seed=25))  # max_positions is 64
     assert torch.isfinite(logits).all()
+
+
+def runtime_imports(path: Path) -> set[str]:
+    """The modules ``path`` imports when it runs (``if TYPE_CHECKING:`` blocks left out)."""
+    tree = ast.parse(path.read_text())
+    typing_only = {
+        id(node)
+        for block in ast.walk(tree)
+        if isinstance(block, ast.If) and ast.unparse(block.test) == "TYPE_CHECKING"
+        for node in ast.walk(block)
+    }
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and id(node) not in typing_only:
+            names.add(node.module or "")
+        elif isinstance(node, ast.Import) and id(node) not in typing_only:
+            names.update(alias.name for alias in node.names)
+    return names
+
+
+def test_schemes_import_only_each_other_and_the_config_error() -> None:
+    # Pure tensor code, and no cycle with model.config (which imports the registry).
+    folder = Path(model.positional.__file__).parent
+    for path in sorted(folder.glob("*.py")):
+        ours = {name for name in runtime_imports(path) if name.split(".")[0] == "model"}
+        allowed = {name for name in ours if name.startswith("model.positional")}
+        assert ours - allowed <= {"model.errors"}, path.name
 
 
 # --------------------------------------------------------------------------------- every scheme
