@@ -100,7 +100,10 @@ def render(out: Path) -> str:
     """The whole page, from the results in ``out`` and its discussion.md."""
     found = summaries(out)
     discussion = out / DISCUSSION_FILE
-    written = discussion.read_text().strip() if discussion.exists() else _NO_DISCUSSION
+    if discussion.exists():
+        written = discussion.read_text().strip()
+    else:
+        written = _NO_DISCUSSION.format(discussion=discussion)
     sections = [
         _introduction(out, found),
         _task_table(found),
@@ -108,14 +111,14 @@ def render(out: Path) -> str:
         _figures(out, found),
         _past_l_table(found),
         _claims_table(found),
-        "## What the results say\n\n" + written.replace("{OUT}", str(out)),
+        "## What the results say\n\n" + written,
     ]
     return "\n\n".join(sections) + "\n"
 
 
 _NO_DISCUSSION = (
     "*Not written yet: put what the results say about each scheme, and how they compare with "
-    "the ALiBi, NoPE, CoPE and FIRE papers, in `{OUT}/discussion.md`, then rerun "
+    "the ALiBi, NoPE, CoPE and FIRE papers, in `{discussion}`, then rerun "
     "`ordinal tasks --reuse` (nothing is retrained) to include it here.*"
 )
 
@@ -186,8 +189,7 @@ def _introduction(out: Path, found: list[Summary]) -> str:
         "longer tests therefore run, and put to the test the seeds' claim that a table cannot "
         "serve past its last trained row, instead of refusing.",
         f"- **Time**: {minutes:.1f} minutes of training and testing, summed over the results "
-        "(the workers of `--jobs` run side by side: the run itself takes about that divided "
-        "by their number).",
+        "(the workers of `--jobs` run side by side, so the run itself took less).",
     ]
     return "\n".join(lines)
 
