@@ -1,4 +1,4 @@
-"""The ``ordinal`` command: serve, train, eval and geometry.
+"""The ``ordinal`` command: serve, train, eval, geometry and tasks.
 
 This module only dispatches. It sits outside both import packages because it reaches into both
 (``serve`` runs ``server.app``; ``train``, ``eval`` and ``geometry`` run ``model`` code), and
@@ -75,6 +75,9 @@ MODEL_SIZE_DEFAULTS: dict[str, int] = {
 # The choices of TrainConfig's string fields (model.config.OPTIMIZERS, SEQUENCE_STARTS).
 TRAIN_CHOICES = {"optimizer": ("adamw", "muon"), "sequence_starts": ("speech", "line")}
 EVAL_MULTIPLES = (1, 2, 4)  # model.evaluate.MULTIPLES
+# model.tasks.TASKS, in its order, and model.tasks.suite's defaults.
+TASKS = ("recall", "copy", "counting", "flipflop")
+TASK_DEFAULTS: dict[str, Any] = {"seeds": 3, "jobs": 2, "out": Path("docs/tasks")}
 
 
 class HelpFormatter(argparse.HelpFormatter):
@@ -283,6 +286,42 @@ def geometry_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def tasks_options(parser: argparse.ArgumentParser) -> None:
+    """Options of ``ordinal tasks`` (``model.tasks.suite.run``)."""
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="a tiny budget (a one-layer model, a few steps): the whole pipeline in seconds",
+    )
+    parser.add_argument("--schemes", metavar="SCHEME,...", help="default all: " + ",".join(SCHEMES))
+    parser.add_argument("--tasks", metavar="TASK,...", help="default all: " + ",".join(TASKS))
+    parser.add_argument(
+        "--seeds",
+        type=int,
+        default=TASK_DEFAULTS["seeds"],
+        metavar="N",
+        help="seeds 0..N-1 per scheme and task (mean ± spread over them)",
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=TASK_DEFAULTS["out"],
+        help="folder of the results (TASK-SCHEME.json) and plots; the page goes beside it, OUT.md",
+    )
+    parser.add_argument(
+        "--reuse",
+        action="store_true",
+        help="skip each (scheme, task) whose result in OUT has the same settings and seeds",
+    )
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=TASK_DEFAULTS["jobs"],
+        metavar="N",
+        help="worker processes, one thread each",
+    )
+
+
 @dataclass(frozen=True)
 class Command:
     """A subcommand: its one-line help, its options, and what runs it (imported on use)."""
@@ -312,6 +351,11 @@ COMMANDS: dict[str, Command] = {
         "positional geometry report of a corpus and schemes",
         geometry_options,
         "model.geometry.report:run",
+    ),
+    "tasks": Command(
+        "train and test every scheme on synthetic tasks at 1x, 2x, 4x the trained length",
+        tasks_options,
+        "model.tasks.suite:run",
     ),
 }
 

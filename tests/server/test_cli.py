@@ -19,6 +19,7 @@ from typing import NoReturn
 import pytest
 
 import model.evaluate
+import model.tasks
 import model.train
 import ordinal
 import server.app
@@ -26,6 +27,7 @@ from model.checkpoint import DTYPES
 from model.geometry import report as geometry_report
 from model.geometry.report import REPORT_FILE
 from model.positional import SCHEMES
+from model.tasks import suite as tasks_suite
 from ordinal import COMMANDS, build_parser, main
 from server.settings import Settings
 
@@ -154,6 +156,7 @@ def test_help_loads_nothing_heavy_and_takes_under_a_second(command: str) -> None
         ("train", ["--device {auto,cpu,cuda}", "--storage-dtype {float32,bfloat16,float16}"]),
         ("eval", ["--device {auto,cpu,cuda}", "(default: 1 2 4)"]),
         ("geometry", ["--corpus {synthetic,shakespeare}", "(default: synthetic)"]),
+        ("tasks", ["--seeds N", "(default: 3)", "(default: docs/tasks)", "recall,copy"]),
     ],
 )
 def test_help_shows_choices_and_defaults(
@@ -176,6 +179,9 @@ def test_the_help_states_the_codes_own_defaults() -> None:
     assert ordinal.CORPORA == geometry_report.CORPORA
     assert ordinal.EVAL_MULTIPLES == model.evaluate.MULTIPLES
     assert tuple(DTYPES) == ordinal.DTYPES
+    assert tuple(model.tasks.TASKS) == ordinal.TASKS
+    suite = {"seeds": tasks_suite.DEFAULT_SEEDS, "jobs": tasks_suite.DEFAULT_JOBS}
+    assert {**suite, "out": tasks_suite.DEFAULT_OUT} == ordinal.TASK_DEFAULTS
     assert typing.get_args(Settings.model_fields["device"].annotation) == ordinal.DEVICES
 
 

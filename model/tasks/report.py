@@ -1,0 +1,307 @@
+"""docs/tasks.md and one plot per task, generated from the result files alone.
+
+``render(out)`` is a pure function of the files in ``out``: the results (``TASK-SCHEME.json``)
+and the hand-written ``discussion.md`` (what a person concluded after reading the results, and
+the comparison with the papers), which is included verbatim so that regenerating the page never
+loses it. ``write_report(out)`` writes the page to ``out`` + ``.md`` and the plots into
+``out``. A test checks that the committed page is what ``render`` makes of the committed
+results.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from matplotlib.figure import Figure
+
+from model.config import write_atomic, write_text_atomic
+from model.tasks import TASKS, TaskError
+from model.tasks.claims import CLAIMS, FAILS, HOLDS, LEARNED, overall, past_l_retention
+from model.tasks.results import Summary, format_mean, load_results
+from model.tasks.training import suite_name
+
+DISCUSSION_FILE = "discussion.md"
+FULL_RUN = "ordinal tasks"
+DEFAULT_OUT = Path("docs/tasks")
+DEFAULT_SEEDS = 3
+
+
+def summaries(out: Path) -> list[Summary]:
+    """Every result in ``out``, summarised; they must share their settings."""
+    results = load_results(out)
+    if not results:
+        raise TaskError(f"no results in {out}: run `ordinal tasks --out {out}` first")
+    settings = results[0]["settings"]
+    for result in results:
+        if result["settings"] != settings:
+            raise TaskError(
+                f"{out} holds results made with different settings ({result['task']} "
+                f"{result['scheme']} differs from {results[0]['task']} {results[0]['scheme']}): "
+                "rerun them with --reuse, or remove the stale ones"
+            )
+    return [Summary.of(result) for result in results]
+
+
+def write_report(out: Path) -> dict[str, Any]:
+    """Write the page (``out`` + ``.md``) and ``out/TASK.png`` for every task with results;
+    returns {"results": [Summary], "markdown": str, "figures": [names]}."""
+    found = summaries(out)
+    figures = []
+    for name in _tasks(found):
+        figure = plot_task([s for s in found if s.task == name])
+        path = out / f"{name}.png"
+        write_atomic(path, lambda staging, f=figure: f.savefig(staging, format="png", dpi=100))
+        figures.append(path.name)
+    markdown = render(out)
+    write_text_atomic(out.with_suffix(".md"), markdown)
+    return {"results": found, "markdown": markdown, "figures": figures}
+
+
+def _tasks(found: list[Summary]) -> list[str]:
+    return [name for name in TASKS if any(s.task == name for s in found)]
+
+
+def _schemes(found: list[Summary]) -> list[str]:
+    return list(dict.fromkeys(s.scheme for s in found))
+
+
+def plot_task(found: list[Summary]) -> Figure:
+    """Accuracy against test length, one line per scheme, error bars = spread over seeds."""
+    figure = Figure(layout="constrained", figsize=(7.5, 4.5))
+    axes = figure.subplots()
+    length = found[0].length
+    for summary in found:
+        tests = sorted(summary.accuracy)
+        axes.errorbar(
+            tests,
+            [summary.mean(t) for t in tests],
+            yerr=[summary.spread(t) for t in tests],
+            marker="o",
+            capsize=3,
+            label=summary.scheme,
+        )
+    axes.axhline(found[0].chance, color="grey", linestyle="--", label="chance")
+    axes.axvline(length, color="grey", linestyle=":", label="trained length L")
+    axes.set_xscale("log", base=2)
+    tests = sorted(found[0].accuracy)
+    axes.set_xticks(tests, [f"{t} ({t // length}L)" for t in tests])
+    axes.set(
+        title=f"{found[0].task}: {TASKS[found[0].task].summary}",
+        xlabel="test length (tokens)",
+        ylabel="accuracy on the answers",
+        ylim=(0, 1.02),
+    )
+    axes.legend(loc="center left", bbox_to_anchor=(1, 0.5), fontsize="small")
+    return figure
+
+
+def render(out: Path) -> str:
+    """The whole page, from the results in ``out`` and its discussion.md."""
+    found = summaries(out)
+    discussion = out / DISCUSSION_FILE
+    if discussion.exists():
+        written = discussion.read_text().strip()
+    else:
+        written = _NO_DISCUSSION.format(discussion=discussion)
+    sections = [
+        _introduction(out, found),
+        _task_table(found),
+        _accuracy_table(found),
+        _figures(out, found),
+        _past_l_table(found),
+        _claims_table(found),
+        "## What the results say\n\n" + written,
+    ]
+    return "\n\n".join(sections) + "\n"
+
+
+_NO_DISCUSSION = (
+    "*Not written yet: put what the results say about each scheme, and how they compare with "
+    "the ALiBi, NoPE, CoPE and FIRE papers, in `{discussion}`, then rerun "
+    "`ordinal tasks --reuse` (nothing is retrained) to include it here.*"
+)
+
+
+_NORM_NOTE = {
+    "rmsnorm": " (not LayerNorm: it subtracts each vector's mean, which removes integer's "
+    "p·(1, …, 1) exactly and would make integer the same model as none)"
+}
+
+
+def command(out: Path, settings: dict[str, Any]) -> str:
+    """The ``ordinal tasks`` command line that makes results with ``settings`` into ``out``."""
+    words = [FULL_RUN]
+    if suite_name(settings) == "quick":
+        words.append("--quick")
+    if settings["seeds"] != DEFAULT_SEEDS:
+        words.append(f"--seeds {settings['seeds']}")
+    if out != DEFAULT_OUT:
+        words.append(f"--out {out}")
+    return " ".join(words)
+
+
+def _introduction(out: Path, found: list[Summary]) -> str:
+    settings = found[0].result["settings"]
+    model, train = settings["model"], settings["train"]
+    length, seeds = settings["length"], settings["seeds"]
+    tests = ", ".join(f"{m}L = {m * length}" for m in settings["multiples"])
+    positional = "; ".join(
+        f"{scheme}: " + ", ".join(f"{key} {value}" for key, value in params.items())
+        for scheme, params in settings["positional"].items()
+    )
+    minutes = sum(s.result["wall_seconds"] for s in found) / 60
+    run = command(out, settings)
+    lines = [
+        "# Length generalisation on tasks where position matters",
+        "",
+        f"<!-- Generated by `ordinal tasks` (model/tasks/report.py) from {out}/*.json and "
+        f"{out}/{DISCUSSION_FILE}: edit those and rerun with --reuse, not this page. -->",
+        "",
+        "One tiny model per scheme, task and seed (the same size, data and budget for all ten "
+        "schemes; only the positional encoding differs), trained on sequences of "
+        f"L = {length} tokens and tested on new sequences of {tests} tokens. These are the "
+        f"results of the {suite_name(settings) or 'custom'} run ({len(found)} (scheme, task) "
+        f"results × {seeds} seeds), made and remade by:",
+        "",
+        "```sh",
+        f"{run}            # trains and tests everything, then writes this page and the plots",
+        f"{run} --reuse    # retrains only what is missing or was made with other settings",
+        "```",
+        "",
+        f"- **Model**: {_plural(model['n_layers'], 'layer')}, d_model {model['d_model']}, "
+        f"{_plural(model['n_heads'], 'head')}, d_ff {model['d_ff']}, {model['norm']}"
+        f"{_NORM_NOTE.get(model['norm'], '')}, dropout {model['dropout']}. The schemes' own "
+        f"parameters are the shipped checkpoints' ({positional}).",
+        f"- **Training**: {train['steps']} steps of {train['batch_size']} fresh sequences of "
+        f"length L, with `ordinal train`'s AdamW, warmup ({train['warmup_steps']} steps) and "
+        f"cosine decay (peak {train['lr']}, floor {train['min_lr']}); the loss counts the answer "
+        f"tokens only. Seed s = 0..{seeds - 1} sets the initial weights and the training "
+        f"sequences; the {settings['test_sequences']} test sequences of each length are the "
+        "same for every scheme and seed.",
+        "- **Accuracy**: exact match of the greedy prediction on each answer token, predicted "
+        "from the true tokens before it; mean ± sample standard deviation over the "
+        f"{seeds} seeds. **Chance**: always giving the test set's most common answer.",
+        f"- **Tables past L**: learned, mds and lowrank get a table of "
+        f"{max(settings['multiples'])}L rows, and training only reaches rows 0..L−1, so the "
+        "rows past L keep their initial values (mds: rows 0..L−1 are P_MDS of the task's "
+        "training sequences; lowrank: the rows of A past L stay as drawn, B is trained). The "
+        "longer tests therefore run, and put to the test the seeds' claim that a table cannot "
+        "serve past its last trained row, instead of refusing.",
+        f"- **Time**: {minutes:.1f} minutes of training and testing, summed over the results "
+        "(the workers of `--jobs` run side by side, so the run itself took less).",
+    ]
+    return "\n".join(lines)
+
+
+def _plural(count: int, noun: str) -> str:
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
+
+
+def _task_table(found: list[Summary]) -> str:
+    rows = [
+        "## The tasks",
+        "",
+        "| task | what is asked | vocabulary | answers per sequence at L | chance at L |",
+        "|---|---|---|---|---|",
+    ]
+    for name in _tasks(found):
+        first = next(s for s in found if s.task == name)
+        answers = sum(first.result["answers"][str(first.length)])
+        per_sequence = answers / first.result["settings"]["test_sequences"]
+        task = TASKS[name]
+        rows.append(
+            f"| {name} | {task.summary} | {task.vocab_size} | {per_sequence:.1f} "
+            f"| {first.chance:.2f} |"
+        )
+    return "\n".join(rows)
+
+
+def _accuracy_table(found: list[Summary]) -> str:
+    names, tests = _tasks(found), sorted(found[0].accuracy)
+    length = found[0].length
+    header = ["scheme", *(f"{name} {t // length}L" for name in names for t in tests)]
+    rows = ["## Accuracy", "", "| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
+    for scheme in _schemes(found):
+        cells = [scheme]
+        for name in names:
+            summary = _find(found, scheme, name)
+            cells += [format_mean(summary, t) if summary else "–" for t in tests]
+        rows.append("| " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+def _find(found: list[Summary], scheme: str, name: str) -> Summary | None:
+    return next((s for s in found if s.scheme == scheme and s.task == name), None)
+
+
+def _figures(out: Path, found: list[Summary]) -> str:
+    images = [f"![{name}]({out.name}/{name}.png)" for name in _tasks(found)]
+    return "## Accuracy against test length\n\n" + "\n".join(images)
+
+
+def _past_l_table(found: list[Summary]) -> str:
+    length = found[0].length
+    names = [
+        name
+        for name in _tasks(found)
+        if any(s.task == name and s.window(2 * length, 0, length) is not None for s in found)
+        and 2 * length in found[0].accuracy
+    ]
+    if not names:
+        return "## Before and past L\n\nNo task has answers on both sides of L at 2L."
+    header = ["scheme", *(f"{name} {part}" for name in names for part in ("< L", "≥ L", "kept"))]
+    rows = [
+        "## Before and past L",
+        "",
+        f"In the 2L test of {', '.join(names)}, answers sit on both sides of position L = "
+        f"{length}, after contexts of the same kind (segments and instructions do not depend on "
+        "position): accuracy on the answers before L and past it, and the share of the margin "
+        "above chance kept past L (mean over seeds).",
+        "",
+        "| " + " | ".join(header) + " |",
+        "|---" * len(header) + "|",
+    ]
+    for scheme in _schemes(found):
+        cells = [scheme]
+        for name in names:
+            summary = _find(found, scheme, name)
+            if summary is None:
+                cells += ["–"] * 3
+                continue
+            kept = past_l_retention(summary)
+            cells += [
+                f"{summary.window(2 * length, 0, length):.2f}",
+                f"{summary.window(2 * length, length, 2 * length):.2f}",
+                "n/a" if kept is None else f"{kept:.2f}",
+            ]
+        rows.append("| " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+def _claims_table(found: list[Summary]) -> str:
+    names = _tasks(found)
+    rows = [
+        "## The seeds' claims, measured",
+        "",
+        "Each claim of the seeds, what it predicts these tasks would show, and whether they show "
+        f"it, per task. A claim is tested only on the tasks the scheme learned at L (mean "
+        f"accuracy at least {LEARNED:g} of the way from chance to 1). *Retention* at a length is "
+        "the share of the margin above chance at L that the model keeps there; *past-L "
+        "retention* is that share on the answers past L against those before it, in the 2L test "
+        f"(the table above); ≥ {HOLDS:g} counts as kept, below {FAILS:g} as lost, between as "
+        "partly. Computed by model/tasks/claims.py from the results.",
+        "",
+        "| scheme | claim | what would show it | " + " | ".join(names) + " | overall |",
+        "|---" * (len(names) + 4) + "|",
+    ]
+    for claim in CLAIMS:
+        summaries_of = [_find(found, claim.scheme, name) for name in names]
+        verdicts = [claim.judge(s) for s in summaries_of if s is not None]
+        cells = ["–" if s is None else claim.judge(s).cell() for s in summaries_of]
+        rows.append(
+            f"| {claim.scheme} | {claim.claim} | {claim.prediction} | "
+            + " | ".join(cells)
+            + f" | {overall(verdicts)} |"
+        )
+    return "\n".join(rows)

@@ -1,0 +1,199 @@
+"""Train one tiny model on one task with one scheme and seed, then score it at several lengths.
+
+Every scheme gets the same model (``SuiteSettings.model``), the same batches (drawn from the
+seed and the step) and the same test sequences (drawn from the length alone); only
+``positional`` differs. The optimiser and its schedule are ``ordinal train``'s
+(``model.train.build_optimizers`` / ``set_learning_rates``: AdamW, warmup then cosine). The loss
+and the score count the answer tokens only: the rest of a task's sequence is noise or
+structure that no model could, or need, predict.
+
+Table schemes (learned, mds, lowrank) get a table of max(multiples) × L rows, and training only
+ever reaches rows 0..L−1: the rows past L keep their initial values, which is the seeds' claim
+("a learned table cannot go past its last trained row") put to the test, rather than a crash.
+``mds`` fills rows 0..L−1 with P_MDS of the task's training sequences (as ``ordinal train``
+does with the corpus), and its rows past L stay the placeholder the scheme starts with.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from model.config import PRESETS, ModelConfig, TrainConfig
+from model.geometry.corpus import measure_corpus
+from model.geometry.metrics import classical_mds
+from model.tasks.base import Task, TaskBatch, derive_seed
+from model.train import build_optimizers, set_learning_rates
+from model.transformer import Transformer
+
+# The streams seeds are drawn from: training batches (per run seed and step), test sequences
+# (per length: the same for every scheme and seed), and the sequences mds measures.
+TRAIN_STREAM, TEST_STREAM, GEOMETRY_STREAM = 0, 1, 2
+GEOMETRY_SEQUENCES = 2048
+
+# Two layers are the fewest in which an induction head (recall, copy) can form. RMSNorm, not
+# LayerNorm: LayerNorm subtracts each vector's mean, which removes integer's p·(1, …, 1)
+# exactly and would make integer the same model as none.
+TASK_MODEL: dict[str, Any] = {
+    "d_model": 64,
+    "n_layers": 2,
+    "n_heads": 4,
+    "d_ff": 256,
+    "dropout": 0.0,
+    "norm": "rmsnorm",
+    "mlp": "gelu",
+    "bias": False,
+    "tie_embeddings": True,
+    "qk_norm": False,
+}
+TASK_TRAIN = TrainConfig(steps=1000, batch_size=32, lr=3e-3, min_lr=3e-4, warmup_steps=100)
+# The suite's own settings of TrainConfig (the rest is TrainConfig's defaults, unused here:
+# evaluation and saving happen once, after training).
+TRAIN_FIELDS = ("steps", "batch_size", "lr", "min_lr", "warmup_steps", "weight_decay", "grad_clip")
+
+
+@dataclass(frozen=True)
+class SuiteSettings:
+    """What one result depends on besides the scheme, task and seed: the training length L, the
+    test lengths (multiples of L), the number of test sequences per length, the architecture and
+    the recipe. A result is reused only when its settings are these (``ordinal tasks --reuse``)."""
+
+    length: int = 64
+    multiples: tuple[int, ...] = (1, 2, 4)
+    test_sequences: int = 256
+    model: dict[str, Any] = field(default_factory=lambda: dict(TASK_MODEL))
+    train: TrainConfig = TASK_TRAIN
+
+    def to_dict(self) -> dict[str, Any]:
+        train = dataclasses.asdict(self.train)
+        return {
+            "length": self.length,
+            "multiples": list(self.multiples),
+            "test_sequences": self.test_sequences,
+            "model": dict(self.model),
+            "positional": {scheme: dict(p) for scheme, p in PRESETS["shipped"].positional.items()},
+            "train": {name: train[name] for name in TRAIN_FIELDS},
+        }
+
+    @property
+    def test_lengths(self) -> list[int]:
+        return [multiple * self.length for multiple in self.multiples]
+
+
+# The suite's two budgets: the full run (`ordinal tasks`, the default) and `--quick`, which runs
+# the whole pipeline in seconds (the test suite does) on a one-layer model trained a few steps.
+SUITES = {
+    "full": SuiteSettings(),
+    "quick": SuiteSettings(
+        length=20,
+        test_sequences=16,
+        model={**TASK_MODEL, "d_model": 32, "d_ff": 64, "n_layers": 1},
+        train=dataclasses.replace(TASK_TRAIN, steps=4, batch_size=4, warmup_steps=2),
+    ),
+}
+
+
+def suite_name(settings: dict[str, Any]) -> str | None:
+    """Which of SUITES made a result with ``settings`` (its to_dict(), seeds aside), if any."""
+    bare = {key: value for key, value in settings.items() if key != "seeds"}
+    return next((name for name, suite in SUITES.items() if suite.to_dict() == bare), None)
+
+
+def model_config(scheme: str, task: Task, settings: SuiteSettings) -> ModelConfig:
+    """The suite's architecture for ``task`` with ``scheme`` and the shipped preset's parameters
+    for that scheme (sinusoidal's scale, the tables' ranks)."""
+    positional = {**PRESETS["shipped"].positional.get(scheme, {}), "scheme": scheme}
+    return ModelConfig.from_dict(
+        {
+            **settings.model,
+            "vocab_size": task.vocab_size,
+            "context_length": settings.length,
+            "max_positions": max(settings.test_lengths),
+            "positional": positional,
+        }
+    )
+
+
+def answer_loss(model: Transformer, batch: TaskBatch) -> torch.Tensor:
+    """Mean cross-entropy of the answer tokens of ``batch`` [N, T], each predicted from the
+    tokens before it."""
+    logits = model(batch.tokens[:, :-1])  # [N, T−1, V]: position t predicts token t+1
+    scored = batch.answers[:, 1:]
+    return F.cross_entropy(logits[scored], batch.tokens[:, 1:][scored])
+
+
+def install_task_geometry(model: Transformer, task: Task, length: int, seed: int) -> None:
+    """For ``mds``: rows 0..length−1 of the fixed table become P_MDS of the task's training
+    sequences (their positional token distributions under the Hellinger metric); the rows past
+    them, which training never reaches, keep their placeholder values."""
+    if model.config.scheme != "mds":
+        return
+    sequences = task.generate(derive_seed(GEOMETRY_STREAM, seed), length, GEOMETRY_SEQUENCES)
+    geometry = measure_corpus(task.name, sequences.tokens, task.vocab_size, None, seed)
+    rank = min(model.positional.params.rank, length)
+    coordinates = classical_mds(geometry.hellinger, rank=rank).positions  # [length, r ≤ rank]
+    table = model.positional.coordinates.clone()  # [max_positions, rank]
+    table[:length] = 0.0
+    table[:length, : coordinates.shape[1]] = torch.from_numpy(coordinates).float()
+    model.positional.set_coordinates(table)
+
+
+def train_model(scheme: str, task: Task, seed: int, settings: SuiteSettings) -> Transformer:
+    """A model of ``scheme`` trained on ``task`` at length L from ``seed`` (weights and batches);
+    returned in eval mode."""
+    torch.manual_seed(seed)
+    model = Transformer(model_config(scheme, task, settings))
+    install_task_geometry(model, task, settings.length, seed)
+    model.train()
+    recipe = settings.train
+    optimizers = build_optimizers(model, recipe, torch.device("cpu"))
+    for step in range(recipe.steps):
+        set_learning_rates(optimizers, recipe, step)
+        batch = task.generate(
+            derive_seed(TRAIN_STREAM, seed, step), settings.length, recipe.batch_size
+        )
+        answer_loss(model, batch).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.grad_clip)
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    return model.eval()
+
+
+def evaluation_batch(task: Task, length: int, count: int) -> TaskBatch:
+    """The test sequences of ``length``: the same for every scheme and seed."""
+    return task.generate(derive_seed(TEST_STREAM, length), length, count)
+
+
+@torch.no_grad()
+def score(model: Transformer, batch: TaskBatch, chunk: int = 64) -> list[int]:
+    """How many answers of ``batch`` [N, T] the greedy prediction of ``model`` gets right, per
+    position → [T] (position 0 is never an answer: nothing precedes it)."""
+    correct = torch.zeros(batch.tokens.shape[1], dtype=torch.long)
+    for start in range(0, len(batch.tokens), chunk):
+        tokens = batch.tokens[start : start + chunk]
+        scored = batch.answers[start : start + chunk, 1:]
+        predicted = model(tokens[:, :-1]).argmax(dim=-1)  # [n, T−1]
+        correct[1:] += ((predicted == tokens[:, 1:]) & scored).sum(dim=0)
+    return correct.tolist()
+
+
+def majority_accuracy(batch: TaskBatch) -> float:
+    """Chance: the accuracy of always answering the most common answer of ``batch`` (what a
+    model learns from the answers alone, without reading the sequence)."""
+    answers = batch.tokens[batch.answers]
+    return float(np.bincount(answers.numpy()).max() / len(answers))
+
+
+def run_seed(scheme: str, task: Task, seed: int, settings: SuiteSettings) -> dict[str, list[int]]:
+    """Train one model and score it at every test length → {str(T): correct per position [T]}."""
+    model = train_model(scheme, task, seed, settings)
+    return {
+        str(length): score(model, evaluation_batch(task, length, settings.test_sequences))
+        for length in settings.test_lengths
+    }

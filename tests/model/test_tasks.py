@@ -1,0 +1,183 @@
+"""The synthetic tasks: every generator is a pure function of (seed, length, count), makes the
+lengths asked, and every answer it marks is what an independent reading of the tokens before it
+gives; a short training run learns a task beyond chance."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from model.tasks import TASKS, TaskError, copying, counting, derive_seed, flipflop, recall, task
+from model.tasks.base import TaskBatch
+from model.tasks.training import (
+    SUITES,
+    SuiteSettings,
+    evaluation_batch,
+    majority_accuracy,
+    model_config,
+    score,
+    train_model,
+)
+from model.transformer import Transformer
+
+SEEDS = (0, 1, 7, 12345)
+LENGTHS = (17, 32, 33, 64, 128)
+
+
+def flipflop_answers(tokens: list[int]) -> dict[int, int]:
+    """Position → answer: the bit after each read is the bit after the latest write."""
+    answers, written = {}, None
+    for position in range(0, len(tokens) - 1, 2):
+        instruction, bit = tokens[position], tokens[position + 1]
+        if instruction == flipflop.WRITE:
+            written = bit
+        elif instruction == flipflop.READ:
+            answers[position + 1] = written
+    return answers
+
+
+def recall_answers(tokens: list[int]) -> dict[int, int]:
+    """Position → answer: a key seen before (at a pair's key slot) is followed by the value
+    that followed its first occurrence."""
+    answers, first_value = {}, {}
+    for position in range(0, len(tokens) - 1, 2):
+        key = tokens[position]
+        if key in first_value:
+            answers[position + 1] = first_value[key]
+        else:
+            first_value[key] = tokens[position + 1]
+    return answers
+
+
+def copy_answers(tokens: list[int]) -> dict[int, int]:
+    """Position → answer: after the marker come the non-blank tokens before it, in order."""
+    marker = tokens.index(copying.MARKER)
+    data = [token for token in tokens[:marker] if token != copying.BLANK]
+    return {marker + 1 + i: token for i, token in enumerate(data)}
+
+
+def counting_answers(tokens: list[int]) -> dict[int, int]:
+    """Position → answer: after ``? s``, the count of s since the last marker."""
+    answers, seen = {}, []
+    for position, token in enumerate(tokens):
+        if token == counting.MARKER:
+            seen = []
+        elif token == counting.QUERY and position + 2 < len(tokens):
+            letter = tokens[position + 1]
+            answers[position + 2] = counting.COUNT_0 + seen.count(letter)
+        elif token < counting.LETTERS and tokens[position - 1] != counting.QUERY:
+            seen.append(token)
+    return answers
+
+
+SOLVERS = {
+    "flipflop": flipflop_answers,
+    "recall": recall_answers,
+    "copy": copy_answers,
+    "counting": counting_answers,
+}
+
+
+def test_every_task_has_an_independent_solver_here() -> None:
+    assert set(SOLVERS) == set(TASKS)
+
+
+def batches(name: str) -> list[tuple[int, int, TaskBatch]]:
+    return [
+        (seed, length, TASKS[name].generate(seed, length, 6))
+        for seed in SEEDS
+        for length in LENGTHS
+        if length <= TASKS[name].max_length
+    ]
+
+
+@pytest.mark.parametrize("name", TASKS)
+def test_a_generator_is_a_pure_function_of_seed_length_and_count(name: str) -> None:
+    for seed, length, batch in batches(name):
+        again = TASKS[name].generate(seed, length, 6)
+        assert torch.equal(batch.tokens, again.tokens) and torch.equal(batch.answers, again.answers)
+        assert batch.tokens.shape == batch.answers.shape == (6, length)
+        assert batch.tokens.dtype == torch.long and batch.answers.dtype == torch.bool
+        assert int(batch.tokens.min()) >= 0 and int(batch.tokens.max()) < TASKS[name].vocab_size
+        other = TASKS[name].generate(seed + 1, length, 6)
+        assert not torch.equal(batch.tokens, other.tokens)
+
+
+@pytest.mark.parametrize("name", TASKS)
+def test_every_answer_is_computable_from_the_tokens_before_it(name: str) -> None:
+    for _, _, batch in batches(name):
+        for tokens, marked in zip(batch.tokens.tolist(), batch.answers, strict=True):
+            expected = SOLVERS[name](tokens)
+            assert set(marked.nonzero().flatten().tolist()) == set(expected)
+            assert all(tokens[position] == answer for position, answer in expected.items())
+
+
+@pytest.mark.parametrize("name", TASKS)
+def test_lengths_a_task_cannot_fill_are_refused(name: str) -> None:
+    with pytest.raises(TaskError, match=name):
+        TASKS[name].generate(0, TASKS[name].min_length - 1, 1)
+    with pytest.raises(TaskError, match="count"):
+        TASKS[name].generate(0, max(TASKS[name].min_length, 32), 0)
+
+
+def test_recall_keys_are_distinct_and_cannot_outgrow_their_alphabet() -> None:
+    batch = recall.TASK.generate(3, recall.TASK.max_length, 4)
+    for row in batch.tokens:
+        keys = row[: 2 * recall.KEYS : 2].tolist()
+        assert len(set(keys)) == len(keys) == recall.KEYS
+    with pytest.raises(TaskError, match="recall"):
+        recall.TASK.generate(0, recall.TASK.max_length + 1, 1)
+
+
+def test_flipflop_instructions_follow_the_papers_probabilities() -> None:
+    kinds = flipflop.TASK.generate(5, 2000, 20).tokens[:, 2::2].flatten()
+    for kind, probability in flipflop.PROBABILITIES.items():
+        assert (kinds == kind).float().mean().item() == pytest.approx(probability, abs=0.01)
+
+
+def test_an_unknown_task_names_the_valid_ones() -> None:
+    with pytest.raises(TaskError, match="recall"):
+        task("sorting")
+
+
+def test_derived_seeds_are_reproducible_and_unrelated() -> None:
+    assert derive_seed(0, 1, 2) == derive_seed(0, 1, 2)
+    seeds = {derive_seed(0, seed, step) for seed in range(5) for step in range(100)}
+    assert len(seeds) == 500
+    assert derive_seed(1, 32) != derive_seed(0, 32)
+
+
+def test_tables_have_rows_for_every_test_length_and_the_rows_past_l_stay_untrained() -> None:
+    settings = SUITES["quick"]
+    config = model_config("learned", TASKS["flipflop"], settings)
+    assert config.max_positions == max(settings.test_lengths)
+    assert config.context_length == settings.length
+    torch.manual_seed(0)  # what train_model draws its initial weights from for seed 0
+    before = Transformer(config).positional.table
+    after = train_model("learned", TASKS["flipflop"], 0, settings).positional.table
+    length = settings.length
+    assert torch.equal(before[length:], after[length:])
+    assert not torch.equal(before[:length], after[:length])
+
+
+def test_mds_rows_within_l_are_the_task_geometry() -> None:
+    settings = SUITES["quick"]
+    model = train_model("mds", TASKS["copy"], 0, settings)
+    coordinates = model.positional.coordinates
+    # Position L−9 is always the marker: a distribution far from every other position's.
+    assert coordinates[: settings.length].abs().sum() > 0
+    assert torch.isfinite(coordinates).all()
+
+
+def test_a_short_training_run_learns_flipflop_beyond_chance() -> None:
+    settings = SuiteSettings(
+        length=24,
+        model={**SUITES["quick"].model, "n_layers": 2},
+        train=dataclasses.replace(SUITES["full"].train, steps=150, batch_size=16, warmup_steps=20),
+    )
+    batch = evaluation_batch(TASKS["flipflop"], 24, 256)
+    model = train_model("alibi", TASKS["flipflop"], 0, settings)
+    accuracy = sum(score(model, batch)) / int(batch.answers.sum())
+    assert accuracy > majority_accuracy(batch) + 0.2

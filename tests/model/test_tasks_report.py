@@ -1,0 +1,203 @@
+"""``ordinal tasks`` end to end (the --quick budget), the page generated from the results alone,
+and the seeds' claims judged from made-up results whose answer is known."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from model.positional import SCHEMES
+from model.tasks import TASKS, claims, suite
+from model.tasks.claims import CLAIMS, NOT_SUPPORTED, PARTLY, SUPPORTED
+from model.tasks.report import DISCUSSION_FILE, render
+from model.tasks.results import Summary, load_results
+from model.tasks.training import SUITES
+from ordinal import main
+
+REPO = Path(__file__).resolve().parents[2]
+COMMITTED = Path("docs/tasks")
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The whole --quick pipeline, once for this module: every scheme, task and 3 seeds."""
+    out = tmp_path_factory.mktemp("quick") / "tasks"
+    assert main(["tasks", "--quick", "--jobs", "1", "--out", str(out)]) == 0
+    return out
+
+
+def test_quick_writes_a_result_per_scheme_and_task_a_plot_per_task_and_the_page(
+    quick_run: Path,
+) -> None:
+    results = load_results(quick_run)
+    assert len(results) == len(SCHEMES) * len(TASKS)
+    for result in results:
+        assert len(result["correct"]) == 3
+        assert set(result["answers"]) == {str(t) for t in SUITES["quick"].test_lengths}
+    for name in TASKS:
+        assert (quick_run / f"{name}.png").read_bytes().startswith(b"\x89PNG")
+    page = quick_run.with_suffix(".md").read_text()
+    assert page == render(quick_run)
+    assert "ordinal tasks --quick" in page and "## The seeds' claims, measured" in page
+
+
+def test_reuse_trains_nothing_and_keeps_the_hand_written_discussion(
+    quick_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = tmp_path / "tasks"
+    shutil.copytree(quick_run, out)
+    (out / DISCUSSION_FILE).write_text("Alibi holds; *rope* does not.\n")
+
+    def must_not_train(*args: object) -> None:
+        raise AssertionError("--reuse retrained a result made with the same settings")
+
+    monkeypatch.setattr(suite, "run_unit", must_not_train)
+    assert main(["tasks", "--quick", "--jobs", "1", "--reuse", "--out", str(out)]) == 0
+    page = out.with_suffix(".md").read_text()
+    assert "Alibi holds; *rope* does not." in page
+    assert page == render(out)
+
+
+def test_other_settings_are_retrained_and_mixed_results_are_refused(
+    quick_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "tasks"
+    shutil.copytree(quick_run, out)
+    before = (out / "flipflop-rope.json").read_text()
+    args = ["tasks", "--quick", "--jobs", "1", "--reuse", "--seeds", "2", "--out", str(out)]
+    assert main([*args, "--schemes", "rope", "--tasks", "flipflop"]) == 2
+    assert len(json.loads((out / "flipflop-rope.json").read_text())["correct"]) == 2
+    assert (out / "flipflop-rope.json").read_text() != before
+    err = capsys.readouterr().err
+    assert err.startswith("ordinal tasks: error: ") and "different settings" in err
+
+
+def test_results_do_not_depend_on_the_number_of_workers(quick_run: Path, tmp_path: Path) -> None:
+    out = tmp_path / "tasks"
+    assert (
+        main(
+            [
+                "tasks",
+                "--quick",
+                "--schemes",
+                "rope,learned",
+                "--tasks",
+                "copy",
+                "--jobs",
+                "2",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
+    for scheme in ("rope", "learned"):
+        parallel = json.loads((out / f"copy-{scheme}.json").read_text())
+        alone = json.loads((quick_run / f"copy-{scheme}.json").read_text())
+        assert parallel["correct"] == alone["correct"] and parallel["chance"] == alone["chance"]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--schemes", "rope,nope"], "'nope'"),
+        (["--tasks", "sorting"], "'sorting'"),
+        (["--seeds", "0"], "--seeds"),
+    ],
+)
+def test_bad_options_are_one_line_errors(
+    args: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["tasks", "--quick", "--out", str(tmp_path / "x"), *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("ordinal tasks: error: ") and message in err and err.count("\n") == 1
+    assert not (tmp_path / "x").exists()
+
+
+def test_the_committed_page_is_what_its_results_make(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(REPO)
+    if not COMMITTED.with_suffix(".md").exists():
+        pytest.skip("docs/tasks.md is not committed yet (`ordinal tasks` writes it)")
+    assert COMMITTED.with_suffix(".md").read_text() == render(COMMITTED)
+
+
+# ------------------------------------------------------------------ claims, on made-up results
+
+LENGTH, CHANCE, ANSWERS = 8, 0.5, 100
+
+
+def made_up(scheme: str, accuracy: Callable[[int, int], float]) -> Summary:
+    """A flipflop result whose accuracy at each (test length, position) is ``accuracy``."""
+    tests = [m * LENGTH for m in (1, 2, 4)]
+    correct = {str(t): [0] + [round(ANSWERS * accuracy(t, p)) for p in range(1, t)] for t in tests}
+    result: dict[str, Any] = {
+        "scheme": scheme,
+        "task": "flipflop",
+        "settings": {"length": LENGTH, "multiples": [1, 2, 4], "seeds": 2},
+        "chance": {str(t): CHANCE for t in tests},
+        "answers": {str(t): [0] + [ANSWERS] * (t - 1) for t in tests},
+        "correct": [correct, correct],
+        "wall_seconds": 0.0,
+    }
+    return Summary.of(result)
+
+
+def judge(scheme: str, accuracy: Callable[[int, int], float]) -> str:
+    claim = next(c for c in CLAIMS if c.scheme == scheme)
+    return claim.judge(made_up(scheme, accuracy)).outcome
+
+
+def perfect(test: int, position: int) -> float:
+    return 1.0
+
+
+def lost_past_l(test: int, position: int) -> float:
+    return 1.0 if position < LENGTH else CHANCE
+
+
+def fading(test: int, position: int) -> float:  # loses its margin linearly over 3L past L
+    return max(CHANCE, 1.0 - CHANCE * max(0, position - LENGTH) / (3 * LENGTH))
+
+
+@pytest.mark.parametrize(
+    ("scheme", "accuracy", "outcome"),
+    [
+        ("integer", lost_past_l, SUPPORTED),
+        ("integer", perfect, NOT_SUPPORTED),
+        ("alibi", perfect, SUPPORTED),
+        ("alibi", lost_past_l, NOT_SUPPORTED),
+        ("alibi", fading, PARTLY),
+        ("learned", lost_past_l, SUPPORTED),
+        ("learned", perfect, NOT_SUPPORTED),
+        ("rope", perfect, SUPPORTED),
+        ("rope", lost_past_l, NOT_SUPPORTED),
+        ("binary", lost_past_l, SUPPORTED),
+        ("binary", fading, NOT_SUPPORTED),
+        ("sinusoidal", perfect, SUPPORTED),
+    ],
+)
+def test_each_claim_is_judged_by_what_it_predicts(
+    scheme: str, accuracy: Callable[[int, int], float], outcome: str
+) -> None:
+    assert judge(scheme, accuracy) == outcome
+
+
+@pytest.mark.parametrize("claim", CLAIMS, ids=lambda c: c.scheme)
+def test_no_claim_is_judged_on_a_task_the_scheme_did_not_learn(claim: claims.Claim) -> None:
+    verdict = claim.judge(made_up(claim.scheme, lambda test, position: 0.6))
+    assert verdict.outcome == "n/a" and "not learned" in verdict.evidence
+
+
+def test_overall_counts_only_the_tasks_tested() -> None:
+    verdicts = [
+        claims.Verdict(SUPPORTED, ""),
+        claims.Verdict("n/a", ""),
+        claims.Verdict(PARTLY, ""),
+    ]
+    assert claims.overall(verdicts) == "supported on 1, partly on 1 of 2 tasks tested"
+    assert claims.overall([claims.Verdict("n/a", "")]) == "not tested"
