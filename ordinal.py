@@ -41,7 +41,7 @@ SCHEMES = (
 )
 CORPORA = ("synthetic", "shakespeare")
 # model.config.PRESETS, in its order (the first is the default); tests/model/test_train.py checks.
-PRESETS = ("shipped", "candidate", "tiny")
+PRESETS = ("shipped", "v1", "tiny")
 # model.config.TrainConfig's fields and defaults (the shipped preset's recipe), and the shipped
 # preset's model sizes (model.train.DEFAULT_MODEL) that `ordinal train` takes as flags.
 TRAIN_DEFAULTS: dict[str, int | float | str] = {
@@ -53,10 +53,10 @@ TRAIN_DEFAULTS: dict[str, int | float | str] = {
     "warmup_steps": 100,
     "weight_decay": 0.1,
     "grad_clip": 1.0,
-    "optimizer": "adamw",
+    "optimizer": "muon",
     "muon_lr": 0.02,
     "muon_momentum": 0.95,
-    "sequence_starts": "speech",
+    "sequence_starts": "line",
     "eval_every": 500,
     "eval_windows": 64,
     "save_every": 500,

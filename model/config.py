@@ -5,8 +5,8 @@ Config); the positional scheme and its parameters live in the ``positional`` dic
 checked by the scheme's own parameter dataclass (see ``model.positional``). ``TrainConfig`` is the
 training recipe (optimiser, schedule, data order). ``PRESETS`` names whole recipes, litgpt's
 ``name_to_config``: ``shipped`` is what built the shipped checkpoints and what ``ordinal train``
-uses unless told otherwise; ``candidate`` is the recipe the short ablations kept; ``tiny`` runs
-in seconds (CI).
+uses unless told otherwise; ``v1`` is the first recipe (the baseline of checkpoints/README.md's
+ablations); ``tiny`` runs in seconds (CI).
 """
 
 from __future__ import annotations
@@ -166,10 +166,10 @@ class TrainConfig:
     warmup_steps: int = 100
     weight_decay: float = 0.1
     grad_clip: float = 1.0
-    optimizer: str = "adamw"
+    optimizer: str = "muon"
     muon_lr: float = 0.02
     muon_momentum: float = 0.95
-    sequence_starts: str = "speech"
+    sequence_starts: str = "line"
     eval_every: int = 500
     eval_windows: int = 64
     save_every: int = 500
@@ -249,9 +249,9 @@ _SHIPPED_MODEL = {
     "d_ff": 512,
     "context_length": 128,
     "max_positions": 128,
-    "dropout": 0.1,
+    "dropout": 0.0,
     "norm": "layernorm",
-    "mlp": "gelu",
+    "mlp": "relu2",
     "bias": False,
     "tie_embeddings": True,
     "qk_norm": False,
@@ -266,12 +266,11 @@ _SHIPPED_POSITIONAL: dict[str, dict[str, Any]] = {
 
 PRESETS: dict[str, Preset] = {
     "shipped": Preset(model=_SHIPPED_MODEL, train=TrainConfig(), positional=_SHIPPED_POSITIONAL),
-    # What the short ablations on rope kept (checkpoints/README.md, "Recipe ablations"): Muon for
-    # the matrices, ReLU², no dropout, sequences from any line. Not yet run at the full budget:
-    # the retraining session checks it on rope before training all ten with it.
-    "candidate": Preset(
-        model={**_SHIPPED_MODEL, "mlp": "relu2", "dropout": 0.0},
-        train=TrainConfig(optimizer="muon", sequence_starts="line"),
+    # The first recipe (AdamW, GELU, dropout 0.1, sequences from speech starts): the baseline
+    # that checkpoints/README.md's ablations start from.
+    "v1": Preset(
+        model={**_SHIPPED_MODEL, "mlp": "gelu", "dropout": 0.1},
+        train=TrainConfig(optimizer="adamw", sequence_starts="speech"),
         positional=_SHIPPED_POSITIONAL,
     ),
     # The same code path in seconds (CI: `make checkpoints PRESET=tiny`): a one-layer model,

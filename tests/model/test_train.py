@@ -336,14 +336,15 @@ def test_bad_config_file_is_a_one_line_error(
     and shutil.which("torchrun") is None,
     reason="torchrun is not installed",
 )
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
 def test_torchrun_two_processes_follow_one_process_loss_curve(
-    tmp_path: Path, tokenizer_path: Path, small_corpus: Corpus
+    tmp_path: Path, tokenizer_path: Path, small_corpus: Corpus, optimizer: str
 ) -> None:
     """Same global batch (8: 4 per process), same seed, dropout 0: the loss curve, validation
-    losses and final weights of DDP over gloo equal one process's within float rounding."""
+    losses and final weights of DDP over gloo equal one process's within rounding."""
     (tmp_path / "config.json").write_text(json.dumps({"model": {"dropout": 0.0}}))
     extra = ["--config", str(tmp_path / "config.json"), "--storage-dtype", "float32"]
-    extra += ["--steps", "8", "--eval-every", "4"]
+    extra += ["--steps", "8", "--eval-every", "4", "--optimizer", optimizer]
     one = model.train.run(train_args(tmp_path / "one", tokenizer_path, *extra))
 
     args = train_args(tmp_path / "two", tokenizer_path, *extra)
@@ -365,7 +366,18 @@ def test_torchrun_two_processes_follow_one_process_loss_curve(
     assert two["tokens_seen"] == one["tokens_seen"]
     one_model, _ = load_checkpoint(tmp_path / "one" / "ck", device="cpu")
     two_model, _ = load_checkpoint(tmp_path / "two" / "ck", device="cpu")
-    torch.testing.assert_close(two_model.state_dict(), one_model.state_dict(), atol=1e-5, rtol=1e-4)
+    if optimizer == "adamw":
+        torch.testing.assert_close(
+            two_model.state_dict(), one_model.state_dict(), atol=1e-5, rtol=1e-4
+        )
+        return
+    # torch.optim.Muon orthogonalises each update in bfloat16, so a float32 rounding difference
+    # in the all-reduced gradient can flip a bf16 rounding: the weights agree to bf16's relative
+    # precision (2⁻⁸ ≈ 0.4%) of the updates, not to float32's: measured ≤ 1.1% over these 8
+    # steps, against ~100% for an unrelated run.
+    for name, weight in one_model.state_dict().items():
+        drift = (two_model.state_dict()[name] - weight).norm() / weight.norm()
+        assert drift < 2**-5, name
 
 
 def to_flags(args: argparse.Namespace) -> list[str]:
