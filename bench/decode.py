@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from model.config import ModelConfig
+from model.config import ModelConfig, write_json_atomic
 from model.generate import decode_tokens
 from model.positional import SCHEMES
 from model.sampling import RowSampler, SamplingBatch, SamplingParams
@@ -181,8 +181,7 @@ def main() -> None:
     parser.add_argument("--schemes", nargs="+", default=list(SCHEMES))
     args = parser.parse_args()
     results = run(args.checkpoints, args.repeats, args.schemes)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2) + "\n")
+    write_json_atomic(args.out, results)
 
 
 if __name__ == "__main__":

@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import codecs
 import os
-import tempfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from model.config import write_text_atomic
 
 SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|pad|>")
 BOS, EOS, PAD = SPECIAL_TOKENS
@@ -148,17 +149,8 @@ def count_characters(tokenizer: Tokenizer, ids: Sequence[int] | torch.Tensor) ->
 
 
 def save_tokenizer(tokenizer: Tokenizer, path: str | os.PathLike[str]) -> None:
-    """Write the tokenizer as JSON to ``path`` atomically (temp file in the same folder, rename)."""
-    path = Path(path)
-    with tempfile.NamedTemporaryFile(
-        "w", encoding="utf-8", dir=path.parent, prefix=f".{path.name}.", delete=False
-    ) as temp:
-        temp.write(tokenizer.to_str())
-    try:
-        os.replace(temp.name, path)
-    except OSError:
-        os.unlink(temp.name)
-        raise
+    """Write the tokenizer as JSON to ``path`` atomically."""
+    write_text_atomic(path, tokenizer.to_str())
 
 
 def load_tokenizer(path: str | os.PathLike[str]) -> Tokenizer:

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from tokenizers import Tokenizer
+from torch.profiler import record_function
 from tqdm import tqdm
 
 from model.checkpoint import save_checkpoint
@@ -63,7 +64,8 @@ from model.tokenizer import (
 )
 from model.transformer import Transformer
 
-__all__ = ["TrainConfig", "configs_from_args", "run"]  # TrainConfig lives in model.config
+# TrainConfig lives in model.config
+__all__ = ["TrainConfig", "TrainingRun", "configs_from_args", "run"]
 
 METRICS_FILE = "metrics.json"
 STATE_FILE = "state.pt"
@@ -326,7 +328,26 @@ def _train(
     rank: int,
     world: int,
 ) -> dict[str, Any]:
-    """The training loop of ``run``, in process ``rank`` of ``world``."""
+    """The training loop of ``run``, in process ``rank`` of ``world``: one optimisation step at
+    a time, validating every ``eval_every`` steps and saving every ``save_every`` (and both at
+    the last step or ``--stop-at``)."""
+    session = TrainingRun.start(args, model_config, train_config, device, rank, world)
+    progress = _Progress.start(session, resume=args.resume)
+    for step in progress.bar:
+        done = step + 1
+        progress.record_step(done, session.optimise(step))
+        last = done in (train_config.steps, args.stop_at)
+        if done % train_config.eval_every == 0 or last:
+            progress.record_validation(done, session.validate())
+        if rank == 0 and (done % train_config.save_every == 0 or last):
+            session.save(progress.metrics, done)
+        if last:
+            break
+    return progress.metrics
+
+
+def _prepare_process(train_config: TrainConfig, world: int) -> None:
+    """Check that the global batch splits over the processes; set the thread count and seed."""
     if train_config.batch_size % world:
         raise ConfigError(
             f"batch_size ({train_config.batch_size}) must divide by the number of "
@@ -335,51 +356,56 @@ def _train(
     if train_config.threads:
         torch.set_num_threads(train_config.threads)
     torch.manual_seed(train_config.seed)
-    session = _Session.start(args, model_config, train_config, device, rank, world)
-    metrics, start_step = _fresh_metrics(model_config, train_config), 0
-    if args.resume and session.state_path.exists():
-        metrics, start_step = _load_state(
-            session.state_path, session.model, session.optimizers, device
-        )
 
-    progress = tqdm(
-        range(start_step, train_config.steps),
-        initial=start_step,
-        total=train_config.steps,
-        disable=rank != 0,
-        desc=model_config.scheme,
-        mininterval=2.0,
-    )
-    tokens_per_step = (
-        train_config.batch_size * train_config.grad_accum * model_config.context_length
-    )
-    clock = time.perf_counter()
-    wall_before = metrics["wall_seconds"]
-    for step in progress:
-        loss = session.optimise(step)
-        metrics["tokens_seen"] += tokens_per_step
-        metrics["wall_seconds"] = wall_before + time.perf_counter() - clock
-        metrics["train_loss"].append([step + 1, round(loss, 4)])
-        progress.set_postfix(
-            loss=f"{loss:.3f}",
-            tok_s=f"{metrics['tokens_seen'] / max(metrics['wall_seconds'], 1e-9):.0f}",
-            refresh=False,
+
+class _Progress:
+    """The run's metrics as they grow (what metrics.json holds) and the tqdm bar over the steps
+    still to run, which shows the latest loss and tokens/s (rank 0 only)."""
+
+    def __init__(self, metrics: dict[str, Any], first_step: int, session: TrainingRun) -> None:
+        model_config, train_config = session.model.config, session.train_config
+        self.metrics = metrics
+        self.bar = tqdm(
+            range(first_step, train_config.steps),
+            initial=first_step,
+            total=train_config.steps,
+            disable=session.rank != 0,
+            desc=model_config.scheme,
+            mininterval=2.0,
         )
-        last = step + 1 in (train_config.steps, args.stop_at)
-        if (step + 1) % train_config.eval_every == 0 or last:
-            val = session.validate()
-            metrics["val_loss"].append([step + 1, round(val, 4)])
-            if rank == 0:
-                progress.write(f"step {step + 1}: val loss {val:.4f}")
-        if rank == 0 and ((step + 1) % train_config.save_every == 0 or last):
-            session.save(metrics, step + 1)
-        if step + 1 == args.stop_at:
-            break
-    return metrics
+        self._tokens_per_step = (
+            train_config.batch_size * train_config.grad_accum * model_config.context_length
+        )
+        self._wall_before = metrics["wall_seconds"]  # of the run this one resumes
+        self._clock = time.perf_counter()
+
+    @classmethod
+    def start(cls, session: TrainingRun, resume: bool) -> _Progress:
+        """Progress so far: from the saved state with ``resume`` (when there is one), else new."""
+        if resume and session.state_path.exists():
+            metrics, first_step = _load_state(
+                session.state_path, session.model, session.optimizers, session.device
+            )
+            return cls(metrics, first_step, session)
+        return cls(_fresh_metrics(session.model.config, session.train_config), 0, session)
+
+    def record_step(self, step: int, loss: float) -> None:
+        """Step ``step`` (counted from 1) is done with mean training loss ``loss``."""
+        metrics = self.metrics
+        metrics["tokens_seen"] += self._tokens_per_step
+        metrics["wall_seconds"] = self._wall_before + time.perf_counter() - self._clock
+        metrics["train_loss"].append([step, round(loss, 4)])
+        tokens_per_second = metrics["tokens_seen"] / max(metrics["wall_seconds"], 1e-9)
+        self.bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_second:.0f}", refresh=False)
+
+    def record_validation(self, step: int, loss: float) -> None:
+        self.metrics["val_loss"].append([step, round(loss, 4)])
+        if not self.bar.disable:  # rank 0 (tqdm's write prints even for a disabled bar)
+            self.bar.write(f"step {step}: val loss {loss:.4f}")
 
 
 @dataclass(frozen=True)
-class _Session:
+class TrainingRun:
     """One process's training run: its data, model (DDP-wrapped as ``trainable`` under
     torchrun), optimisers and where it saves."""
 
@@ -403,7 +429,10 @@ class _Session:
         device: torch.device,
         rank: int,
         world: int,
-    ) -> _Session:
+    ) -> TrainingRun:
+        """Set up process ``rank`` of ``world`` (threads, seed), then its data, model and
+        optimisers: everything ``optimise`` needs."""
+        _prepare_process(train_config, world)
         data = load_training_data(args.tokenizer, model_config, train_config)
         model = Transformer(model_config)
         install_corpus_geometry(model, data.documents, data.special, train_config.seed)
@@ -431,8 +460,9 @@ class _Session:
             self.world,
             self.device,
         )
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.train_config.grad_clip)
-        for optimizer in self.optimizers:
+        with record_function("clip"):
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.train_config.grad_clip)
+        for optimizer in self.optimizers:  # the profiler labels these Optimizer.step#NAME.step
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         return loss
@@ -479,19 +509,22 @@ def _train_step(
     micro_batch = train_config.batch_size // world
     step_loss = torch.zeros((), dtype=torch.float64, device=device)
     for micro in range(train_config.grad_accum):
-        inputs, targets = sequences.batch(
-            step * train_config.grad_accum + micro, train_config.batch_size
-        )
-        inputs = inputs[rank * micro_batch : (rank + 1) * micro_batch].to(device)
-        targets = targets[rank * micro_batch : (rank + 1) * micro_batch].to(device)
-        # The mean over the global batch's scored tokens, whatever share each process has:
-        # DDP averages the gradients of `world` processes, so each scales its sum by world.
-        scored = _global_sum((targets != IGNORE_INDEX).sum(), world).clamp(min=1)
-        logits = trainable(inputs)
-        loss_sum = F.cross_entropy(
-            logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
-        )
-        (loss_sum * world / scored / train_config.grad_accum).backward()
+        with record_function("batch"):
+            inputs, targets = sequences.batch(
+                step * train_config.grad_accum + micro, train_config.batch_size
+            )
+            inputs = inputs[rank * micro_batch : (rank + 1) * micro_batch].to(device)
+            targets = targets[rank * micro_batch : (rank + 1) * micro_batch].to(device)
+            # The mean over the global batch's scored tokens, whatever share each process has:
+            # DDP averages the gradients of `world` processes, so each scales its sum by world.
+            scored = _global_sum((targets != IGNORE_INDEX).sum(), world).clamp(min=1)
+        with record_function("forward"):
+            logits = trainable(inputs)
+            loss_sum = F.cross_entropy(
+                logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+            )
+        with record_function("backward"):
+            (loss_sum * world / scored / train_config.grad_accum).backward()
         step_loss += loss_sum.detach().double() / scored / train_config.grad_accum
     return _global_sum(step_loss, world).item()
 

@@ -36,6 +36,8 @@ import time
 import tomllib
 from pathlib import Path
 
+from model.config import write_text_atomic
+
 ROOT = Path(__file__).resolve().parent.parent
 MUTANTS = Path("mutants")  # mutmut's working copy, relative to ROOT (mutmut's choice)
 REPORT = MUTANTS / "report.txt"
@@ -218,7 +220,7 @@ def main(argv: list[str] | None = None) -> None:
         run_entry(entry, args.jobs)
         results += collect(entry)
     report = render(results, time.perf_counter() - start, args.jobs)
-    REPORT.write_text(report)
+    write_text_atomic(REPORT, report)
     print(f"\n{report}", end="")
 
 

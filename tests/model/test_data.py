@@ -1,7 +1,7 @@
 """Properties of model.data: training sequences start at a speech boundary (or, with line starts,
 at a line of a speech) and are a pure function of (seed, step); the geometry's sequences stay
-speech-aligned; validation windows score every token once; positional counts match a plain
-count."""
+speech-aligned, and ``ordinal geometry`` measures those, not the sampler's; validation windows
+score every token once; positional counts match a plain count."""
 
 import random
 import re
@@ -22,7 +22,9 @@ from model.data import (
     validation_stream,
     validation_windows,
 )
-from model.tokenizer import SpecialIds, special_ids, train_tokenizer
+from model.geometry.corpus import measure_corpus
+from model.geometry.report import load_corpus_geometry
+from model.tokenizer import SpecialIds, save_tokenizer, special_ids, train_tokenizer
 
 SPECIAL = SpecialIds(bos=0, eos=1, pad=2)
 SPEAKER_PREFIX = re.compile(r"[A-Z][A-Z0-9 &'.,-]*:\n")
@@ -199,6 +201,33 @@ def test_the_geometry_sequences_are_speech_aligned_whatever_training_uses(
         sequences,
         line_training.sequences(torch.searchsorted(line_training.starts, speech_starts))[0],
     )
+
+
+def test_ordinal_geometry_measures_the_speech_aligned_statistics_not_the_samplers(
+    tokenizer, train_ids, tmp_path
+):
+    """``ordinal geometry`` on Shakespeare (load_corpus_geometry) measures the sequences of the
+    spec, one per training speech: [bos] + the speech and those after it, padded at the end;
+    so its positional statistics are those, whatever training samples. Line-start sequences
+    (the new sampler's) give clearly different statistics: a geometry that followed the
+    training sampler would fail here."""
+    n = 24
+    path = tmp_path / "tokenizer.json"
+    save_tokenizer(tokenizer, path)
+    geometry = load_corpus_geometry("shakespeare", n, tokenizer_path=path)
+
+    special, vocab = special_ids(tokenizer), tokenizer.get_vocab_size()
+    stream = [t for document in train_ids for t in (*document, special.eos)] + [special.pad] * n
+    offsets = np.cumsum([0, *(len(document) + 1 for document in train_ids)])[:-1]
+    spec = torch.tensor([[special.bos, *stream[offset : offset + n - 1]] for offset in offsets])
+    assert torch.equal(geometry.sequences, spec)
+    expected = measure_corpus("spec", spec, vocab, special.pad, seed=0)
+    np.testing.assert_allclose(geometry.hellinger, expected.hellinger, rtol=0, atol=1e-12)
+
+    lines = TrainingSequences(train_ids, n, 0, special, line_break_ids(tokenizer))
+    from_lines = lines.sequences(torch.arange(lines.num_starts))[0]
+    line_geometry = measure_corpus("lines", from_lines, vocab, special.pad, seed=0)
+    assert np.abs(line_geometry.hellinger - geometry.hellinger).max() > 0.1
 
 
 @pytest.mark.parametrize("window", [1, 7, 64, 10_000])

@@ -1,9 +1,10 @@
 """``ordinal train``: the shipped preset is what it uses by default, a short run learns, a resumed
-run equals an uninterrupted one (AdamW, and Muon with every recipe option on), line-start
-sequences never reach the validation plays, the mds scheme gets the training corpus's
-speech-aligned geometry whatever the sampler, a bad config is a one-line error, two processes
-under ``torchrun`` (gloo, DDP) follow one process's loss curve with the same global batch, and
-``make checkpoints`` rebuilds checkpoints with its recipe (on the tiny preset).
+run equals an uninterrupted one (AdamW; and the candidate preset's Muon recipe, QK-norm on, bit
+for bit), no draw of the sampler (speech or line starts, any seed) reaches the validation plays,
+the mds scheme gets the training corpus's speech-aligned geometry whatever the sampler, a bad
+config is a one-line error, two processes under ``torchrun`` (gloo, DDP) follow one process's loss
+curve with the same global batch, and ``make checkpoints`` rebuilds checkpoints with its recipe
+(on the tiny preset).
 
 Training runs on a slice of the training split (monkeypatched ``load_corpus``) so the whole file
 takes seconds; the code under test is unchanged: it trains its tokenizer, encodes, samples and
@@ -13,6 +14,8 @@ saves exactly as it does on the full corpus.
 from __future__ import annotations
 
 import argparse
+import bisect
+import copy
 import dataclasses
 import json
 import math
@@ -33,7 +36,7 @@ import model.train
 import ordinal
 from model.checkpoint import load_checkpoint
 from model.corpus import Corpus, load_corpus
-from model.data import TrainingSequences, boundary_sequences, encode_documents
+from model.data import IGNORE_INDEX, TrainingSequences, boundary_sequences, encode_documents
 from model.geometry.corpus import measure_corpus
 from model.geometry.metrics import pairwise_distances
 from model.tokenizer import load_tokenizer, special_ids
@@ -165,6 +168,7 @@ def test_the_shipped_preset_is_what_ordinal_train_uses_by_default(tmp_path: Path
     assert model_config.positional == {"scheme": "sinusoidal", "scale": 0.028}
     assert train_config == shipped.train == model.config.TrainConfig()
     assert tuple(model.config.PRESETS) == ordinal.PRESETS and ordinal.PRESETS[0] == "shipped"
+    assert ordinal.PRESETS[0] == model.config.DEFAULT_PRESET  # the library's default: the CLI's
     assert ordinal.TRAIN_CHOICES == {
         "optimizer": model.config.OPTIMIZERS,
         "sequence_starts": model.config.SEQUENCE_STARTS,
@@ -194,19 +198,15 @@ def test_the_shipped_preset_is_what_ordinal_train_uses_by_default(tmp_path: Path
     assert train_config.batch_size == tiny.train.batch_size
 
 
-# Every new option at once: Muon, ReLU², QK-norm, no dropout, sequences from any line.
-RECIPE_OPTIONS = {
-    "model": {"mlp": "relu2", "qk_norm": True, "dropout": 0.0},
-    "train": {"optimizer": "muon", "sequence_starts": "line"},
-}
-
-
-def test_muon_run_resumed_equals_an_uninterrupted_one_and_never_sees_validation_text(
+def test_candidate_run_resumed_equals_an_uninterrupted_one_and_never_sees_validation_text(
     tmp_path: Path,
     tokenizer_path: Path,
     small_corpus: Corpus,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """The candidate preset at tiny sizes (Muon, ReLU², no dropout, sequences from any line),
+    with QK-norm on too: stopped at step 15 and resumed, it ends bit for bit where an
+    uninterrupted run ends: weights, both optimisers' state and every logged loss."""
     seen: list[torch.Tensor] = []
 
     class RecordingSequences(TrainingSequences):
@@ -216,19 +216,29 @@ def test_muon_run_resumed_equals_an_uninterrupted_one_and_never_sees_validation_
             return inputs, targets
 
     monkeypatch.setattr(model.train, "TrainingSequences", RecordingSequences)
-    (tmp_path / "config.json").write_text(json.dumps(RECIPE_OPTIONS))
-    extra = ["--config", str(tmp_path / "config.json"), "--storage-dtype", "float32"]
+    (tmp_path / "config.json").write_text(json.dumps({"model": {"qk_norm": True}}))
+    extra = ["--preset", "candidate", "--config", str(tmp_path / "config.json")]
+    extra += ["--storage-dtype", "float32"]
     whole = model.train.run(train_args(tmp_path / "whole", tokenizer_path, *extra))
-    assert whole["train"]["optimizer"] == "muon" and whole["model"]["qk_norm"] is True
+    candidate = model.config.PRESETS["candidate"]
+    assert whole["train"]["optimizer"] == candidate.train.optimizer == "muon"
+    assert whole["train"]["sequence_starts"] == candidate.train.sequence_starts == "line"
+    assert whole["model"]["mlp"] == candidate.model["mlp"] and whole["model"]["qk_norm"] is True
     assert np.mean(losses(whole)[-5:]) < np.mean(losses(whole)[:5])
 
     model.train.run(train_args(tmp_path / "parts", tokenizer_path, *extra, "--stop-at", "15"))
     resumed = model.train.run(train_args(tmp_path / "parts", tokenizer_path, *extra, "--resume"))
-    np.testing.assert_allclose(losses(resumed), losses(whole), rtol=1e-4)
+    assert resumed["train_loss"] == whole["train_loss"]
+    assert resumed["val_loss"][1:] == whole["val_loss"]  # the first: validated at --stop-at
     expected = torch.load(tmp_path / "whole" / "state" / STATE_FILE, weights_only=False)
     actual = torch.load(tmp_path / "parts" / "state" / STATE_FILE, weights_only=False)
-    torch.testing.assert_close(actual["model"], expected["model"])
+    assert expected["model"].keys() == actual["model"].keys()
+    assert all(torch.equal(actual["model"][k], expected["model"][k]) for k in expected["model"])
     assert len(actual["optimizers"]) == 2  # AdamW and Muon, both restored
+    for saved, reference in zip(actual["optimizers"], expected["optimizers"], strict=True):
+        assert saved["state"].keys() == reference["state"].keys()
+        for index, values in reference["state"].items():
+            assert all(torch.equal(saved["state"][index][k], v) for k, v in values.items())
     muon_state = actual["optimizers"][1]["state"]
     assert muon_state and all("momentum_buffer" in value for value in muon_state.values())
 
@@ -247,6 +257,45 @@ def test_muon_run_resumed_equals_an_uninterrupted_one_and_never_sees_validation_
     assert not any(line in text for text in texts for line in validation_only)
     speaker_first = sum(text.split("\n")[0].endswith(":") for text in texts)
     assert 0 < speaker_first < len(texts)  # some sequences start at a speech, others mid-speech
+
+
+@pytest.mark.parametrize("starts", ["speech", "line"])
+def test_no_draw_of_the_sampler_reaches_the_validation_plays(
+    tmp_path: Path, tokenizer_path: Path, small_corpus: Corpus, starts: str
+) -> None:
+    """Every draw of the sampler ``ordinal train`` builds is one of its S sequences (one per
+    start), whatever the seed and step. All S hold training text only: each line a sequence
+    holds whole is a line of a training speech and its cut last line begins one (a sequence
+    running off the end of the training stream is padded, never continued elsewhere)."""
+    args = train_args(tmp_path, tokenizer_path, "--preset", "candidate")
+    model_config, train_config = model.train.configs_from_args(args)
+    train_config = train_config.replace(sequence_starts=starts)
+    sampler = model.train.load_training_data(args.tokenizer, model_config, train_config).sequences
+    every_input, every_target = sampler.sequences(torch.arange(sampler.num_starts))
+
+    train_lines = sorted({line for speech in small_corpus.train for line in speech.split("\n")})
+    validation_lines = {line for speech in small_corpus.validation for line in speech.split("\n")}
+    assert len(validation_lines - set(train_lines)) > 100  # text the check below would catch
+    tokenizer = load_tokenizer(tokenizer_path)
+    rows = [[token for token in row if token != IGNORE_INDEX] for row in every_target.tolist()]
+    for text in tokenizer.decode_batch(rows, skip_special_tokens=False):
+        *whole, cut = text.replace("<|eos|>", "\n").split("\n")
+        assert all(line in train_lines for line in whole), text
+        cut = cut.rstrip("\ufffd")  # a character whose bytes the window cuts
+        assert train_lines[bisect.bisect_left(train_lines, cut)].startswith(cut), text
+    if starts == "line":
+        assert sampler.num_starts > 3 * sampler.num_documents
+
+    possible = {tuple(row) for row in every_input.tolist()}
+    epoch = sampler.num_starts // train_config.batch_size
+    for seed in range(20):
+        reseeded = copy.copy(sampler)
+        reseeded.seed = seed
+        last = int((reseeded.start_order(0) == sampler.num_starts - 1).nonzero())
+        steps = [0, epoch, 3 * epoch + 1, last // train_config.batch_size]  # the stream's end
+        for step in steps:
+            inputs, _ = reseeded.batch(step, train_config.batch_size)
+            assert {tuple(row) for row in inputs.tolist()} <= possible
 
 
 def test_make_checkpoints_rebuilds_with_the_preset_on_the_tiny_one(tmp_path: Path) -> None:
