@@ -33,6 +33,8 @@ from model.cache import KVCache
 from model.sampling import FailureReason, RowSampler, SamplingBatch, token_logprobs
 from model.transformer import Transformer
 
+GROW_FROM = (4, 64)  # (rows, positions) a growing cache starts with
+
 # (positions in Sampled.rows asking for logprobs, chosen logprob of each, top values, top ids)
 StepLogprobs = tuple[list[int], list[float], list[list[float]], list[list[int]]]
 
@@ -84,18 +86,29 @@ class DecodeBatch:
     ``vocab`` is the tokenizer's vocabulary: logits past it (padding rows of the embedding) are
     never sampled or scored. ``filler`` pads ragged prompt chunks; any id works since padding
     is neither stored nor attended to, and <|bos|> (which every prompt holds) keeps the seen
-    mask exact.
+    mask exact. ``grow``: allocate the cache for a few short rows and grow it on demand (a
+    server, whose batch is mostly not full), shrinking it back whenever the batch empties.
     """
 
     def __init__(
-        self, model: Transformer, max_rows: int, max_length: int, vocab: int, filler: int
+        self,
+        model: Transformer,
+        max_rows: int,
+        max_length: int,
+        vocab: int,
+        filler: int,
+        *,
+        grow: bool = False,
     ) -> None:
         weights = model.token_embedding.weight
         self.model = model
         self.device = weights.device
         self.vocab = vocab
         self.filler = filler
-        self.cache = KVCache(model.config, max_rows, max_length, self.device, weights.dtype)
+        reserve = (min(max_rows, GROW_FROM[0]), min(max_length, GROW_FROM[1])) if grow else None
+        self.cache = KVCache(
+            model.config, max_rows, max_length, self.device, weights.dtype, reserve=reserve
+        )
         self.members: list[Row] = []  # members[i] is in cache row i
         self.decoding = 0  # members[:decoding] decode; the rest are still prefilling
         self.inputs = torch.zeros(max_rows, dtype=torch.long, device=self.device)  # next token fed
@@ -143,6 +156,7 @@ class DecodeBatch:
             if row.index is None:
                 row.index = len(self.members)
                 self.members.append(row)
+        self.cache.reserve_rows(len(self.members))
         counts = [count for _, count in chunks]
         prompts = torch.full((len(chunks), max(counts)), self.filler, dtype=torch.long)
         for index, ((row, count), begin) in enumerate(zip(chunks, begins, strict=True)):
@@ -251,6 +265,8 @@ class DecodeBatch:
             self.members.pop()
             self.cache.reset(len(self.members))
             row.index = None
+        if not self.members:
+            self.cache.release()
         self._changed = True
 
     def _move(self, source: int, target: int) -> None:
@@ -270,6 +286,7 @@ class DecodeBatch:
         """Forget every row (after a failed step); returns the rows that were in the batch."""
         rows, self.members, self.decoding = self.members, [], 0
         self.cache.lengths.zero_()
+        self.cache.release()
         for row in rows:
             row.index = None
         self.seen, self.counts, self._changed = None, None, True

@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from model.decode import DecodeBatch, Row, Tokens
+from model.decode import GROW_FROM, DecodeBatch, Row, Tokens
 from model.generate import decode_tokens, generate
 from model.sampling import RowSampler, SamplingParams
 from tests.model.conftest import TINY_VOCAB, random_model, random_tokens
@@ -93,16 +93,25 @@ def check_layout(batch: DecodeBatch, active: list[Sequence]) -> None:
         assert int(batch.cache.lengths[position]) == expected
 
 
-@pytest.mark.parametrize("scheme", ["rope", "learned", "alibi", "t5"])
-def test_rows_joining_leaving_and_prefilled_in_chunks_decode_as_alone(scheme: str) -> None:
+@pytest.mark.parametrize(
+    ("scheme", "grow"), [("rope", True), ("learned", False), ("alibi", True), ("t5", False)]
+)
+def test_rows_joining_leaving_and_prefilled_in_chunks_decode_as_alone(
+    scheme: str, grow: bool
+) -> None:
+    """``grow``: the cache starts with fewer rows and positions than the batch may need."""
     rng = random.Random(scheme)
     model = random_model(scheme, seed=1)
-    batch = DecodeBatch(model, max_rows=4, max_length=MAX_LENGTH, vocab=TINY_VOCAB, filler=0)
+    batch = DecodeBatch(
+        model, max_rows=6, max_length=MAX_LENGTH, vocab=TINY_VOCAB, filler=0, grow=grow
+    )
     sequences = [Sequence(rng, seed) for seed in range(12)]
     with torch.inference_mode():
         cancelled = run_schedule(batch, sequences, rng)
 
     assert int(batch.cache.lengths.sum()) == 0  # every row was reset when it left
+    if grow:
+        assert batch.cache.allocated == GROW_FROM  # and the emptied cache shrank back
     for index, sequence in enumerate(sequences):
         alone = [
             t for (t,) in decode_tokens(model, [sequence.prompt], sequence.wanted, sequence.params)
