@@ -24,7 +24,7 @@ import torch
 from model.config import ModelConfig, write_json_atomic
 from model.generate import decode_tokens
 from model.positional import SCHEMES
-from model.sampling import RowSampler, SamplingBatch, SamplingParams
+from model.sampling import SamplingParams
 from model.transformer import Transformer
 
 PROMPT_TOKENS = 32
@@ -87,8 +87,7 @@ def time_ours(config: ModelConfig, batch: int, repeats: int) -> float:
     prompts = torch.randint(3, config.vocab_size, (batch, PROMPT_TOKENS)).tolist()
 
     def once() -> None:
-        sampler = SamplingBatch([RowSampler(GREEDY) for _ in range(batch)], device)
-        for _ in decode_tokens(model, prompts, NEW_TOKENS, sampler):
+        for _ in decode_tokens(model, prompts, NEW_TOKENS, GREEDY):
             pass
 
     return best_rate(once, batch * NEW_TOKENS, repeats)

@@ -46,7 +46,8 @@ SINGLE_TOKENS = 256  # as bench.decode
 SINGLE_REPEATS = 3
 LEVEL_TOKENS = 256
 LEVELS = (1, 8, 32, 64)
-MAX_BATCH = 64  # so that the largest level decodes as one batch
+# The server's defaults are measured: its batch holds the largest level (64 streams) at once.
+MAX_BATCH = Settings.model_fields["max_batch_size"].default
 MiB = 2**20
 
 
@@ -83,8 +84,7 @@ def free_port() -> int:
 def serve_command(checkpoints: Path, port: int, models: list[str] | None) -> list[str]:
     """``ordinal serve`` for this benchmark: bfloat16 on a GPU, fp32 on CPU (the default)."""
     command = [sys.executable, "-m", "server.cli", "serve", "--port", str(port)]
-    command += ["--checkpoints", str(checkpoints), "--max-batch-size", str(MAX_BATCH)]
-    command += ["--max-queue", str(MAX_BATCH)]
+    command += ["--checkpoints", str(checkpoints)]
     if models:
         command += ["--models", ",".join(models)]
     return [*command, "--dtype", served_dtype()]
@@ -164,22 +164,41 @@ async def stream_completion(
     return stream
 
 
+def server_processes(process: psutil.Process) -> list[psutil.Process]:
+    """The server: the API process and its children (the engine process)."""
+    return [process, *process.children(recursive=True)]
+
+
 def cpu_seconds(process: psutil.Process | None = None) -> float:
-    """User + system CPU seconds of ``process``, or of this process when None."""
+    """User + system CPU seconds of the server ``process`` and its children, or of this
+    process when None."""
     if process is None:
         usage = resource.getrusage(resource.RUSAGE_SELF)
         return usage.ru_utime + usage.ru_stime
-    times = process.cpu_times()
-    return times.user + times.system
+    total = 0.0
+    for member in server_processes(process):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            times = member.cpu_times()
+            total += times.user + times.system
+    return total
+
+
+def rss(process: psutil.Process) -> int:
+    """RSS of the server ``process`` and its children together (bytes)."""
+    total = 0
+    for member in server_processes(process):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            total += member.memory_info().rss
+    return total
 
 
 async def peak_rss(process: psutil.Process, stop: asyncio.Event, every: float = 0.1) -> int:
-    """The largest RSS of ``process`` seen until ``stop`` is set (bytes)."""
-    peak = process.memory_info().rss
+    """The largest RSS of the server's processes together seen until ``stop`` is set."""
+    peak = rss(process)
     while not stop.is_set():
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), every)
-        peak = max(peak, process.memory_info().rss)
+        peak = max(peak, rss(process))
     return peak
 
 
@@ -286,13 +305,13 @@ def loaded_memory(checkpoints: Path) -> dict[str, Any]:
     """RSS of a server that loaded every model in ``checkpoints`` (the default ``--models``)."""
     with running_server(checkpoints, models=None) as (url, server):
         models = httpx.get(f"{url}/health", timeout=10).json()["models"]
-        return {"models": models, "rss_mib": server.memory_info().rss / MiB}
+        return {"models": models, "rss_mib": rss(server) / MiB}
 
 
 def run(checkpoints: Path, min_seconds: float = 10.0, min_rounds: int = 2) -> dict[str, Any]:
     """Every HTTP measurement, as one JSON-ready dict."""
     with running_server(checkpoints, models=["rope"]) as (url, server):
-        rope_only_rss = server.memory_info().rss / MiB
+        rope_only_rss = rss(server) / MiB
         results = asyncio.run(drive(url, server, min_seconds, min_rounds))
     results["memory"] = {"rope_only_rss_mib": rope_only_rss, **loaded_memory(checkpoints)}
     served = Settings()  # what `ordinal serve` reads from the same environment

@@ -5,8 +5,8 @@
 2. Exact (erf) GELU against GPT-2's tanh form.
 3. One sampling step: rows with top-p (a sort of the vocabulary) against temperature only
    (drawn in vocabulary order).
-4. The continuous-batching engine without HTTP: the shipped rope checkpoint decoding 1 and 32
-   sampled streams of 256 tokens after a 32-token prompt, with the event loop woken every step
+4. The engine process without HTTP: the shipped rope checkpoint decoding 1 and 32 sampled
+   streams of 256 tokens after a 32-token prompt, with a frame sent every step
    (``stream_interval`` 0) and at most every 20 ms — what the server costs before any HTTP work.
 
     python -m bench.micro            # prints markdown tables
@@ -26,13 +26,10 @@ import torch.nn.functional as F
 
 from bench.decode import NEW_TOKENS, PROMPT_TOKENS
 from bench.run import rate, ratio, table
-from model.checkpoint import load_checkpoint
-from model.generate import SequenceState, StopMatcher
 from model.sampling import RowSampler, SamplingBatch, SamplingParams
-from model.tokenizer import IncrementalDecoder, special_ids, token_bytes
-from server.engine import Engine
 from server.job import Job
-from server.metrics import Metrics
+from server.service import Service
+from server.settings import Settings
 
 LINEAR_SHAPES = ((128, 384), (128, 128), (128, 512), (512, 128), (128, 2048))  # (in, out)
 VOCAB = 2048
@@ -91,25 +88,26 @@ def sampling_paths() -> str:
 
 
 def engine_without_http(checkpoint: Path) -> str:
-    loaded = load_checkpoint(checkpoint, device="cpu", dtype="float32")
-    id_bytes = token_bytes(loaded.tokenizer)
-    prompt = [special_ids(loaded.tokenizer).bos, *range(10, 9 + PROMPT_TOKENS)]
+    """The engine process (``server.core``) fed by the API process's client, jobs submitted
+    from an asyncio loop without HTTP: what the server costs before any HTTP work."""
 
     async def tokens_per_s(streams: int, interval: float) -> float:
-        metrics = Metrics().for_model("bench")
-        engine = Engine(
-            "bench", loaded.model, vocab=len(id_bytes), filler=prompt[0], max_batch_size=64,
-            max_context=512, max_queue=64, metrics=metrics, stream_interval=interval,
+        settings = Settings(
+            checkpoints=checkpoint.parent, models=[checkpoint.name], device="cpu",
+            max_batch_size=64, max_queue=64, stream_interval=interval, max_context=512,
         )  # fmt: skip
-        engine.start(asyncio.get_running_loop())
+        service = Service(settings)
+        await service.load()
+        while not service.settled:
+            await asyncio.sleep(0.05)
+        served = service.models[checkpoint.name]
+        prompt = [served.bos, *range(10, 9 + PROMPT_TOKENS)]
 
         async def one(seed: int) -> None:
-            decoder = IncrementalDecoder(loaded.tokenizer, id_bytes)
             # eos_id None: every stream runs all its tokens, as with ignore_eos.
-            state = SequenceState(prompt, NEW_TOKENS, decoder, StopMatcher([]), None)
-            job = Job(prompt, state, SamplingParams(0.8, seed=seed), None, False)
-            engine.submit(job)
-            while not (await job.next_events())[-1].finish_reason:
+            job = Job(prompt, SamplingParams(0.8, seed=seed), max_tokens=NEW_TOKENS)
+            served.engine.submit(job)
+            while not job.is_last((await job.next_events())[-1]):
                 pass
 
         best = 0.0
@@ -117,7 +115,7 @@ def engine_without_http(checkpoint: Path) -> str:
             start = time.perf_counter()
             await asyncio.gather(*(one(seed) for seed in range(streams)))
             best = max(best, streams * NEW_TOKENS / (time.perf_counter() - start))
-        await engine.close()
+        await service.close()
         return best
 
     rows = []
@@ -128,7 +126,7 @@ def engine_without_http(checkpoint: Path) -> str:
         )
     header = ["stream interval", "1 stream", "32 streams", "ratio"]
     return (
-        f"The engine without HTTP (shipped rope, {NEW_TOKENS} sampled tokens per stream, "
+        f"The engine process without HTTP (shipped rope, {NEW_TOKENS} sampled tokens per stream, "
         "tokens/s):\n\n" + table(header, rows)
     )
 

@@ -22,7 +22,14 @@ class CacheFull(ValueError):
 
 
 class KVCache:
-    """Keys and values for ``n_layers`` layers: each [rows, n_heads, max_length, head_dim]."""
+    """Keys and values for ``n_layers`` layers: each [rows, n_heads, length, head_dim].
+
+    ``rows`` × ``max_length`` is the most it holds. With ``reserve`` = (rows, length) only that
+    much is allocated at first, and the cache grows (doubling, up to the most) when a sequence
+    joins past its rows (:meth:`reserve_rows`) or a write goes past its length
+    (:meth:`positions`); :meth:`release` shrinks an empty cache back. A grown cache copies its
+    filled part once; a server's idle models then hold almost nothing.
+    """
 
     def __init__(
         self,
@@ -31,19 +38,55 @@ class KVCache:
         max_length: int,
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
+        *,
+        reserve: tuple[int, int] | None = None,
     ) -> None:
-        shape = (config.n_layers, rows, config.n_heads, max_length, config.head_dim)
-        self.keys = torch.zeros(shape, device=device, dtype=dtype)
-        self.values = torch.zeros(shape, device=device, dtype=dtype)
-        self.max_length = max_length
+        self.max_rows, self.max_length = rows, max_length
+        self._layout = (config.n_layers, config.n_heads, config.head_dim, device, dtype)
+        self._reserve = (rows, max_length) if reserve is None else reserve
         # Lengths live on the host: they decide slicing, and reading them must never sync a GPU.
         self.lengths = torch.zeros(rows, dtype=torch.long)
         self._offsets = torch.arange(max_length)
-        self._layer_keys, self._layer_values = self.keys.unbind(0), self.values.unbind(0)
+        self.keys = self.values = torch.empty(0)
+        self._allocate(*self._reserve)
 
     @property
     def rows(self) -> int:
-        return self.keys.shape[1]
+        return self.max_rows
+
+    @property
+    def allocated(self) -> tuple[int, int]:
+        """(rows, length) of the tensors now allocated."""
+        return self.keys.shape[1], self.keys.shape[3]
+
+    def _allocate(self, rows: int, length: int) -> None:
+        """New zeroed tensors of ``rows`` × ``length``, holding what fits of the old ones.
+
+        Zeros, not garbage: slots past a row's length are read (and masked) by attention,
+        and a NaN there would survive the mask (0 × NaN).
+        """
+        layers, heads, head_dim, device, dtype = self._layout
+        shape = (layers, rows, heads, length, head_dim)
+        keys = torch.zeros(shape, device=device, dtype=dtype)
+        values = torch.zeros(shape, device=device, dtype=dtype)
+        if self.keys.numel():
+            kept_rows, kept_length = min(rows, self.allocated[0]), min(length, self.allocated[1])
+            keys[:, :kept_rows, :, :kept_length] = self.keys[:, :kept_rows, :, :kept_length]
+            values[:, :kept_rows, :, :kept_length] = self.values[:, :kept_rows, :, :kept_length]
+        self.keys, self.values = keys, values
+        self._layer_keys, self._layer_values = keys.unbind(0), values.unbind(0)
+
+    def reserve_rows(self, rows: int) -> None:
+        """Make room for ``rows`` sequences (≤ the most it holds)."""
+        allocated, length = self.allocated
+        if rows > allocated:
+            self._allocate(min(self.max_rows, max(rows, 2 * allocated)), length)
+
+    def release(self) -> None:
+        """Shrink back to the first reservation; only while no row holds a sequence."""
+        if self.allocated != self._reserve and not bool(self.lengths.any()):
+            self.keys = self.values = torch.empty(0)
+            self._allocate(*self._reserve)
 
     def positions(self, rows: slice, n_new: int, new_counts: Tensor | None = None) -> CacheWrite:
         """Plan a write of ``n_new`` tokens per row into ``rows`` (``new_counts`` [B] if ragged).
@@ -89,6 +132,9 @@ class KVCache:
             raise CacheFull(
                 f"the cache holds {self.max_length} positions per row; this step needs {key_length}"
             )
+        rows, length = self.allocated
+        if key_length > length:
+            self._allocate(rows, min(self.max_length, max(key_length, 2 * length)))
 
     def write(
         self, layer: int, plan: CacheWrite, keys: Tensor, values: Tensor

@@ -1,4 +1,5 @@
-"""Generating text with the KV cache: prefill once, then one cached step per new token.
+"""Generating text offline with the decode core (``model.decode.DecodeBatch``), the same one the
+server's engine drives: prefill once, then one cached step per new token.
 
 ``SequenceState`` is the per-sequence bookkeeping shared by offline ``generate()`` and the
 service's continuous-batching engine: it appends sampled tokens, turns them into text that never
@@ -14,8 +15,8 @@ from dataclasses import dataclass, field
 import torch
 from tokenizers import Tokenizer
 
-from model.cache import KVCache
-from model.sampling import RowSampler, SamplingBatch, SamplingParams
+from model.decode import DecodeBatch, Row, Sampled, Tokens
+from model.sampling import RowSampler, SamplingParams
 from model.tokenizer import IncrementalDecoder, special_ids
 from model.transformer import Transformer
 
@@ -123,56 +124,68 @@ def encode_prompt(tokenizer: Tokenizer, prompt: str | Sequence[int]) -> list[int
     return ids if ids[:1] == [bos] else [bos, *ids]
 
 
-@torch.inference_mode()
-def decode_tokens(
-    model: Transformer,
-    prompts: Sequence[Sequence[int]],
-    max_new_tokens: int,
-    sampler: SamplingBatch,
-    pad_id: int = 0,
-) -> Iterator[torch.Tensor]:
-    """Prefill ``prompts`` in one ragged pass, then yield the next token ids [B] at every step.
-
-    Each step is one cached forward for the whole batch; at most ``max_new_tokens`` steps.
-    Stop iterating to stop decoding (rows that finished early simply have their tokens ignored).
-    """
-    longest = max(len(prompt) for prompt in prompts)
+def _check_room(model: Transformer, longest: int, max_new_tokens: int) -> None:
     limit = model.positional.max_positions
     if limit is not None and longest + max_new_tokens > limit:
         raise ValueError(
             f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
             f"'{model.config.scheme}' scheme's max_positions ({limit})"
         )
-    weight = model.token_embedding.weight
-    cache = KVCache(
-        model.config, len(prompts), longest + max_new_tokens, weight.device, weight.dtype
-    )
-    prompt_batch = torch.full((len(prompts), longest), pad_id, dtype=torch.long)
-    for row, prompt in enumerate(prompts):
-        prompt_batch[row, : len(prompt)] = torch.as_tensor(prompt)
-    counts = torch.tensor([len(prompt) for prompt in prompts])
-    prompt_batch = prompt_batch.to(weight.device)
-    logits = model(prompt_batch, cache, new_counts=counts, last_only=True)
 
-    seen = None
-    if sampler.uses_penalty:
-        seen = torch.zeros(len(prompts), model.config.vocab_size, dtype=torch.bool)
-        for row, prompt in enumerate(prompts):
-            seen[row, torch.as_tensor(prompt)] = True
-        seen = seen.to(weight.device)
-    generated = None  # [B, V] counts, for frequency and presence penalties
-    if sampler.uses_counts:
-        generated = torch.zeros(len(prompts), model.config.vocab_size, device=weight.device)
+
+def _start(
+    model: Transformer, rows: list[Row], max_new_tokens: int, vocab: int, pad_id: int
+) -> tuple[DecodeBatch, Sampled | None]:
+    """A batch holding ``rows``, their prompts prefilled in one ragged pass, and its first draw."""
+    longest = max(len(row.tokens.prompt_ids) for row in rows)
+    _check_room(model, longest, max_new_tokens)
+    batch = DecodeBatch(model, len(rows), longest + max_new_tokens, vocab, pad_id)
+    return batch, batch.step([(row, len(row.tokens.prompt_ids)) for row in rows])
+
+
+def _sample_all(sampled: Sampled) -> list[int]:
+    """The draw's tokens; offline, a row that cannot be sampled is an error for the caller."""
+    if sampled.failures:
+        row, reason = next(iter(sampled.failures.items()))
+        raise ValueError(f"row {row} of the batch could not be sampled: {reason}")
+    return sampled.tokens
+
+
+@torch.inference_mode()
+def decode_tokens(
+    model: Transformer,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    params: SamplingParams | Sequence[SamplingParams] = GREEDY,
+    pad_id: int = 0,
+) -> Iterator[list[int]]:
+    """Prefill ``prompts`` in one ragged pass, then yield the next token id of every row at
+    every step, ``max_new_tokens`` times (no row stops early: the raw decode loop).
+
+    Each step is one cached forward for the whole batch, through the same ``DecodeBatch`` the
+    server decodes with. Stop iterating to stop decoding.
+    """
+    settings = _per_row(params, len(prompts))
+    rows = [Row(Tokens(list(p), []), RowSampler(s)) for p, s in zip(prompts, settings, strict=True)]
+    batch, sampled = _start(model, rows, max_new_tokens, model.config.vocab_size, pad_id)
     for step in range(max_new_tokens):
-        next_ids = sampler.sample(logits, seen, generated)
-        yield next_ids
+        assert sampled is not None
+        tokens = _sample_all(sampled)
+        yield tokens
         if step + 1 == max_new_tokens:
             return
-        if seen is not None:
-            seen.scatter_(1, next_ids.unsqueeze(1), True)
-        if generated is not None:
-            generated.scatter_add_(1, next_ids.unsqueeze(1), torch.ones_like(generated[:, :1]))
-        logits = model(next_ids.unsqueeze(1), cache, last_only=True)
+        for row, token in zip(sampled.rows, tokens, strict=True):
+            row.tokens.generated_ids.append(token)
+        sampled = batch.step()
+
+
+def _per_row(
+    sampling: SamplingParams | Sequence[SamplingParams], rows: int
+) -> list[SamplingParams]:
+    params = [sampling] * rows if isinstance(sampling, SamplingParams) else list(sampling)
+    if len(params) != rows:
+        raise ValueError(f"got {len(params)} sampling settings for {rows} prompts")
+    return params
 
 
 @torch.inference_mode()
@@ -188,28 +201,30 @@ def generate(
     """Generate a completion for each prompt, all rows decoded together with one KV cache.
 
     Prompts of different lengths are prefilled in one ragged pass; then each step runs one cached
-    forward for the whole batch. A row stops on <|eos|>, a stop string or ``max_new_tokens``.
-    ``sampling`` is one SamplingParams for all rows or one per row.
+    forward for the rows still generating. A row stops (and leaves the batch) on <|eos|>, a stop
+    string or ``max_new_tokens``. ``sampling`` is one SamplingParams for all rows or one per
+    row. Tokens past the tokenizer's vocabulary (padding rows of the embedding) are never drawn.
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be ≥ 1, got {max_new_tokens}")
-    params = [sampling] * len(prompts) if isinstance(sampling, SamplingParams) else list(sampling)
-    if len(params) != len(prompts):
-        raise ValueError(f"got {len(params)} sampling settings for {len(prompts)} prompts")
+    params = _per_row(sampling, len(prompts))
     states = [
         SequenceState.start(tokenizer, encode_prompt(tokenizer, p), max_new_tokens, stop)
         for p in prompts
     ]
-    sampler = SamplingBatch([RowSampler(p) for p in params], model.token_embedding.weight.device)
-    steps = decode_tokens(
-        model, [s.prompt_ids for s in states], max_new_tokens, sampler, special_ids(tokenizer).pad
-    )
-    for next_ids in steps:
-        for state, token in zip(states, next_ids.tolist(), strict=True):
-            if not state.finished:
-                state.append(token)
-        if all(state.finished for state in states):
-            break
+    rows = [Row(state, RowSampler(p)) for state, p in zip(states, params, strict=True)]
+    vocab = min(tokenizer.get_vocab_size(), model.config.vocab_size)
+    batch, sampled = _start(model, rows, max_new_tokens, vocab, special_ids(tokenizer).pad)
+    while sampled is not None:
+        finished = []
+        for row, token in zip(sampled.rows, _sample_all(sampled), strict=True):
+            state = row.tokens
+            assert isinstance(state, SequenceState)
+            state.append(token)
+            if state.finished:
+                finished.append(row)
+        batch.remove(finished)
+        sampled = batch.step() if batch.decoding else None
     return [
         Completion(s.prompt_ids, s.generated_ids, s.text, s.finish_reason or "length")
         for s in states

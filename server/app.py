@@ -13,6 +13,7 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 from pydantic import ValidationError
 
+from server.client import Launcher
 from server.errors import document_errors, install_error_handlers
 from server.middleware import CatchUnexpected, CountRequests, LimitBody, RequireApiKey
 from server.playground import router as playground_router
@@ -22,11 +23,12 @@ from server.service import Service, check_settings
 from server.settings import Settings
 
 
-def create_app(settings: Settings | None = None) -> FastAPI:
-    """An app serving ``settings``' checkpoints. Models load in the background once it starts:
-    ``/health`` is 503 until they are all loaded, 200 after."""
+def create_app(settings: Settings | None = None, launcher: Launcher | None = None) -> FastAPI:
+    """An app serving ``settings``' checkpoints. Models load in the engine process once it
+    starts: ``/health`` is 503 until one is loaded, 200 after. ``launcher``: what the engine
+    process runs (the tests' reaches into it)."""
     settings = settings or Settings()
-    service = Service(settings)
+    service = Service(settings, launcher)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

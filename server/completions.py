@@ -17,8 +17,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from model.generate import SequenceState, StopMatcher, encode_prompt
-from model.tokenizer import IncrementalDecoder
+from model.generate import encode_prompt
 from server.errors import APIError, error_event
 from server.job import Job
 from server.metrics import TIMEOUT
@@ -128,18 +127,16 @@ def build_job(
     max_tokens = _max_tokens(body, served, len(prompt_ids))
     if max_tokens == 0 and body.logprobs is None:
         return prompt_ids, None
-    state = None
-    if max_tokens > 0:
-        state = SequenceState(
-            prompt_ids=prompt_ids,
-            max_new_tokens=max_tokens,
-            decoder=IncrementalDecoder(served.tokenizer, served.token_bytes),
-            stop=StopMatcher(body.stops),
-            eos_id=None if body.ignore_eos else served.eos,
-        )
-    params = body.sampling_params(served.vocab, seed=seed)
-    score_prompt = body.echo and body.logprobs is not None
-    return prompt_ids, Job(prompt_ids, state, params, body.logprobs, score_prompt)
+    job = Job(
+        prompt_ids,
+        body.sampling_params(served.vocab, seed=seed),
+        max_tokens=max_tokens,
+        stop=body.stops,
+        eos_id=None if body.ignore_eos else served.eos,
+        logprobs=body.logprobs,
+        score_prompt=body.echo and body.logprobs is not None,
+    )
+    return prompt_ids, job
 
 
 def prompt_ids_of(prompt: Prompt, served: ServedModel) -> list[int]:

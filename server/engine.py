@@ -1,52 +1,46 @@
-"""Continuous batching: one thread per model runs decode steps for every active request.
+"""One model's engine, inside the engine process: a Scheduler decides, a DecodeBatch computes.
 
-Each step of the engine thread:
+:meth:`ModelEngine.step`:
 
-1. reads its inbox (new jobs, cancellations) — a cancelled job leaves before the next forward;
-2. runs one cached decode step for the rows already decoding;
-3. admits waiting jobs into free rows and prefills their prompts in one ragged pass;
-4. samples every row's next token in one call, hands the text to each job's ``SequenceState``
-   (stop strings, UTF-8-safe decoding), lets finished jobs leave at once, and sends the events
-   to the event loop with ONE ``call_soon_threadsafe``.
+1. the scheduler (``server.scheduler``, pure) plans the step: which prompt chunks to prefill,
+   which waiting jobs to admit;
+2. prompts that asked for their logprobs are scored (one full forward each);
+3. ``DecodeBatch.step`` runs the cached decode forward, the ragged prefill forward and one
+   sampling call (``model.decode``, the same core as offline ``generate()``);
+4. each sampled token goes to its job's ``SequenceState`` (text, stop strings, token budget);
+   finished and failed jobs leave their rows at once.
 
-The event loop never waits on the model: it only puts jobs in the inbox and reads events.
-Waking the loop costs the engine thread about a fifth of a small model's step (the two threads
-share the GIL), so with ``stream_interval`` > 0 a step's events may wait, up to that long plus
-one step, to travel with later ones; a job's first and last tokens never wait.
+Events and metric changes go to an :class:`Outbox`, which the process loop (``server.core``)
+sends to the API process. A row that cannot be sampled fails alone; a step that raises fails
+the jobs in it (500), never the engine.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
-import queue
-import threading
 import time
-from collections import deque
-from enum import StrEnum
+from dataclasses import dataclass
 
-import torch
+from model.decode import DecodeBatch, Row, Sampled, Tokens
+from model.generate import SequenceState, StopMatcher
+from model.sampling import FailureReason, RowSampler
+from model.tokenizer import IncrementalDecoder
+from server.loader import LoadedModel
+from server.messages import (
+    Dropped,
+    Event,
+    Failed,
+    Finish,
+    ModelStats,
+    Outputs,
+    Scores,
+    Submit,
+    Token,
+)
+from server.metrics import MODEL_ERROR, SHUTDOWN
+from server.scheduler import Phase, Scheduler
 
-from model.sampling import FailureReason
-from model.transformer import Transformer
-from server.batch import DecodeBatch, StepLogprobs
-from server.errors import APIError, busy
-from server.job import Event, Failure, Job, PromptScores, Stage, TokenEvent
-from server.metrics import MODEL_ERROR, SHUTDOWN, ModelMetrics
-
-logger = logging.getLogger("ordinal.server")
-
-Delivery = list[tuple[asyncio.Queue, Event]]
-
-
-class Message(StrEnum):
-    """What the event loop asks of the engine's thread, through its inbox."""
-
-    SUBMIT = "submit"  # run this job
-    CANCEL = "cancel"  # drop this job wherever it is
-    STOP = "stop"  # fail what is left and end the thread
-
+logger = logging.getLogger("ordinal.engine")
 
 SAMPLING_FAILURES = {
     FailureReason.NON_FINITE_LOGITS: "sampling failed for this request: the model's logits "
@@ -54,259 +48,234 @@ SAMPLING_FAILURES = {
     FailureReason.SAMPLING_ERROR: "sampling failed for this request (the other requests in "
     "its batch were not affected)",
 }
+SHUTTING_DOWN = "the server is shutting down"
 
 
-def _put_all(deliveries: Delivery) -> None:
-    """Runs on the event loop: hand each event to its job's queue."""
-    for events, event in deliveries:
-        events.put_nowait(event)
+@dataclass(eq=False, kw_only=True)
+class Request(Row):
+    """One job in the engine: its batch row (``tokens`` is ``state`` when it generates) and
+    what the engine reports about it. ``done`` once its terminal event has been sent."""
 
-
-class Engine:
-    """The scheduler of one model. ``submit``/``cancel`` are called from the event loop."""
-
-    def __init__(
-        self,
-        name: str,
-        model: Transformer,
-        *,
-        vocab: int,
-        filler: int,
-        max_batch_size: int,
-        max_context: int,
-        max_queue: int,
-        metrics: ModelMetrics,
-        stream_interval: float = 0.0,
-        threads: int = 1,
-    ) -> None:
-        self.name = name
-        self.batch = DecodeBatch(model, max_batch_size, max_context, vocab, filler)
-        self.capacity = max_batch_size + max_queue  # jobs in the engine: decoding or waiting
-        self.metrics = metrics
-        self._inbox: queue.SimpleQueue[tuple[Message, Job | None]] = queue.SimpleQueue()
-        self._waiting: deque[Job] = deque()  # engine thread only
-        self._submitted = 0  # written by the event loop only
-        self._released = 0  # written by the engine thread only
-        self._stopping = False
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        self._last_step = 0.0
-        self.stream_interval = stream_interval
-        self.threads = threads
-        self._outbox: Delivery = []  # token events not yet sent (engine thread only)
-        self._last_delivery = 0.0
-        self._admitted: list[Job] = []  # taken from the queue this step (failed with it)
-
-    # ---- event-loop side -------------------------------------------------------------------
-
-    def start(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
-        self._thread = threading.Thread(target=self._run, name=f"engine-{self.name}", daemon=True)
-        self._thread.start()
-
-    async def close(self) -> None:
-        """Stop the thread; jobs still running or waiting get a 503 Failure."""
-        self._stopping = True
-        self._inbox.put((Message.STOP, None))
-        if self._thread is not None:
-            await asyncio.to_thread(self._thread.join, 30)
+    submit: Submit
+    state: SequenceState | None  # None: it only scores its prompt
+    admitted_at: float = 0.0
+    first_token_at: float = 0.0
+    done: bool = False
 
     @property
-    def in_flight(self) -> int:
-        """Jobs submitted and not yet finished (decoding, waiting, or still in the inbox)."""
-        return self._submitted - self._released
+    def id(self) -> int:
+        return self.submit.id
 
-    def submit(self, job: Job) -> None:
-        """Queue ``job``; raises a 429 APIError (Retry-After) when the engine is full."""
-        if self._stopping:
-            raise busy("the server is shutting down", status=503)
-        if self.in_flight >= self.capacity:
-            raise busy(
-                f"model '{self.name}' is at capacity ({self.capacity} requests running or "
-                "queued); retry shortly"
+    @property
+    def prompt_length(self) -> int:
+        return len(self.submit.prompt_ids)
+
+    @property
+    def needs_row(self) -> bool:
+        return self.state is not None
+
+
+class Outbox:
+    """What the engine process sends next: events in order, and each model's stats."""
+
+    def __init__(self) -> None:
+        self.events: list[Event] = []
+        self.stats: dict[str, ModelStats] = {}
+        self.urgent = False  # a first or last token, a failure: send without waiting
+
+    def add(self, event: Event, urgent: bool = False) -> None:
+        self.events.append(event)
+        self.urgent |= urgent
+
+    def stats_of(self, model: str, running: int, waiting: int) -> ModelStats:
+        """``model``'s stats for the next frame, its gauges set to ``running``, ``waiting``."""
+        stats = self.stats.get(model)
+        if stats is None:
+            stats = self.stats[model] = ModelStats(model, running, waiting)
+        stats.running, stats.waiting = running, waiting
+        return stats
+
+    def take(self) -> Outputs | None:
+        if not self.events and not self.stats:
+            return None
+        outputs = Outputs(self.events, list(self.stats.values()))
+        self.events, self.stats, self.urgent = [], {}, False
+        return outputs
+
+
+class ModelEngine:
+    """The jobs of one loaded model: a scheduler and a batch of ``max_rows`` rows."""
+
+    def __init__(
+        self, loaded: LoadedModel, max_rows: int, prefill_chunk: int, outbox: Outbox
+    ) -> None:
+        self.loaded = loaded
+        self.name = loaded.name
+        self.batch = DecodeBatch(
+            loaded.model, max_rows, loaded.max_context, loaded.vocab, loaded.bos, grow=True
+        )
+        self.scheduler: Scheduler[Request] = Scheduler(max_rows, prefill_chunk)
+        self.requests: dict[int, Request] = {}  # every job not yet ended, by id
+        self.outbox = outbox
+        self._last_step = 0.0
+
+    @property
+    def idle(self) -> bool:
+        return self.scheduler.idle
+
+    def stats(self) -> ModelStats:
+        running, waiting = len(self.scheduler.running), len(self.scheduler.waiting)
+        return self.outbox.stats_of(self.name, running, waiting)
+
+    def submit(self, submit: Submit) -> None:
+        state = None
+        if submit.max_tokens > 0:
+            state = SequenceState(
+                prompt_ids=submit.prompt_ids,
+                max_new_tokens=submit.max_tokens,
+                decoder=IncrementalDecoder(self.loaded.tokenizer, self.loaded.token_bytes),
+                stop=StopMatcher(submit.stop),
+                eos_id=submit.eos_id,
             )
-        self._submitted += 1
-        self.metrics.waiting.inc()
-        self._inbox.put((Message.SUBMIT, job))
+        request = Request(
+            tokens=state or Tokens(submit.prompt_ids, []),
+            sampler=RowSampler(submit.params),
+            logprobs=submit.logprobs,
+            submit=submit,
+            state=state,
+        )
+        self.requests[request.id] = request
+        self.scheduler.add(request)
+        self.stats()
 
-    def cancel(self, job: Job) -> None:
-        """Stop ``job`` and free its row before the next step (no-op once it has finished)."""
-        if not job.closed:
-            job.closed = True
-            self._inbox.put((Message.CANCEL, job))
-
-    # ---- engine thread ---------------------------------------------------------------------
-
-    def _run(self) -> None:
-        torch.set_num_threads(self.threads)  # OpenMP thread counts belong to the calling thread
-        with torch.inference_mode():
-            while self._read_inbox():
-                try:
-                    self._step()
-                except Exception:  # a failed step fails its jobs, never the thread
-                    logger.exception("model '%s': decode step failed", self.name)
-                    decoding = self.batch.clear()
-                    admitted = [job for job in self._admitted if job.stage != Stage.DONE]
-                    jobs = decoding + [job for job in admitted if job not in decoding]
-                    self.metrics.failures[MODEL_ERROR].inc(len(jobs))
-                    self._fail(jobs, APIError(500, "the model failed on this batch"))
-        leftover = [*self.batch.clear(), *self._waiting]
-        self._waiting.clear()
-        self.metrics.failures[SHUTDOWN].inc(len(leftover))
-        self._fail(leftover, busy("the server is shutting down", status=503))
-
-    def _read_inbox(self) -> bool:
-        """Take new jobs and cancellations; block while there is nothing to do. False = stop."""
-        idle = not self.batch.members and not self._waiting
-        while idle or not self._inbox.empty():
-            kind, job = self._inbox.get()
-            idle = False
-            if kind == Message.STOP:
-                return False
-            assert job is not None
-            if kind == Message.SUBMIT:
-                job.stage = Stage.QUEUED
-                self._waiting.append(job)
-            else:
-                self._drop(job)
-        return True
-
-    def _drop(self, job: Job) -> None:
-        """A cancelled job leaves wherever it is."""
-        if job.stage == Stage.QUEUED:
-            self._waiting.remove(job)
-            self.metrics.waiting.dec()
-        elif job.stage == Stage.RUNNING:
-            self.batch.remove([job])
-            self.metrics.running.set(len(self.batch))
-        else:
+    def cancel(self, job: int) -> None:
+        """Drop job ``job`` wherever it is (nothing if it has already ended)."""
+        request = self.requests.get(job)
+        if request is None:
             return
-        self.metrics.finished["abort"].inc()
-        self._release(job)
+        phase = self.scheduler.cancel(request)
+        if phase in (Phase.PREFILLING, Phase.DECODING):
+            self.batch.remove([request])
+        self.stats().finished.append(Finish("abort"))
+        self._end(request, Dropped(request.id))
 
-    def _release(self, job: Job) -> None:
-        job.stage = Stage.DONE
-        self._released += 1
+    def step(self) -> None:
+        """One step; a step that raises fails its jobs, and the engine carries on."""
+        admitted: list[Request] = []
+        try:
+            self._step(admitted)
+        except Exception:
+            logger.exception("model '%s': decode step failed", self.name)
+            self.batch.clear()
+            failing = self.scheduler.clear_running()
+            failing += [r for r in admitted if not r.done and r not in failing]
+            failures = self.stats().failures
+            failures[MODEL_ERROR] = failures.get(MODEL_ERROR, 0) + len(failing)
+            for request in failing:
+                self._end(request, Failed(request.id, 500, "the model failed on this batch"))
 
-    def _step(self) -> None:
-        decoding = bool(self.batch.members)
-        logits = self.batch.decode() if decoding else None
-        joining = self._admit()
-        if joining:
-            new_logits = self.batch.prefill(joining)
-            logits = new_logits if logits is None else torch.cat([logits, new_logits])
-            self.metrics.running.set(len(self.batch))
-        if logits is None:
-            return
-        tokens, failures = self.batch.sample(logits)
-        logprobs = self.batch.logprobs(logits, tokens)
-        now = time.perf_counter()
-        for job in joining:
-            job.first_token_at = now
-            self.metrics.time_to_first_token.observe(now - job.submitted_at)
-            self.metrics.prefill_time.observe(now - job.admitted_at)
-        deliveries, ending = self._advance(tokens.tolist(), logprobs, failures, now)
+    def shutdown(self) -> None:
+        """Fail every job left (503): the server is stopping."""
+        leftover = self.scheduler.clear()
+        self.batch.clear()
+        if leftover:
+            failures = self.stats().failures
+            failures[SHUTDOWN] = failures.get(SHUTDOWN, 0) + len(leftover)
+        for request in leftover:
+            self._end(request, Failed(request.id, 503, SHUTTING_DOWN))
 
+    def _step(self, admitted: list[Request]) -> None:
+        plan = self.scheduler.schedule()
+        admitted += plan.admitted
+        now = time.monotonic()
+        for request in plan.admitted:
+            self._admit(request, now)
+        for request in plan.admitted:
+            if request.state is None or request.submit.score_prompt:
+                self._score(request)
+        decoding = bool(self.batch.decoding)
+        sampled = self.batch.step([(request, count) for request, count in plan.prefill])
+        now = time.monotonic()
+        stats = self.stats()
         if decoding:
-            self.metrics.inter_token_latency.observe(now - self._last_step)
+            stats.inter_token.append(now - self._last_step)
         self._last_step = now
-        # Last, so that a client which has its final token also sees the metrics and the row
-        # freed.
-        self._outbox.extend(deliveries)
-        if joining or ending or now - self._last_delivery >= self.stream_interval:
-            self._deliver([])
+        if sampled is not None:
+            self._advance(sampled, now, stats)
 
-    def _admit(self) -> list[Job]:
-        """Move waiting jobs into free rows; score prompts that asked for it."""
-        joining: list[Job] = []
-        self._admitted = []
-        while self._waiting and len(joining) < self.batch.free:
-            job = self._waiting.popleft()
-            job.stage = Stage.RUNNING
-            job.admitted_at = time.perf_counter()
-            self._admitted.append(job)
-            self.metrics.waiting.dec()
-            self.metrics.queue_time.observe(job.admitted_at - job.submitted_at)
-            self.metrics.prompt_tokens.inc(len(job.prompt_ids))
-            self.metrics.request_prompt_tokens.observe(len(job.prompt_ids))
-            if job.state is None:  # only the prompt to score
-                scores = self._score(job)
-                now = time.perf_counter()
-                self.metrics.finish("length", job.submitted_at, now, now, generated=0)
-                self._release(job)  # before the reply, so its reader finds the engine done
-                self._deliver([(job.events, scores)])
-                continue
-            if job.score_prompt:
-                self._deliver([(job.events, self._score(job))])
-            joining.append(job)
-        return joining
+    def _admit(self, request: Request, now: float) -> None:
+        request.admitted_at = now
+        stats = self.stats()
+        stats.queue_times.append(now - request.submit.submitted_at)
+        stats.prompt_tokens.append(request.prompt_length)
 
-    def _score(self, job: Job) -> PromptScores:
-        chosen, values, ids = self.batch.score(job.prompt_ids, job.logprobs or 0)
-        return PromptScores(chosen.tolist(), ids.tolist(), values.tolist())
+    def _score(self, request: Request) -> None:
+        """The prompt's logprobs; the job's last event when that is all it asked for."""
+        chosen, values, ids = self.batch.score(request.submit.prompt_ids, request.logprobs or 0)
+        scores = Scores(request.id, chosen.tolist(), ids.tolist(), values.tolist())
+        if request.state is not None:
+            self.outbox.add(scores, urgent=True)
+            return
+        e2e = time.monotonic() - request.submit.submitted_at
+        self.stats().finished.append(Finish("length", e2e, 0.0, 0))
+        self._end(request, scores)
 
-    def _advance(
-        self,
-        tokens: list[int],
-        logprobs: StepLogprobs | None,
-        failures: dict[int, FailureReason],
-        now: float,
-    ) -> tuple[Delivery, bool]:
+    def _advance(self, sampled: Sampled, now: float, stats: ModelStats) -> None:
         """Hand each row's token to its job; fail the rows that could not be sampled; let
-        finished jobs leave; return the events and whether any job left."""
-        members = self.batch.members
-        events: list[tuple[asyncio.Queue, Event] | None] = []  # per row; None: failed row
-        leaving: list[Job] = []
-        for row, (job, token) in enumerate(zip(members, tokens, strict=True)):
-            if row in failures:
+        finished jobs leave."""
+        events: list[Token | None] = []
+        leaving: list[Request] = []
+        urgent = False
+        for position, (row, token) in enumerate(zip(sampled.rows, sampled.tokens, strict=True)):
+            assert isinstance(row, Request) and row.state is not None
+            if position in sampled.failures:
                 events.append(None)
-                leaving.append(job)
+                leaving.append(row)
                 continue
-            state = job.state
-            assert state is not None
-            text = state.append(token)
-            events.append((job.events, TokenEvent(token, text, state.finish_reason)))
-            if state.finish_reason is not None:
-                leaving.append(job)
-                generated = len(state.generated_ids)
-                self.metrics.finish(
-                    state.finish_reason, job.submitted_at, job.first_token_at, now, generated
-                )
-        if logprobs is not None:
-            for row, chosen, values, ids in zip(*logprobs, strict=True):
-                if (delivery := events[row]) is not None:
-                    top = members[row].logprobs
-                    event = delivery[1]._replace(
-                        logprob=chosen, top_ids=ids[:top], top_values=values[:top]
-                    )
-                    events[row] = (delivery[0], event)
-        deliveries = [delivery for delivery in events if delivery is not None]
-        self.metrics.generation_tokens.inc(len(deliveries))
-        for row, reason in failures.items():
+            if not row.first_token_at:
+                row.first_token_at, urgent = now, True
+                ttft = now - row.submit.submitted_at
+                stats.first_tokens.append((ttft, now - row.admitted_at))
+            text = row.state.append(token)
+            events.append(Token(row.id, token, text, row.state.finish_reason))
+            if row.state.finish_reason is not None:
+                leaving.append(row)
+                e2e, decode = now - row.submit.submitted_at, now - row.first_token_at
+                generated = len(row.state.generated_ids)
+                stats.finished.append(Finish(row.state.finish_reason, e2e, decode, generated))
+        self._add_logprobs(sampled, events)
+        for event in events:
+            if event is not None:
+                self.outbox.add(event, urgent or event.finish_reason is not None)
+                stats.generation_tokens += 1
+        for position, reason in sampled.failures.items():
+            row = sampled.rows[position]
+            assert isinstance(row, Request)
             logger.error("model '%s': request failed alone: %s", self.name, reason)
-            self.metrics.failures[reason].inc()
-            error = APIError(500, SAMPLING_FAILURES[reason], code="sampling_failed")
-            deliveries.append((members[row].events, Failure(error)))
+            stats.failures[reason] = stats.failures.get(reason, 0) + 1
+            failure = Failed(row.id, 500, SAMPLING_FAILURES[reason], "sampling_failed")
+            self.outbox.add(failure, urgent=True)
         if leaving:
             self.batch.remove(leaving)
-            self.metrics.running.set(len(self.batch))
-            for job in leaving:
-                self._release(job)
-        return deliveries, bool(leaving)
+            self.scheduler.finish(leaving)
+            for request in leaving:
+                request.done = True
+                del self.requests[request.id]
+            self.stats()
 
-    def _fail(self, jobs: list[Job], error: APIError) -> None:
-        for job in jobs:
-            if job.stage == Stage.QUEUED:
-                self.metrics.waiting.dec()
-            self._release(job)
-        self.metrics.running.set(len(self.batch))
-        self._deliver([(job.events, Failure(error)) for job in jobs])
-
-    def _deliver(self, deliveries: Delivery) -> None:
-        """Send the waiting token events, then ``deliveries``, in one wake-up of the loop."""
-        deliveries, self._outbox = [*self._outbox, *deliveries], []
-        if not deliveries or self._loop is None:
+    @staticmethod
+    def _add_logprobs(sampled: Sampled, events: list[Token | None]) -> None:
+        if sampled.logprobs is None:
             return
-        self._last_delivery = time.perf_counter()
-        with contextlib.suppress(RuntimeError):  # a closed loop: nobody is listening any more
-            self._loop.call_soon_threadsafe(_put_all, deliveries)
+        for position, chosen, values, ids in zip(*sampled.logprobs, strict=True):
+            event = events[position]
+            if event is not None:
+                top = sampled.rows[position].logprobs or 0
+                event.logprob, event.top_ids, event.top_values = chosen, ids[:top], values[:top]
+
+    def _end(self, request: Request, event: Event) -> None:
+        """``request``'s terminal event: it leaves the engine's books."""
+        request.done = True
+        self.requests.pop(request.id, None)
+        self.outbox.add(event, urgent=True)
+        self.stats()

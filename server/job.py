@@ -1,39 +1,22 @@
-"""A request as the engine sees it, and the events its model thread sends back.
+"""A request as the API process hands it to the engine, and the events that come back.
 
-A :class:`Job` is created on the event loop, handed to a model's engine, and read from the loop:
-the engine's thread puts events into ``job.events`` (an asyncio.Queue) through
-``loop.call_soon_threadsafe``, one wake-up per decode step for all jobs of that step.
+A :class:`Job` is created on the event loop and submitted to its model's engine
+(``server.client.ModelClient``), which sends it to the engine process as a ``Submit`` and puts
+the events the engine sends back into ``job.events``: :class:`~server.messages.Token` per
+generated token, :class:`~server.messages.Scores` for the prompt's logprobs, or a
+:class:`Failure`, always the job's last event.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from enum import StrEnum
+from collections.abc import Sequence
 from typing import NamedTuple
 
-from model.generate import SequenceState
-from model.sampling import RowSampler, SamplingParams
+from model.sampling import SamplingParams
 from server.errors import APIError
-
-
-class TokenEvent(NamedTuple):
-    """One generated token, the text it completes (maybe ``""``) and, if asked, its logprobs."""
-
-    token: int
-    text: str
-    finish_reason: str | None  # set on the job's last token: "stop" | "length"
-    logprob: float | None = None
-    top_ids: list[int] | None = None
-    top_values: list[float] | None = None
-
-
-class PromptScores(NamedTuple):
-    """Log-probabilities of the prompt's tokens after the first (a full forward pass)."""
-
-    logprobs: list[float]
-    top_ids: list[list[int]]
-    top_values: list[list[float]]
+from server.messages import Scores, Submit, Token
 
 
 class Failure(NamedTuple):
@@ -42,45 +25,64 @@ class Failure(NamedTuple):
     error: APIError
 
 
-Event = TokenEvent | PromptScores | Failure
+Event = Token | Scores | Failure
 EXPIRED = Failure(APIError(504, "the request took longer than the server's request timeout"))
 
 
-class Stage(StrEnum):
-    """Where a job is, as the engine's thread sees it."""
-
-    NEW = "new"  # created on the event loop, not yet read from the inbox
-    QUEUED = "queued"  # waiting for a batch row
-    RUNNING = "running"  # decoding in a row (or having its prompt scored)
-    DONE = "done"  # finished, failed or cancelled: it holds nothing in the engine
-
-
 class Job:
-    """One completion request: what to compute, and the queue its results arrive in.
+    """One completion choice: what to compute, and the queue its results arrive in.
 
-    ``state`` is None when the request only scores its prompt (echo with max_tokens 0).
-    ``row`` and ``stage`` belong to the engine's thread; ``closed`` to the event loop.
+    ``max_tokens`` 0: only score the prompt (echo with logprobs). ``eos_id`` None: <|eos|> is
+    an ordinary token (ignore_eos). ``id`` is set when the job is submitted.
     """
 
     def __init__(
         self,
         prompt_ids: list[int],
-        state: SequenceState | None,
         params: SamplingParams,
-        logprobs: int | None,
-        score_prompt: bool,
+        *,
+        max_tokens: int,
+        stop: Sequence[str] = (),
+        eos_id: int | None = None,
+        logprobs: int | None = None,
+        score_prompt: bool = False,
     ) -> None:
         self.prompt_ids = prompt_ids
-        self.state = state
-        self.sampler = RowSampler(params)
+        self.params = params
+        self.max_tokens = max_tokens
+        self.stop = list(stop)
+        self.eos_id = eos_id
         self.logprobs = logprobs
         self.score_prompt = score_prompt
-        self.submitted_at = time.perf_counter()
-        self.admitted_at = self.first_token_at = 0.0  # set by the engine
+        self.submitted_at = time.monotonic()
+        self.id: int | None = None
         self.events: asyncio.Queue[Event] = asyncio.Queue()
-        self.closed = False  # loop side: the final event was read, or the job was cancelled
-        self.stage = Stage.NEW  # engine side: NEW → QUEUED → RUNNING → DONE
-        self.row: int | None = None
+        self.closed = False  # the final event was read, or the job was cancelled
+
+    @property
+    def generates(self) -> bool:
+        return self.max_tokens > 0
+
+    def message(self, job_id: int, model: str) -> Submit:
+        """The ``Submit`` that runs this job on ``model``."""
+        return Submit(
+            id=job_id,
+            model=model,
+            prompt_ids=self.prompt_ids,
+            max_tokens=self.max_tokens,
+            stop=self.stop,
+            eos_id=self.eos_id,
+            params=self.params,
+            logprobs=self.logprobs,
+            score_prompt=self.score_prompt,
+            submitted_at=self.submitted_at,
+        )
+
+    def is_last(self, event: Event) -> bool:
+        """Whether ``event`` ends the job."""
+        if isinstance(event, Token):
+            return event.finish_reason is not None
+        return isinstance(event, Failure) or not self.generates
 
     async def next_events(self) -> list[Event]:
         """Wait for at least one event; return every event that has arrived, in order."""

@@ -11,8 +11,8 @@ decode (first → last token) and end to end (arrival → last token). Inter-tok
 observed once per decode step: the time between two consecutive steps is what every sequence
 in the batch saw between two tokens.
 
-Engines get their label children bound once (:class:`ModelMetrics`), so a decode step touches
-no label lookup.
+The engine process measures (``server.messages.ModelStats``, sent with its events) and the API
+process records: :meth:`ModelMetrics.record`, with each model's label children bound once.
 """
 
 from __future__ import annotations
@@ -29,12 +29,20 @@ from prometheus_client import (
 )
 
 from model.sampling import FailureReason
+from server.messages import ModelStats
 
 # Why a request failed after it reached an engine (the ``reason`` label of request failures).
 MODEL_ERROR = "model_error"  # the batch's forward pass raised: every row in it failed
 TIMEOUT = "timeout"  # the request outlived the request timeout
 SHUTDOWN = "shutdown"  # the server stopped while the request was running or queued
-FAILURE_REASONS = (*(reason.value for reason in FailureReason), MODEL_ERROR, TIMEOUT, SHUTDOWN)
+ENGINE_LOST = "engine_lost"  # the engine process died while the request was in it
+FAILURE_REASONS = (
+    *(reason.value for reason in FailureReason),
+    MODEL_ERROR,
+    TIMEOUT,
+    SHUTDOWN,
+    ENGINE_LOST,
+)
 # How a request that did not fail ended (vLLM's ``finished_reason``): "abort" = the client left.
 FINISHED_REASONS = ("stop", "length", "abort")
 
@@ -62,15 +70,30 @@ class ModelMetrics:
     request_prompt_tokens: Histogram
     request_generation_tokens: Histogram
 
-    def finish(
-        self, reason: str, submitted: float, first_token: float, now: float, generated: int
-    ) -> None:
-        """A request ended with ``reason`` ("stop"/"length") at ``now``: its whole-request
-        figures. Times are ``time.perf_counter()`` values."""
-        self.finished[reason].inc()
-        self.e2e_latency.observe(now - submitted)
-        self.decode_time.observe(now - first_token)
-        self.request_generation_tokens.observe(generated)
+    def record(self, stats: ModelStats) -> None:
+        """Apply what the engine process measured since its previous frame."""
+        self.running.set(stats.running)
+        self.waiting.set(stats.waiting)
+        self.prompt_tokens.inc(sum(stats.prompt_tokens))
+        for count in stats.prompt_tokens:
+            self.request_prompt_tokens.observe(count)
+        if stats.generation_tokens:
+            self.generation_tokens.inc(stats.generation_tokens)
+        for seconds in stats.queue_times:
+            self.queue_time.observe(seconds)
+        for ttft, prefill in stats.first_tokens:
+            self.time_to_first_token.observe(ttft)
+            self.prefill_time.observe(prefill)
+        for seconds in stats.inter_token:
+            self.inter_token_latency.observe(seconds)
+        for finish in stats.finished:
+            self.finished[finish.reason].inc()
+            if finish.reason != "abort":
+                self.e2e_latency.observe(finish.e2e)
+                self.decode_time.observe(finish.decode)
+                self.request_generation_tokens.observe(finish.generated)
+        for reason, count in stats.failures.items():
+            self.failures[reason].inc(count)
 
 
 class Metrics:

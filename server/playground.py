@@ -63,7 +63,7 @@ async def trace(body: TraceRequest, request: Request) -> Response:
     model's max_context if smaller), else a 400 ``context_length_exceeded``."""
     service: Service = request.app.state.service
     served = service.get(body.model)
-    content = await create_trace(body, served, service.settings.threads)
+    content = await create_trace(body, served)
     return Response(content, media_type="application/json")
 
 

@@ -1,16 +1,14 @@
-"""Which checkpoints are served, loading them, and the per-app state routes read.
+"""Which checkpoints are served, and the per-app state routes read.
 
-A model's name is its checkpoint folder's name. Loading runs in a worker thread after the app
-has started, one model after another (the default first), and each model loads — or fails — on
-its own: a broken checkpoint makes that model answer 503 with what is wrong, while the others
-serve. ``/health`` is 200 while at least one model is ready.
+A model's name is its checkpoint folder's name. The engine process (``server.core``) loads them
+after the app has started, one model after another (the default first), and each model loads
+— or fails — on its own: a broken checkpoint makes that model answer 503 with what is wrong,
+while the others serve. ``/health`` is 200 while at least one model is ready.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import time
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -20,13 +18,14 @@ import torch
 from tokenizers import Tokenizer
 
 from model.chat import ChatTemplate
-from model.checkpoint import CONFIG_FILE, load_checkpoint, with_positional
-from model.tokenizer import special_ids, token_bytes
+from model.checkpoint import CONFIG_FILE, TOKENIZER_FILE
+from model.tokenizer import load_tokenizer, special_ids, token_bytes
 from model.transformer import Transformer
-from server.engine import Engine
+from server.client import EngineClient, Launcher, ModelClient
 from server.errors import APIError, busy
+from server.messages import EngineConfig, ModelInfo
 from server.metrics import Metrics
-from server.settings import Settings, parse_rope_variant
+from server.settings import Settings
 
 logger = logging.getLogger("ordinal.server")
 
@@ -87,15 +86,23 @@ def context_limit(model: Transformer, configured: int | None) -> int:
     return limit if cap is None else min(limit, cap)
 
 
+def token_strings(tokenizer: Tokenizer, table: list[bytes]) -> list[str]:
+    """id → the token as logprobs name it: its text (invalid UTF-8 escaped), specials by name."""
+    strings = [piece.decode("utf-8", errors="backslashreplace") for piece in table]
+    for special in special_ids(tokenizer):
+        strings[special] = tokenizer.id_to_token(special)
+    return strings
+
+
 @dataclass
 class ServedModel:
-    """A loaded checkpoint, its engine, and per-vocabulary tables computed once."""
+    """A model the engine process has loaded, as the API process knows it: its tokenizer and
+    per-vocabulary tables (computed once), what the engine said of it, and its engine."""
 
     name: str
-    model: Transformer
+    info: ModelInfo
     tokenizer: Tokenizer
-    engine: Engine
-    max_context: int
+    engine: ModelClient
     token_bytes: list[bytes]  # id → raw bytes (specials: b"")
     token_strings: list[str]  # id → the token as logprobs name it (specials by name)
     bos: int
@@ -103,73 +110,47 @@ class ServedModel:
     created: int
     chat_template: ChatTemplate
 
+    @classmethod
+    def from_checkpoint(cls, info: ModelInfo, folder: Path, engine: ModelClient) -> ServedModel:
+        tokenizer = load_tokenizer(folder / TOKENIZER_FILE)
+        specials = special_ids(tokenizer)
+        table = token_bytes(tokenizer)
+        return cls(
+            name=info.name,
+            info=info,
+            tokenizer=tokenizer,
+            engine=engine,
+            token_bytes=table,
+            token_strings=token_strings(tokenizer, table),
+            bos=specials.bos,
+            eos=specials.eos,
+            created=int(folder.stat().st_mtime),
+            chat_template=ChatTemplate.from_checkpoint(folder),
+        )
+
     @property
     def vocab(self) -> int:
         return len(self.token_bytes)
 
+    @property
+    def max_context(self) -> int:
+        return self.info.max_context
+
     def describe(self) -> dict[str, Any]:
         """The model's entry in ``GET /v1/models``."""
-        config = self.model.config
+        info = self.info
         return {
             "id": self.name,
             "object": "model",
             "created": self.created,
             "owned_by": "ordinal",
-            "scheme": config.scheme,
-            "positional": config.positional,
-            "context_length": config.context_length,
-            "max_positions": self.model.positional.max_positions,  # None: no table, no cap
-            "max_context": self.max_context,
-            "parameters": self.model.num_parameters(),
+            "scheme": info.scheme,
+            "positional": info.positional,
+            "context_length": info.context_length,
+            "max_positions": info.max_positions,  # None: no table, no cap
+            "max_context": info.max_context,
+            "parameters": info.parameters,
         }
-
-
-def load_model(name: str, folder: Path, settings: Settings, metrics: Metrics) -> ServedModel:
-    device = resolve_device(settings.device)
-    model, tokenizer = load_checkpoint(folder, device, settings.dtype)
-    return serve_model(name, model, tokenizer, folder, settings, metrics)
-
-
-def serve_model(
-    name: str,
-    model: Transformer,
-    tokenizer: Tokenizer,
-    folder: Path,
-    settings: Settings,
-    metrics: Metrics,
-) -> ServedModel:
-    """``model`` ready to serve as ``name``: its engine and per-vocabulary tables."""
-    specials = special_ids(tokenizer)
-    table = token_bytes(tokenizer)
-    strings = [piece.decode("utf-8", errors="backslashreplace") for piece in table]
-    for special in specials:
-        strings[special] = tokenizer.id_to_token(special)
-    max_context = context_limit(model, settings.max_context)
-    engine = Engine(
-        name,
-        model,
-        vocab=len(table),
-        filler=specials.bos,
-        max_batch_size=settings.max_batch_size,
-        max_context=max_context,
-        max_queue=settings.max_queue,
-        metrics=metrics.for_model(name),
-        stream_interval=settings.stream_interval,
-        threads=settings.threads,
-    )
-    return ServedModel(
-        name=name,
-        model=model,
-        tokenizer=tokenizer,
-        engine=engine,
-        max_context=max_context,
-        token_bytes=table,
-        token_strings=strings,
-        bos=specials.bos,
-        eos=specials.eos,
-        created=int(folder.stat().st_mtime),
-        chat_template=ChatTemplate.from_checkpoint(folder),
-    )
 
 
 class ModelState(StrEnum):
@@ -199,15 +180,22 @@ def load_failure(error: Exception, root: Path) -> str:
 
 
 class Service:
-    """What the routes need: settings, metrics, each model's status and the ready models."""
+    """What the routes need: settings, metrics, each model's status and the ready models.
 
-    def __init__(self, settings: Settings) -> None:
+    The models live in the engine process (``server.client``): this process learns of each
+    as it loads or fails, and marks them all loading again while a crashed engine restarts.
+    """
+
+    def __init__(self, settings: Settings, launcher: Launcher | None = None) -> None:
         self.settings = settings
         self.metrics = Metrics()
         self.models: dict[str, ServedModel] = {}  # the ready models, added as each loads
         self.status: dict[str, ModelStatus] = {}  # every model to serve, ready or not
         self.default_model = ""
         self.load_error: str | None = None  # set when no model could even be looked for
+        self.engine: EngineClient | None = None
+        self._launcher = launcher
+        self._folders: dict[str, Path] = {}
 
     @property
     def ready(self) -> bool:
@@ -223,7 +211,7 @@ class Service:
         return bool(states) and ModelState.LOADING not in states
 
     async def load(self) -> None:
-        """Load each model in a worker thread, then start its engine on this loop."""
+        """Start the engine process, which loads every model (the default first)."""
         settings = self.settings
         try:
             folders = discover_checkpoints(settings.checkpoints, settings.models)
@@ -232,64 +220,57 @@ class Service:
             self.load_error = load_failure(error, settings.checkpoints)
             logger.error("no models to serve: %s", self.load_error)
             return
+        self._folders = folders
         self.status = {name: ModelStatus() for name in folders}
-        # Only the engine threads compute in parallel (each sets its own thread count): an
-        # OpenMP team kept by this thread or the loader's slowed a 2-thread engine 3-4x.
-        torch.set_num_threads(1)
-        loop = asyncio.get_running_loop()
         order = sorted(folders, key=lambda name: name != self.default_model)  # default first
-        for name in order:
-            await self._load_one(name, folders[name], loop)
-        ready = [name for name, status in self.status.items() if status.state == "ready"]
-        logger.info("serving %s (default %s)", ready, self.default_model)
+        config = EngineConfig(
+            models=[(name, str(folders[name])) for name in order],
+            checkpoints=str(settings.checkpoints),
+            device=settings.device,
+            dtype=settings.dtype,
+            threads=settings.threads,
+            max_batch_size=settings.max_batch_size,
+            max_context=settings.max_context,
+            prefill_chunk=settings.prefill_chunk,
+            stream_interval=settings.stream_interval,
+            rope_variants=settings.rope_variants,
+        )
+        capacity = settings.max_batch_size + settings.max_queue
+        self.engine = EngineClient(
+            config, self.metrics, self, capacity=capacity, launcher=self._launcher
+        )
+        await self.engine.start()
 
-    async def _load_one(self, name: str, folder: Path, loop: asyncio.AbstractEventLoop) -> None:
-        started = time.perf_counter()
+    # ---- what the engine process reports (server.client.Listener) -------------------------
 
-        def load() -> ServedModel:
-            torch.set_num_threads(1)
-            return load_model(name, folder, self.settings, self.metrics)
-
-        try:
-            served = await asyncio.to_thread(load)
-        except Exception as error:
-            message = load_failure(error, self.settings.checkpoints)
-            self.status[name] = ModelStatus(ModelState.FAILED, message)
-            logger.error("model '%s' failed to load: %s", name, message)
-            return
-        self._ready(served, started, loop)
-        if served.model.config.scheme == "rope":
-            for variant in self.settings.rope_variants:
-                self._serve_variant(served, folder, variant, loop)
-
-    def _ready(self, served: ServedModel, started: float, loop: asyncio.AbstractEventLoop) -> None:
-        served.engine.start(loop)
-        self.models[served.name] = served
-        self.status[served.name] = ModelStatus(ModelState.READY)
+    def loaded(self, info: ModelInfo, engine: ModelClient) -> None:
+        served = ServedModel.from_checkpoint(info, self._folders[info.base], engine)
+        self.models[info.name] = served
+        self.status[info.name] = ModelStatus(ModelState.READY)
         logger.info(
             "model '%s' ready: %s %s, %s parameters, loaded in %.1f s",
-            served.name,
-            served.model.config.scheme,
-            served.model.config.positional.get("scaling") or "",
-            f"{served.model.num_parameters():,}",
-            time.perf_counter() - started,
+            info.name,
+            info.scheme,
+            info.positional.get("scaling") or "",
+            f"{info.parameters:,}",
+            info.load_seconds,
         )
+        if self.settled:
+            logger.info("serving %s (default %s)", list(self.models), self.default_model)
 
-    def _serve_variant(
-        self, base: ServedModel, folder: Path, variant: str, loop: asyncio.AbstractEventLoop
-    ) -> None:
-        """``base`` under a context-extension ``variant`` ("yarn4"), on the same weights."""
-        started, name = time.perf_counter(), f"{base.name}+{variant}"
-        scaling, factor = parse_rope_variant(variant)
-        overrides = {"scaling": scaling, "scaling_factor": factor}
-        model = with_positional(base.model, overrides)
-        served = serve_model(name, model, base.tokenizer, folder, self.settings, self.metrics)
-        self.status[name] = ModelStatus()
-        self._ready(served, started, loop)
+    def failed(self, name: str, message: str) -> None:
+        self.status[name] = ModelStatus(ModelState.FAILED, message)
+        logger.error("model '%s' failed to load: %s", name, message)
+
+    def lost(self) -> None:
+        """The engine process died: nothing serves until its successor has loaded."""
+        self.models.clear()
+        for name in self.status:
+            self.status[name] = ModelStatus(ModelState.LOADING, "the engine is restarting")
 
     async def close(self) -> None:
-        for served in self.models.values():
-            await served.engine.close()
+        if self.engine is not None:
+            await self.engine.close()
 
     def health(self) -> tuple[bool, dict[str, Any]]:
         """(at least one model ready, the ``/health`` document)."""
@@ -322,4 +303,5 @@ class Service:
             )
         if status.state == ModelState.FAILED:
             raise busy(f"model '{wanted}' failed to load: {status.message}", status=503)
-        raise busy(f"model '{wanted}' is still loading", status=503)
+        why = f" ({status.message})" if status.message else ""
+        raise busy(f"model '{wanted}' is still loading{why}", status=503)

@@ -7,10 +7,10 @@ each layer's attention weights. The positional pieces come from the model's own 
 :func:`model.sampling.sampling_stages`, which runs the sampler's own filter steps. Nothing here
 re-implements a part of the model.
 
-The forward runs in a worker thread (``asyncio.to_thread``) under ``torch.inference_mode``, beside
-the model's engine thread, which it does not queue behind. That is acceptable for a small
-explanatory request bounded at :data:`~server.schemas.MAX_TRACE_TOKENS` tokens; a later issue
-moves the engine into its own process, and the trace will then go through it.
+The forward runs in the engine process (``server.core``), the only process that holds the
+weights, between two decode steps: the streams decoding meanwhile wait for one forward of at
+most :data:`~server.schemas.MAX_TRACE_TOKENS` tokens. The API process checks the prompt and
+receives the JSON, already written.
 
 Response size: attention holds layers × heads × T(T+1)/2 weights, so it is sent as the causal
 lower triangle only (row q lists keys 0..q), as is alibi's and t5's bias; those matrices and the
@@ -34,19 +34,17 @@ are traced on the whole prefix the sampler saw; the views that draw no attention
 
 from __future__ import annotations
 
-import asyncio
 import math
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
-import orjson
 import torch
 from pydantic import BaseModel, Field
 from torch import Tensor
 
 from model.positional import positions_table
 from model.sampling import sampling_stages
-from model.transformer import AttentionRecorder
+from model.transformer import AttentionRecorder, Transformer
 from server.completions import prompt_ids_of
 from server.errors import APIError
 from server.schemas import MAX_TRACE_TOKENS, TraceRequest
@@ -131,7 +129,7 @@ class TraceResponse(BaseModel):
 # ---- computing it ---------------------------------------------------------------------------
 
 
-async def create_trace(body: TraceRequest, served: ServedModel, threads: int) -> bytes:
+async def create_trace(body: TraceRequest, served: ServedModel) -> bytes:
     """The JSON of :class:`TraceResponse` for ``body`` (400 if the prompt is too long)."""
     prompt_ids = prompt_ids_of(body.prompt, served)
     limit = trace_limit(served)
@@ -143,19 +141,29 @@ async def create_trace(body: TraceRequest, served: ServedModel, threads: int) ->
             param="prompt",
             code="context_length_exceeded",
         )
-    trace = await asyncio.to_thread(_trace, body, served, prompt_ids, threads)
-    return orjson.dumps(trace, option=orjson.OPT_SERIALIZE_NUMPY)
+    return await served.engine.trace(prompt_ids, body.model_dump_json().encode())
 
 
-def trace_limit(served: ServedModel) -> int:
+class Traceable(Protocol):
+    """A model as the engine process holds it (``server.loader.LoadedModel``)."""
+
+    name: str
+    model: Transformer
+    token_strings: list[str]
+    max_context: int
+
+    @property
+    def vocab(self) -> int: ...
+
+
+def trace_limit(served: ServedModel | Traceable) -> int:
     """At most MAX_TRACE_TOKENS, and never past what the model serves."""
     return min(MAX_TRACE_TOKENS, served.max_context)
 
 
-def _trace(
-    body: TraceRequest, served: ServedModel, prompt_ids: list[int], threads: int
-) -> dict[str, Any]:
-    torch.set_num_threads(threads)  # thread counts belong to the calling (worker) thread
+def trace_document(body: TraceRequest, served: Traceable, prompt_ids: list[int]) -> dict[str, Any]:
+    """The trace of ``prompt_ids`` (already checked against :func:`trace_limit`), as a dict
+    orjson writes (numpy arrays included). Runs in the engine process, beside the decode loop."""
     model, vocab, names = served.model, served.vocab, served.token_strings
     device = next(model.parameters()).device
     ids = torch.tensor(prompt_ids, device=device)  # [T]

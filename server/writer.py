@@ -15,7 +15,8 @@ from typing import Any
 
 import orjson
 
-from server.job import Failure, Job, PromptScores, TokenEvent
+from server.job import Failure, Job
+from server.messages import Scores, Token
 from server.schemas import CompletionRequest
 from server.service import ServedModel
 
@@ -86,10 +87,10 @@ class CompletionWriter:
                     if pieces:  # tokens that arrived with the failure still reach the client
                         yield pieces
                     raise event.error
-                if isinstance(event, TokenEvent):
+                if isinstance(event, Token):
                     piece = self._token_piece(event)
                 else:
-                    piece = self._prompt_piece(event, final=job.state is None)
+                    piece = self._prompt_piece(event, final=not job.generates)
                 pieces.append(piece)
                 if piece[2] is not None:  # the job's last event
                     job.closed = True
@@ -97,7 +98,7 @@ class CompletionWriter:
                     return
             yield pieces
 
-    def _token_piece(self, event: TokenEvent) -> Piece:
+    def _token_piece(self, event: Token) -> Piece:
         self.completion_tokens += 1
         logprobs = None
         if event.logprob is not None:
@@ -110,7 +111,7 @@ class CompletionWriter:
         self.offset += len(event.text)
         return event.text, logprobs, event.finish_reason
 
-    def _prompt_piece(self, scores: PromptScores, final: bool) -> Piece:
+    def _prompt_piece(self, scores: Scores, final: bool) -> Piece:
         """The echoed prompt with its logprobs; its first token has none (nothing precedes it)."""
         tops = map(self._top, scores.top_ids, scores.top_values)
         logprobs = {
@@ -182,7 +183,7 @@ class ChatWriter(CompletionWriter):
         self.token_bytes = served.token_bytes
         self._role_sent = False
 
-    def _token_piece(self, event: TokenEvent) -> Piece:
+    def _token_piece(self, event: Token) -> Piece:
         self.completion_tokens += 1
         logprobs = None
         if event.logprob is not None:

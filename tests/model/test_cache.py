@@ -231,3 +231,31 @@ def test_an_empty_batch_plans_nothing_and_never_fills_the_cache() -> None:
     ragged = cache.positions(slice(0, 0), 4, torch.zeros(0, dtype=torch.long))
     assert ragged.positions.shape == (0, 4) and ragged.key_length == 0  # the longest of no rows
     assert cache.lengths.tolist() == [0, 0]
+
+
+def test_a_growing_cache_holds_what_a_full_one_holds_and_shrinks_when_empty() -> None:
+    full = KVCache(CONFIG, 4, 12)
+    growing = KVCache(CONFIG, 4, 12, reserve=(1, 2))
+    assert growing.allocated == (1, 2) and growing.rows == 4
+    assert growing.keys.shape == (LAYERS, 1, HEADS, 2, HEAD_DIM)
+    seen = {}
+    for step, (rows, length) in enumerate([(1, 3), (3, 1), (3, 4), (4, 1)]):
+        growing.reserve_rows(rows)
+        keys, values = entries(rows, length, offset=1000.0 * step)
+        for name, cache in (("full", full), ("growing", growing)):
+            plan = cache.positions(slice(0, rows), length)
+            seen[name] = write_every_layer(cache, plan, keys, values)
+        for (full_keys, full_values), (grown_keys, grown_values) in zip(
+            seen["full"], seen["growing"], strict=True
+        ):
+            assert torch.equal(full_keys, grown_keys) and torch.equal(full_values, grown_values)
+    assert growing.allocated == (4, 12)  # rows 1 → 3 → 4; length 2 → 4 → 8 → 12 (the most)
+    assert torch.equal(growing.lengths, full.lengths)
+    with pytest.raises(CacheFull):
+        growing.positions(slice(0, 1), 4)  # 9 + 4 positions: past the most it holds
+    growing.release()  # rows still hold sequences: nothing is dropped
+    assert growing.allocated == (4, 12)
+    for row in range(4):
+        growing.reset(row)
+    growing.release()
+    assert growing.allocated == (1, 2) and not growing.keys.any()

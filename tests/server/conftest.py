@@ -4,6 +4,7 @@ once). ``running_server`` starts extra servers with other settings (API key, tin
 
 from __future__ import annotations
 
+import multiprocessing
 import socket
 import threading
 import time
@@ -26,10 +27,11 @@ from model.positional import SCHEMES
 from model.tokenizer import train_tokenizer
 from model.transformer import Transformer
 from server.app import create_app
-from server.engine import Engine
+from server.client import Launcher, ModelClient
 from server.service import Service
 from server.settings import Settings
 from tests.model.conftest import SCHEME_SETTINGS
+from tests.server.engine_control import Control, Gate
 
 assert set(SCHEME_SETTINGS) == set(SCHEMES)
 
@@ -85,9 +87,13 @@ def build_checkpoints(folder: Path) -> None:
 class Running:
     url: str
     service: Service
+    control: Control  # reaches into the engine process
 
-    def engine(self, model: str) -> Engine:
+    def engine(self, model: str) -> ModelClient:
         return self.service.models[model].engine
+
+    def gate(self, model: str) -> Gate:
+        return Gate(self.control, model)
 
 
 def free_socket() -> socket.socket:
@@ -98,23 +104,39 @@ def free_socket() -> socket.socket:
 
 
 @contextmanager
-def running_server(settings: Settings, wait_ready: bool = True) -> Iterator[Running]:
-    """Serve ``settings`` with uvicorn in a background thread until the block ends."""
-    app = create_app(settings)
+def running_server(
+    settings: Settings, wait_ready: bool = True, hold_loading: bool = False
+) -> Iterator[Running]:
+    """Serve ``settings`` with uvicorn in a background thread until the block ends; the
+    engine process runs under ``tests.server.engine_control`` (``running.control``), forked
+    from a server process that imported torch once for the whole session. ``hold_loading``:
+    its models load only once ``running.control.call("release_loading")``."""
+    ours, theirs = multiprocessing.get_context("forkserver").Pipe()
+    launcher = Launcher(
+        "tests.server.engine_control:run_controlled",
+        (theirs, hold_loading),
+        method="forkserver",
+        preload=("server.client", "tests.server.engine_control"),
+    )
+    app = create_app(settings, launcher)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
     sock = free_socket()
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
-    running = Running(f"http://127.0.0.1:{sock.getsockname()[1]}", app.state.service)
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    running = Running(url, app.state.service, Control(ours))
     try:
         wait_for(lambda: server.started, "uvicorn to start")
         if wait_ready:
-            wait_for(lambda: running.service.settled, "the models to load")
+            # The first engine of a session waits for the fork server to import torch.
+            wait_for(lambda: running.service.settled, "the models to load", timeout=300)
         yield running
     finally:
         server.should_exit = True
         thread.join(30)
         sock.close()
+        ours.close()
+        theirs.close()
 
 
 def wait_for(condition: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
@@ -155,53 +177,13 @@ def sse_events(lines: Iterator[str]) -> Iterator[dict[str, Any] | str]:
             yield payload if payload == "[DONE]" else orjson.loads(payload)
 
 
-class Gate:
-    """Holds a model's forward passes until released, to make a stream's timing observable.
-
-    While installed, each forward pass of the model waits for one permit.
-    """
-
-    def __init__(self, engine: Engine) -> None:
-        self.model = engine.batch.model
-        self.permits = threading.Semaphore(0)
-        self.given = 0  # permits released so far
-        self.passed = 0  # forwards that went through
-        self.opened = False
-        original = self.model.forward
-
-        def gated(*args: Any, **kwargs: Any) -> torch.Tensor:
-            if not self.opened:
-                self.permits.acquire()
-            self.passed += 1
-            return original(*args, **kwargs)
-
-        self.model.forward = gated
-
-    def allow(self, steps: int = 1) -> None:
-        self.given += steps
-        self.permits.release(steps)
-
-    @property
-    def settled(self) -> bool:
-        """Every permit given has been used: the model is held before its next forward."""
-        return self.passed == self.given
-
-    def open(self) -> None:
-        """Let every forward through from now on, and remove the gate."""
-        if self.opened:
-            return
-        self.opened = True
-        self.permits.release(1000)
-        del self.model.forward  # the class's forward again
-
-
 @pytest.fixture
 def gate(server: Running) -> Iterator[Callable[[str], Gate]]:
     """``gate(model_name)`` installs a Gate on that model; it is opened after the test."""
     gates: list[Gate] = []
 
     def install(model: str) -> Gate:
-        gates.append(Gate(server.engine(model)))
+        gates.append(server.gate(model))
         return gates[-1]
 
     yield install

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +11,6 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-import server.service
 from model.checkpoint import WEIGHTS_FILE, load_checkpoint
 from model.generate import encode_prompt
 from model.positional import TABLE_SCHEMES
@@ -31,19 +29,10 @@ from tests.server.conftest import (
 )
 
 
-def test_health_is_503_until_the_models_are_loaded(
-    checkpoints: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    release = threading.Event()
-    load = server.service.load_checkpoint
-
-    def slow_load(*args: Any, **kwargs: Any) -> Any:
-        release.wait(30)
-        return load(*args, **kwargs)
-
-    monkeypatch.setattr(server.service, "load_checkpoint", slow_load)
+def test_health_is_503_until_the_models_are_loaded(checkpoints: Path) -> None:
+    settings = test_settings(checkpoints, models=["rope"])
     with (
-        running_server(test_settings(checkpoints, models=["rope"]), wait_ready=False) as running,
+        running_server(settings, wait_ready=False, hold_loading=True) as running,
         httpx.Client(base_url=running.url, timeout=30) as client,
     ):
         for response in (
@@ -54,8 +43,8 @@ def test_health_is_503_until_the_models_are_loaded(
             assert response.status_code == 503
             assert response.headers["retry-after"] == "1"
             assert "loading" in response.json()["error"]["message"]
-        release.set()
-        wait_for(lambda: running.service.ready, "the models to load")
+        running.control.call("release_loading")
+        wait_for(lambda: running.service.ready, "the models to load", timeout=300)
         assert client.get("/health").json() == {
             "status": "ok",
             "models": {"rope": {"state": "ready"}},
@@ -193,7 +182,7 @@ def test_metrics_count_a_scripted_mix_of_requests(
         pytest.raises(httpx.ReadTimeout),
     ):
         impatient.post(url, json={**plain, "prompt": "a", "max_tokens": 50})
-    wait_for(lambda: not engine._inbox.empty(), "the server to notice the client left")
+    wait_for(lambda: engine.closing > 0, "the server to notice the client left")
     held.open()
     wait_for(lambda: engine.in_flight == 0, "the row to be freed")
     after = metric_values(client)

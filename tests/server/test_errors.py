@@ -14,7 +14,6 @@ import pytest
 from tests.server.conftest import (
     CONTEXT_LENGTH,
     MAX_POSITIONS,
-    Gate,
     Running,
     running_server,
     sse_events,
@@ -198,7 +197,7 @@ def test_an_oversize_body_is_413(small_client: httpx.Client) -> None:
 
 def test_a_full_queue_is_429_with_retry_after(small_server: Running) -> None:
     engine = small_server.engine("rope")
-    held = Gate(engine)
+    held = small_server.gate("rope")
     body = {**OK, "max_tokens": 20, "seed": 1}
 
     async def scenario() -> None:
@@ -239,7 +238,7 @@ def test_a_request_past_the_timeout_is_504_and_frees_its_row(
 ) -> None:
     engine = small_server.engine("rope")
     monkeypatch.setattr(small_server.service.settings, "request_timeout", 0.2)
-    held = Gate(engine)  # the model never gets to run
+    held = small_server.gate("rope")  # the model never gets to run
     try:
         body = {**OK, "max_tokens": 5}
         assert_error(small_client.post("/v1/completions", json=body), 504, None)
@@ -256,21 +255,16 @@ def test_a_request_past_the_timeout_is_504_and_frees_its_row(
 def test_a_failing_step_fails_its_requests_not_the_engine(
     server: Running, client: httpx.Client
 ) -> None:
-    model = server.engine("lowrank").batch.model
     body = {"model": "lowrank", "prompt": "a", "max_tokens": 3}
-
-    def broken(*args: Any, **kwargs: Any) -> None:
-        raise RuntimeError("a device error")
-
     registry = server.service.metrics.registry
     labels = {"model": "lowrank", "reason": "model_error"}
     before = registry.get_sample_value("ordinal_request_failures_total", labels)
-    model.forward = broken
+    server.control.call("break_model", "lowrank")  # in the engine process
     try:
         error = assert_error(client.post("/v1/completions", json=body), 500, None)
         assert error["type"] == "server_error" and "the model failed" in error["message"]
     finally:
-        del model.forward
+        server.control.call("reset", "lowrank")
     assert client.post("/v1/completions", json=body).status_code == 200
     assert server.engine("lowrank").in_flight == 0
     assert registry.get_sample_value("ordinal_request_failures_total", labels) == before + 1

@@ -4,21 +4,15 @@ token-identical to its solo run, and the failure is counted by reason."""
 from __future__ import annotations
 
 import asyncio
-import math
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-import server.job
-from model.sampling import RowSampler
-from server.engine import Engine
 from tests.server.conftest import (
-    Gate,
     Running,
     running_server,
     sse_events,
@@ -83,35 +77,14 @@ def wide_server(checkpoints: Path) -> Iterator[Running]:
         yield running
 
 
-def make_nan_logits(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+def make_nan_logits(running: Running) -> None:
     """The bad request's logits turn NaN once it has generated a few tokens."""
-    batch = engine.batch
-    decode = batch.decode
-
-    def poisoned() -> torch.Tensor:
-        logits = decode()
-        for row, job in enumerate(batch.members):
-            bad = job.sampler.params.seed == BAD_SEED
-            if bad and job.state is not None and len(job.state.generated_ids) >= FAILS_AT_TOKEN:
-                logits[row] = math.nan
-        return logits
-
-    monkeypatch.setattr(batch, "decode", poisoned)
+    running.control.call("poison", MODEL, BAD_SEED, FAILS_AT_TOKEN)
 
 
-def make_sampler_raise(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+def make_sampler_raise(running: Running) -> None:
     """The bad request's own sampler raises on a later draw."""
-
-    class Failing(RowSampler):
-        draws = 0
-
-        def next_uniform(self) -> torch.Tensor:
-            self.draws += 1
-            if self.params.seed == BAD_SEED and self.draws > FAILS_AT_TOKEN:
-                raise RuntimeError("this row's generator broke")
-            return super().next_uniform()
-
-    monkeypatch.setattr(server.job, "RowSampler", Failing)
+    running.control.call("failing_sampler", BAD_SEED, FAILS_AT_TOKEN)
 
 
 @pytest.mark.parametrize(
@@ -119,7 +92,7 @@ def make_sampler_raise(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
     [(make_nan_logits, "non_finite_logits"), (make_sampler_raise, "sampling_error")],
 )
 def test_one_failing_request_leaves_eight_streams_untouched(
-    wide_server: Running, monkeypatch: pytest.MonkeyPatch, breakage: Any, reason: str
+    wide_server: Running, breakage: Any, reason: str
 ) -> None:
     seeds = list(range(1, 9))
     engine = wide_server.engine(MODEL)
@@ -130,8 +103,8 @@ def test_one_failing_request_leaves_eight_streams_untouched(
 
     solo = [asyncio.run(run([stream_body(seed)]))[0] for seed in seeds]
     counted = failures(wide_server.url)
-    breakage(engine, monkeypatch)
-    gate = Gate(engine)  # holds the model until all nine are in, so they decode together
+    breakage(wide_server)  # in the engine process
+    gate = wide_server.gate(MODEL)  # holds the model until all nine are in: one batch
 
     async def all_nine() -> list[list[Any]]:
         running = asyncio.ensure_future(run([stream_body(BAD_SEED), *map(stream_body, seeds)]))
@@ -144,6 +117,7 @@ def test_one_failing_request_leaves_eight_streams_untouched(
         together = asyncio.run(all_nine())
     finally:
         gate.open()
+        wide_server.control.call("reset")
     bad, good = together[0], together[1:]
 
     assert bad[-1] == "[DONE]"

@@ -151,7 +151,7 @@ def test_a_client_that_leaves_frees_its_row_within_one_step(
 
             readers[0].cancel()  # the first client hangs up mid-stream
             await asyncio.gather(readers[0], return_exceptions=True)
-            await asyncio.to_thread(wait_for, lambda: not engine._inbox.empty(), "the cancel")
+            await asyncio.to_thread(wait_for, lambda: engine.closing > 0, "the cancel")
             steps = held.passed
             held.allow(1)  # the step running now ends; the next one starts without the row
             while await metric("ordinal_num_requests_running") != 2:
@@ -183,7 +183,7 @@ def test_a_non_stream_client_that_leaves_frees_its_row(
         pytest.raises(httpx.ReadTimeout),
     ):
         impatient.post("/v1/completions", json=body)
-    wait_for(lambda: not engine._inbox.empty(), "the server to notice the client left")
+    wait_for(lambda: engine.closing > 0, "the server to notice the client left")
     held.open()
     wait_for(lambda: engine.in_flight == 0, "the row to be freed")
     after = gauge(client.get("/metrics").text, "ordinal_generation_tokens_total", model)

@@ -7,6 +7,7 @@ relative error of at most 5e-4: ROUNDED below), attention and bias as causal low
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import Counter
 from pathlib import Path
@@ -18,6 +19,7 @@ import orjson
 import pytest
 import torch
 
+from model.checkpoint import load_checkpoint
 from model.positional import SCHEMES
 from model.positional.t5 import relative_position_bucket
 from model.transformer import Transformer
@@ -39,8 +41,15 @@ def trace(client: httpx.Client, **body: Any) -> dict[str, Any]:
     return response.json()
 
 
+@functools.cache
+def _load(folder: Path) -> Transformer:
+    return load_checkpoint(folder, device="cpu").model
+
+
 def model_of(server: Running, name: str) -> Transformer:
-    return server.service.models[name].model
+    """The served model's weights, loaded here from its checkpoint (the engine process holds
+    the served copy)."""
+    return _load(server.service.settings.checkpoints / name)
 
 
 def stage(result: dict[str, Any], name: str) -> dict[str, Any]:
@@ -526,7 +535,7 @@ def test_the_shipped_models_trace_causal_attention_and_normalised_stages(
         expected = [-value / math.log(2) for value in echo[1:]]
         assert result["surprisal"][1:] == pytest.approx(expected, abs=1e-3)
         if scheme == "alibi":
-            slopes = shipped.service.models["alibi"].model.positional.slopes.flatten()
+            slopes = model_of(shipped, "alibi").positional.slopes.flatten()
             bias = square(result["position_bias"])
             distance = torch.arange(bias.shape[-1])
             expected_bias = -slopes[:, None, None] * (distance[:, None] - distance[None, :])

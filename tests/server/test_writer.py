@@ -10,7 +10,8 @@ import pytest
 
 from model.sampling import SamplingParams
 from server.errors import APIError
-from server.job import Failure, Job, TokenEvent
+from server.job import Failure, Job
+from server.messages import Token
 from server.schemas import CompletionRequest
 from server.writer import CompletionWriter, Piece
 
@@ -18,8 +19,7 @@ from server.writer import CompletionWriter, Piece
 def writer_and_job() -> tuple[CompletionWriter, Job]:
     body = CompletionRequest(model="m", prompt="x", return_tokens_as_token_ids=True)
     served: Any = SimpleNamespace(name="m", token_strings=[], token_bytes=[])
-    job = Job([1, 2], state=SimpleNamespace(), params=SamplingParams(), logprobs=None,
-              score_prompt=False)  # fmt: skip
+    job = Job([1, 2], SamplingParams(), max_tokens=5)
     return CompletionWriter(body, served, job.prompt_ids), job
 
 
@@ -31,7 +31,7 @@ def test_tokens_that_arrive_with_a_failure_are_written_before_it_raises(
     the client must still see those tokens, then the error."""
     writer, job = writer_and_job()
     for token in range(tokens_before_failure):
-        job.events.put_nowait(TokenEvent(token, f"t{token}", None))
+        job.events.put_nowait(Token(1, token, f"t{token}", None))
     job.events.put_nowait(Failure(APIError(500, "broke", code="sampling_failed")))
 
     async def read() -> tuple[list[Piece], APIError]:

@@ -1,0 +1,331 @@
+"""The one decode core: sequences of one model decoded together in rows of one KV cache.
+
+Offline ``generate()`` and the server's engine both drive a :class:`DecodeBatch`. One
+:meth:`DecodeBatch.step`:
+
+1. runs one cached forward over the *decoding* rows, each fed the token it sampled last;
+2. runs one ragged forward over the prompt chunks it is given: new sequences join at the next
+   free rows, and a prompt may arrive in several chunks (chunked prefill, so that a long prompt
+   never stalls the rows already decoding for more than one chunk);
+3. samples, in one :class:`~model.sampling.SamplingBatch` call (the one place sampling is
+   applied), the decoding rows and the rows whose prompt is now complete.
+
+The caller records each sampled token in its sequence (``generated_ids``) and says which rows
+leave (:meth:`DecodeBatch.remove`). Rows are kept in order: decoding rows first, rows still
+prefilling after them, so each forward covers one slice of the cache. When a row leaves, the
+last decoding row moves into its slot and the prefilling rows shift down behind it
+(``KVCache.move_row``: one copy of the filled slots of each moved row). The per-row sampling
+tensors, the logprob rows and the seen-token mask are rebuilt only when the sampled rows change;
+the [rows, V] seen mask exists only while some row uses a repetition penalty, and the [rows, V]
+counts only while some row uses a frequency or presence penalty.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from model.cache import KVCache
+from model.sampling import FailureReason, RowSampler, SamplingBatch, token_logprobs
+from model.transformer import Transformer
+
+GROW_FROM = (4, 64)  # (rows, positions) a growing cache starts with
+
+# (positions in Sampled.rows asking for logprobs, chosen logprob of each, top values, top ids)
+StepLogprobs = tuple[list[int], list[float], list[list[float]], list[list[int]]]
+
+
+class TokenHistory(Protocol):
+    """A sequence's tokens: its prompt and what was sampled for it (``SequenceState`` is one)."""
+
+    prompt_ids: list[int]
+    generated_ids: list[int]
+
+
+@dataclass
+class Tokens:
+    """The plainest :class:`TokenHistory`, for callers that keep no text."""
+
+    prompt_ids: list[int]
+    generated_ids: list[int]
+
+
+@dataclass(eq=False)
+class Row:
+    """One sequence as the batch sees it. ``tokens`` belongs to the caller, who appends each
+    sampled token to ``tokens.generated_ids``; the batch reads it only to rebuild its masks.
+
+    ``logprobs``: how many top logprobs to report per sampled token (None: no logprobs).
+    ``index`` is the row's slot in the cache while it holds one (None before and after).
+    """
+
+    tokens: TokenHistory
+    sampler: RowSampler
+    logprobs: int | None = None
+    index: int | None = None
+
+
+@dataclass(frozen=True)
+class Sampled:
+    """One step's draw: a token for each of ``rows`` (in row order), and the rows that failed
+    (position in ``rows`` → why; their token is meaningless and they should leave)."""
+
+    rows: list[Row]
+    tokens: list[int]
+    failures: dict[int, FailureReason]
+    logprobs: StepLogprobs | None
+
+
+class DecodeBatch:
+    """Up to ``max_rows`` sequences of ``model``, each at most ``max_length`` tokens long.
+
+    ``vocab`` is the tokenizer's vocabulary: logits past it (padding rows of the embedding) are
+    never sampled or scored. ``filler`` pads ragged prompt chunks; any id works since padding
+    is neither stored nor attended to, and <|bos|> (which every prompt holds) keeps the seen
+    mask exact. ``grow``: allocate the cache for a few short rows and grow it on demand (a
+    server, whose batch is mostly not full), shrinking it back whenever the batch empties.
+    """
+
+    def __init__(
+        self,
+        model: Transformer,
+        max_rows: int,
+        max_length: int,
+        vocab: int,
+        filler: int,
+        *,
+        grow: bool = False,
+    ) -> None:
+        weights = model.token_embedding.weight
+        self.model = model
+        self.device = weights.device
+        self.vocab = vocab
+        self.filler = filler
+        reserve = (min(max_rows, GROW_FROM[0]), min(max_length, GROW_FROM[1])) if grow else None
+        self.cache = KVCache(
+            model.config, max_rows, max_length, self.device, weights.dtype, reserve=reserve
+        )
+        self.members: list[Row] = []  # members[i] is in cache row i
+        self.decoding = 0  # members[:decoding] decode; the rest are still prefilling
+        self.inputs = torch.zeros(max_rows, dtype=torch.long, device=self.device)  # next token fed
+        self.seen: Tensor | None = None  # [max_rows, vocab] bool, only while a penalty is in use
+        self.counts: Tensor | None = None  # [max_rows, vocab] float: tokens generated
+        self._sampling: SamplingBatch | None = None
+        self._logprob_rows: Tensor | None = None
+        self._logprob_top = 0
+        self._changed = False
+
+    def __len__(self) -> int:
+        return len(self.members)
+
+    @property
+    def free(self) -> int:
+        return self.cache.rows - len(self.members)
+
+    def step(self, chunks: Sequence[tuple[Row, int]] = ()) -> Sampled | None:
+        """One decode step; ``chunks`` = (row, how many of its next prompt tokens to prefill).
+
+        A chunk's row is either new (it joins at the next free row) or the row still
+        prefilling; chunks come in row order and only the last may leave its prompt unfinished.
+        Returns the draw of the decoding rows, or None when no row could sample (only a partial
+        prompt was prefilled).
+        """
+        logits = [self._decode()] if self.decoding else []
+        if chunks:
+            logits.append(self._prefill(chunks))
+        if not self.decoding:
+            return None
+        return self._sample(torch.cat(logits) if len(logits) > 1 else logits[0])
+
+    def _decode(self) -> Tensor:
+        """One cached step for every decoding row, fed its last sampled token → logits [d, V]."""
+        n = self.decoding
+        tokens = self.inputs[:n].unsqueeze(1)
+        return self.model(tokens, self.cache, rows=slice(0, n), last_only=True)[:, : self.vocab]
+
+    def _prefill(self, chunks: Sequence[tuple[Row, int]]) -> Tensor:
+        """Feed each chunk's prompt tokens in one ragged pass → logits [c, V] of the c rows
+        whose prompt this completes (a prefix of ``chunks``)."""
+        begins = self._check(chunks)
+        rows = slice(self.decoding, self.decoding + len(chunks))
+        for row, _ in chunks:
+            if row.index is None:
+                row.index = len(self.members)
+                self.members.append(row)
+        self.cache.reserve_rows(len(self.members))
+        counts = [count for _, count in chunks]
+        prompts = torch.full((len(chunks), max(counts)), self.filler, dtype=torch.long)
+        for index, ((row, count), begin) in enumerate(zip(chunks, begins, strict=True)):
+            prompts[index, :count] = torch.tensor(row.tokens.prompt_ids[begin : begin + count])
+        logits = self.model(
+            prompts.to(self.device),
+            self.cache,
+            rows=rows,
+            new_counts=torch.tensor(counts) if len(set(counts)) > 1 else None,
+            last_only=True,
+        )
+        complete = sum(
+            begin + count == len(row.tokens.prompt_ids)
+            for (row, count), begin in zip(chunks, begins, strict=True)
+        )
+        self._start_decoding([row for row, _ in chunks[:complete]])
+        return logits[:complete, : self.vocab]
+
+    def _check(self, chunks: Sequence[tuple[Row, int]]) -> list[int]:
+        """Where each chunk starts in its prompt; ValueError (and nothing changed) unless the
+        chunks are the prefilling rows in order, then new rows that fit, and only the last
+        leaves its prompt unfinished."""
+        held = [row for row, _ in chunks if row.index is not None]
+        if [row.index for row in held] != list(range(self.decoding, self.decoding + len(held))):
+            raise ValueError("chunks must be the prefilling rows, in order, then new rows")
+        if any(row.index is not None for row, _ in chunks[len(held) :]):
+            raise ValueError("chunks must be the prefilling rows, in order, then new rows")
+        if len(self.members) + len(chunks) - len(held) > self.cache.rows:
+            raise ValueError(f"more sequences than the batch's {self.cache.rows} rows")
+        begins = [
+            0 if row.index is None else int(self.cache.lengths[row.index]) for row, _ in chunks
+        ]
+        for position, ((row, count), begin) in enumerate(zip(chunks, begins, strict=True)):
+            end, length = begin + count, len(row.tokens.prompt_ids)
+            if count < 1 or end > length or (end < length and position < len(chunks) - 1):
+                raise ValueError("only the last chunk may leave its prompt unfinished")
+        return begins
+
+    def _start_decoding(self, rows: list[Row]) -> None:
+        """``rows`` (the next after the decoding rows) have their whole prompt in the cache."""
+        if not rows:
+            return
+        span = slice(self.decoding, self.decoding + len(rows))
+        self.decoding += len(rows)
+        if self.seen is not None:
+            self.seen[span] = False
+            for row in rows:
+                assert row.index is not None
+                self.seen[row.index, torch.tensor(row.tokens.prompt_ids)] = True
+        if self.counts is not None:
+            self.counts[span] = 0
+        self._changed = True
+
+    def _sample(self, logits: Tensor) -> Sampled:
+        """Draw every decoding row's next token from ``logits`` [d, V]; it is fed next step.
+
+        A row that cannot be sampled is reported in ``failures`` (its token becomes
+        ``filler``, so the seen mask and the logprobs stay in range); the other rows' tokens
+        are unaffected.
+        """
+        if self._changed:
+            self._refresh()
+        n = self.decoding
+        seen = None if self.seen is None else self.seen[:n]
+        counts = None if self.counts is None else self.counts[:n]
+        assert self._sampling is not None
+        tokens, failures = self._sampling.draw(logits, seen, counts)
+        if failures:
+            tokens[list(failures)] = self.filler
+        if seen is not None:
+            seen.scatter_(1, tokens.unsqueeze(1), True)
+        if counts is not None:
+            counts.scatter_add_(1, tokens.unsqueeze(1), torch.ones_like(counts[:, :1]))
+        self.inputs[:n] = tokens
+        return Sampled(self.members[:n], tokens.tolist(), failures, self._logprobs(logits, tokens))
+
+    def _logprobs(self, logits: Tensor, tokens: Tensor) -> StepLogprobs | None:
+        """Raw-model logprobs of ``tokens`` for the rows that asked for them, or None."""
+        if self._logprob_rows is None:
+            return None
+        rows = self._logprob_rows
+        chosen, top_values, top_ids = token_logprobs(logits[rows], tokens[rows], self._logprob_top)
+        return rows.tolist(), chosen.tolist(), top_values.tolist(), top_ids.tolist()
+
+    def score(self, prompt_ids: list[int], top_n: int) -> tuple[Tensor, Tensor, Tensor]:
+        """Logprobs of every prompt token after the first, from one full forward (no cache).
+
+        Returns (chosen [T-1], top values [T-1, top_n], top ids [T-1, top_n]).
+        """
+        ids = torch.tensor(prompt_ids, device=self.device)
+        logits = self.model(ids.unsqueeze(0))[0, :-1, : self.vocab]
+        return token_logprobs(logits, ids[1:], top_n)
+
+    def remove(self, leaving: Sequence[Row]) -> None:
+        """Drop ``leaving``: the last decoding row fills each freed decoding slot, and the rows
+        still prefilling shift down behind it, so both groups stay contiguous."""
+        for row in sorted(leaving, key=lambda row: row.index or 0, reverse=True):
+            hole = row.index
+            assert hole is not None and self.members[hole] is row
+            if hole < self.decoding:
+                self.decoding -= 1
+                self._move(self.decoding, hole)
+                hole = self.decoding
+            for later in range(hole + 1, len(self.members)):
+                self._move(later, later - 1)
+            self.members.pop()
+            self.cache.reset(len(self.members))
+            row.index = None
+        if not self.members:
+            self.cache.release()
+        self._changed = True
+
+    def _move(self, source: int, target: int) -> None:
+        """Row ``source``'s sequence moves to row ``target`` (whose sequence has left)."""
+        if source == target:
+            return
+        moved = self.members[source]
+        self.cache.move_row(source, target)
+        self.inputs[target] = self.inputs[source]
+        if self.seen is not None:
+            self.seen[target] = self.seen[source]
+        if self.counts is not None:
+            self.counts[target] = self.counts[source]
+        self.members[target], moved.index = moved, target
+
+    def clear(self) -> list[Row]:
+        """Forget every row (after a failed step); returns the rows that were in the batch."""
+        rows, self.members, self.decoding = self.members, [], 0
+        self.cache.lengths.zero_()
+        self.cache.release()
+        for row in rows:
+            row.index = None
+        self.seen, self.counts, self._changed = None, None, True
+        return rows
+
+    def _refresh(self) -> None:
+        """Rebuild what depends on the sampled rows: sampling tensors, logprob rows, masks."""
+        self._changed = False
+        sampled = self.members[: self.decoding]
+        if not sampled:
+            self._sampling, self._logprob_rows, self.seen, self.counts = None, None, None, None
+            return
+        self._sampling = SamplingBatch([row.sampler for row in sampled], self.device)
+        wanted = [index for index, row in enumerate(sampled) if row.logprobs is not None]
+        self._logprob_rows = torch.tensor(wanted, device=self.device) if wanted else None
+        self._logprob_top = max((row.logprobs or 0 for row in sampled), default=0)
+        if not self._sampling.uses_penalty:
+            self.seen = None
+        elif self.seen is None:
+            self.seen = self._seen_of(sampled)
+        if not self._sampling.uses_counts:
+            self.counts = None
+        elif self.counts is None:
+            self.counts = self._counts_of(sampled)
+
+    def _seen_of(self, rows: list[Row]) -> Tensor:
+        """The seen mask [max_rows, vocab] rebuilt from each row's prompt and generated tokens."""
+        seen = torch.zeros(self.cache.rows, self.vocab, dtype=torch.bool, device=self.device)
+        for row in rows:
+            ids = [*row.tokens.prompt_ids, *row.tokens.generated_ids]
+            seen[row.index, torch.tensor(ids, device=self.device)] = True
+        return seen
+
+    def _counts_of(self, rows: list[Row]) -> Tensor:
+        """The generated-token counts [max_rows, vocab] rebuilt from each row's tokens."""
+        counts = torch.zeros(self.cache.rows, self.vocab, device=self.device)
+        for row in rows:
+            generated = torch.tensor(row.tokens.generated_ids, dtype=torch.long, device=self.device)
+            counts[row.index].scatter_add_(
+                0, generated, torch.ones_like(generated, dtype=counts.dtype)
+            )
+        return counts

@@ -1,0 +1,341 @@
+"""The API process's side of the engine process: starting it, talking to it, restarting it.
+
+:class:`EngineClient` starts the engine process (``server.core``; multiprocessing's *spawn*, so
+the child shares nothing with this process but a socket), sends it the configuration, then
+jobs and cancellations, and reads its frames on the event loop: each job's events go to the
+job's queue, each model's stats to the Prometheus metrics served here (``/metrics``).
+
+**If the engine process dies** (its socket closes without a ``Shutdown``): every job in flight
+ends at once with a 503 error event, every model is marked loading (so requests get a 503 and
+``/health`` a 503 while no model serves), and a new engine process is started after
+``RESTART_DELAY`` seconds, doubled after each crash that follows within ``STABLE_AFTER``
+seconds of a start (at most ``MAX_RESTART_DELAY``). It reloads every model; each answers
+again as soon as it is loaded.
+
+**Shutdown** (:meth:`EngineClient.close`): a ``Shutdown`` message; the engine fails what is
+left with a 503 ("shutting down"), sends it, and exits; it is killed if it has not exited
+within ``STOP_TIMEOUT`` seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib
+import logging
+import multiprocessing
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import msgspec
+
+from server.errors import APIError, busy
+from server.job import Event, Failure, Job
+from server.messages import (
+    HEADER,
+    Cancel,
+    Dropped,
+    EngineConfig,
+    Failed,
+    FromEngine,
+    ModelFailed,
+    ModelInfo,
+    ModelLoaded,
+    Outputs,
+    Shutdown,
+    Trace,
+    TraceDone,
+    frame,
+)
+from server.metrics import ENGINE_LOST, Metrics, ModelMetrics
+
+logger = logging.getLogger("ordinal.server")
+
+RESTART_DELAY, MAX_RESTART_DELAY, STABLE_AFTER = 0.5, 30.0, 60.0
+STOP_TIMEOUT = 30.0
+ENGINE_DIED = "the engine process stopped unexpectedly; it is restarting"
+
+
+def _engine_main(target: str, sock: socket.socket, *args: Any) -> None:
+    """Runs in the new process: import ``target`` ("module:function") and call it."""
+    module, function = target.split(":")
+    getattr(importlib.import_module(module), function)(sock, *args)
+
+
+@dataclass(frozen=True)
+class Launcher:
+    """What the engine process runs: ``target(sock, *args)`` (the tests add a control pipe).
+
+    ``method`` is multiprocessing's start method. The server uses *spawn*: a fresh interpreter
+    that imports torch itself (seconds), and no other process holding torch. The tests use
+    *forkserver* with ``preload``: one process imports torch once per test session, and each
+    engine forks from it in milliseconds.
+    """
+
+    target: str = "server.core:run_engine_process"
+    args: tuple[Any, ...] = field(default_factory=tuple)
+    method: str = "spawn"
+    preload: tuple[str, ...] = ()
+
+
+class Listener(Protocol):
+    """What the service learns from the engine."""
+
+    def loaded(self, info: ModelInfo, engine: ModelClient) -> None: ...
+
+    def failed(self, name: str, message: str) -> None: ...
+
+    def lost(self) -> None: ...
+
+
+class ModelClient:
+    """One model's engine as the routes see it (``ServedModel.engine``): submit, cancel, trace."""
+
+    def __init__(self, name: str, client: EngineClient, capacity: int) -> None:
+        self.name = name
+        self.client = client
+        self.metrics: ModelMetrics = client.metrics.for_model(name)
+        self.capacity = capacity  # jobs in the engine: decoding or waiting
+        self.in_flight = 0  # jobs submitted whose last event has not arrived
+        self.closing = 0  # of those, cancelled here and not yet dropped by the engine
+
+    def submit(self, job: Job) -> None:
+        """Send ``job`` to the engine; a 429 APIError (Retry-After) when the model is full, a
+        503 while the engine is down or stopping."""
+        self.client.check_up()
+        if self.in_flight >= self.capacity:
+            raise busy(
+                f"model '{self.name}' is at capacity ({self.capacity} requests running or "
+                "queued); retry shortly"
+            )
+        self.in_flight += 1
+        self.client.submit(self, job)
+
+    def cancel(self, job: Job) -> None:
+        """Stop ``job`` and free its row before the engine's next step (no-op once it ended)."""
+        if job.closed:
+            return
+        job.closed = True
+        if job.id is not None and self.client.cancel(job.id):
+            self.closing += 1
+
+    async def trace(self, prompt_ids: list[int], request: bytes) -> bytes:
+        """The JSON of a trace of ``prompt_ids`` (``request``: the TraceRequest's JSON)."""
+        return await self.client.trace(self.name, prompt_ids, request)
+
+
+class EngineClient:
+    """The engine process, supervised: one for every model the server loads."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        metrics: Metrics,
+        listener: Listener,
+        *,
+        capacity: int,
+        launcher: Launcher | None = None,
+    ) -> None:
+        self.config = config
+        self.metrics = metrics
+        self.listener = listener
+        self.launcher = launcher or Launcher()
+        self.capacity = capacity  # per model: jobs decoding or waiting
+        self.models: dict[str, ModelClient] = {}
+        self.process: multiprocessing.process.BaseProcess | None = None
+        self.exitcode: int | None = None  # the last engine process's, once it has exited
+        self._jobs: dict[int, tuple[ModelClient, Job]] = {}  # jobs in flight, by id
+        self._cancelled: set[int] = set()  # of those, the ones whose Cancel was sent
+        self._traces: dict[int, asyncio.Future[bytes]] = {}
+        self._ids = 0
+        self._writer: asyncio.StreamWriter | None = None
+        self._supervisor: asyncio.Task[None] | None = None
+        self._stopping = False
+        self._decoder = msgspec.msgpack.Decoder(FromEngine)
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.process is None else self.process.pid
+
+    async def start(self) -> None:
+        self._supervisor = asyncio.create_task(self._supervise())
+
+    def check_up(self) -> None:
+        if self._stopping:
+            raise busy("the server is shutting down", status=503)
+        if self._writer is None:
+            raise busy("the engine is restarting", status=503)
+
+    def submit(self, model: ModelClient, job: Job) -> None:
+        job.id = self._next_id()
+        self._jobs[job.id] = (model, job)
+        self._send(job.message(job.id, model.name))
+
+    def cancel(self, job_id: int) -> bool:
+        """Ask the engine to drop ``job_id``; False if it has already ended."""
+        if job_id not in self._jobs:
+            return False
+        self._send(Cancel(job_id))
+        self._cancelled.add(job_id)
+        return True
+
+    async def trace(self, model: str, prompt_ids: list[int], request: bytes) -> bytes:
+        self.check_up()
+        trace_id = self._next_id()
+        future = self._traces[trace_id] = asyncio.get_running_loop().create_future()
+        self._send(Trace(trace_id, model, prompt_ids, request))
+        return await future
+
+    def _next_id(self) -> int:
+        self._ids += 1
+        return self._ids
+
+    def _send(self, message: msgspec.Struct) -> None:
+        self.check_up()
+        assert self._writer is not None
+        self._writer.write(frame(message))
+
+    async def close(self) -> None:
+        """Stop the engine: what is left gets a 503 (sent by the engine), then it exits."""
+        if self._stopping:
+            return
+        writer, self._stopping = self._writer, True
+        if writer is not None:
+            with contextlib.suppress(ConnectionError):
+                writer.write(frame(Shutdown()))
+        if self._supervisor is not None:
+            with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
+                await asyncio.wait_for(asyncio.shield(self._supervisor), STOP_TIMEOUT)
+            self._supervisor.cancel()
+        await self._reap(STOP_TIMEOUT)  # its socket is closed: it is on its way out
+
+    # ---- the engine process's life -------------------------------------------------------
+
+    async def _supervise(self) -> None:
+        """Run the engine process; start a new one whenever it dies, until the server stops."""
+        delay = RESTART_DELAY
+        while not self._stopping:
+            started = time.monotonic()
+            try:
+                await self._serve_one()
+            except Exception:
+                logger.exception("the engine process failed")
+            if self._stopping:
+                return
+            self._lost()
+            await self._reap(5.0)
+            if time.monotonic() - started >= STABLE_AFTER:
+                delay = RESTART_DELAY
+            logger.error("the engine process stopped; restarting it in %.1f s", delay)
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, MAX_RESTART_DELAY)
+
+    async def _serve_one(self) -> None:
+        """Start an engine process and read it until its socket closes."""
+        ours, theirs = socket.socketpair()
+        launcher = self.launcher
+        context = multiprocessing.get_context(launcher.method)
+        if launcher.preload:
+            context.set_forkserver_preload(list(launcher.preload))
+        self.process = context.Process(
+            target=_engine_main,
+            args=(launcher.target, theirs, *launcher.args),
+            name="ordinal-engine",
+            daemon=True,
+        )
+        self.process.start()
+        theirs.close()
+        reader, writer = await asyncio.open_unix_connection(sock=ours)
+        self._writer = writer
+        writer.write(frame(self.config))
+        try:
+            await self._read(reader)
+        finally:
+            self._writer = None
+            writer.close()
+
+    async def _read(self, reader: asyncio.StreamReader) -> None:
+        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
+            while True:
+                (length,) = HEADER.unpack(await reader.readexactly(HEADER.size))
+                self._dispatch(self._decoder.decode(await reader.readexactly(length)))
+
+    async def _reap(self, timeout: float) -> None:
+        """Wait for the engine process to exit; kill it if it has not within ``timeout`` s."""
+        process = self.process
+        if process is None:
+            return
+        await asyncio.to_thread(process.join, timeout)
+        if process.is_alive():
+            logger.error("the engine process did not exit: killing it")
+            process.kill()
+            await asyncio.to_thread(process.join, 5)
+        self.exitcode = process.exitcode
+        process.close()
+        self.process = None
+
+    def _lost(self) -> None:
+        """The engine died: every job and trace in flight fails (503), every model is down."""
+        error = APIError(503, ENGINE_DIED, code="engine_restarting")
+        for model, job in self._jobs.values():
+            model.metrics.failures[ENGINE_LOST].inc()
+            model.in_flight, model.closing = 0, 0
+            job.events.put_nowait(Failure(error))
+        self._jobs.clear()
+        self._cancelled.clear()
+        for future in self._traces.values():
+            if not future.done():
+                future.set_exception(error)
+        self._traces.clear()
+        self.models.clear()
+        self.listener.lost()
+
+    # ---- what the engine says ------------------------------------------------------------
+
+    def _dispatch(self, message: FromEngine) -> None:
+        if isinstance(message, Outputs):
+            self._outputs(message)
+        elif isinstance(message, ModelLoaded):
+            name = message.info.name
+            engine = self.models[name] = ModelClient(name, self, self.capacity)
+            self.listener.loaded(message.info, engine)
+        elif isinstance(message, ModelFailed):
+            self.listener.failed(message.name, message.message)
+        elif isinstance(message, TraceDone):
+            self._answer_trace(message.id, message.body)
+
+    def _outputs(self, outputs: Outputs) -> None:
+        for stats in outputs.stats:
+            self.metrics.for_model(stats.model).record(stats)
+        for event in outputs.events:
+            entry = self._jobs.get(event.id)
+            if entry is None:  # not a job: a trace that failed
+                if isinstance(event, Failed):
+                    self._answer_trace(event.id, APIError(event.status, event.message))
+                continue
+            model, job = entry
+            if isinstance(event, Dropped):
+                last = True
+            else:
+                delivered: Event = event
+                if isinstance(event, Failed):
+                    delivered = Failure(APIError(event.status, event.message, code=event.code))
+                job.events.put_nowait(delivered)
+                last = job.is_last(delivered)
+            if last:
+                del self._jobs[event.id]
+                model.in_flight -= 1
+                if event.id in self._cancelled:
+                    self._cancelled.discard(event.id)
+                    model.closing -= 1
+
+    def _answer_trace(self, trace_id: int, result: bytes | APIError) -> None:
+        future = self._traces.pop(trace_id, None)
+        if future is None or future.done():
+            return
+        if isinstance(result, APIError):
+            future.set_exception(result)
+        else:
+            future.set_result(result)

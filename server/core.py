@@ -1,0 +1,201 @@
+"""The engine process: every served model, loaded once, decoded by one loop beside the API.
+
+The API process (``server.client``) starts this process and talks to it over one socket
+(``server.messages``). The loop, in the process's main thread:
+
+1. takes the models a loader thread has finished loading (each announced as it is ready);
+2. reads every message that has arrived — blocking only while there is nothing to decode;
+3. runs one step of every model that has work (``server.engine.ModelEngine``);
+4. sends the step's events and metric changes in one frame. With ``stream_interval`` > 0 a
+   frame of ordinary tokens may wait up to that long to travel with later ones; a job's first
+   and last tokens, failures and answers to cancellations never wait.
+
+Traces (``POST /v1/trace``) run here too, between steps, so the weights exist once. The process
+ignores SIGINT (the API process decides when to stop: a ``Shutdown`` message) and exits when its
+socket closes, so it never outlives the API process.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable
+
+import msgspec
+import orjson
+import torch
+
+from server.engine import ModelEngine, Outbox
+from server.loader import LoadedModel, load_all
+from server.messages import (
+    Cancel,
+    Channel,
+    EngineConfig,
+    Failed,
+    ModelFailed,
+    ModelLoaded,
+    Shutdown,
+    Submit,
+    ToEngine,
+    Trace,
+    TraceDone,
+)
+from server.schemas import TraceRequest
+from server.trace import trace_document
+
+logger = logging.getLogger("ordinal.engine")
+
+LOAD_POLL = 0.05  # seconds between looks at the loader while nothing decodes
+
+
+class EngineCore:
+    """Every loaded model's engine, fed by ``channel``."""
+
+    def __init__(self, config: EngineConfig, channel: Channel) -> None:
+        self.config = config
+        self.channel = channel
+        self.outbox = Outbox()
+        self.engines: dict[str, ModelEngine] = {}
+        self._loaded: queue.SimpleQueue[LoadedModel | ModelFailed | None] = queue.SimpleQueue()
+        self._loading = True
+        self._last_send = 0.0
+
+    @property
+    def busy(self) -> bool:
+        return any(not engine.idle for engine in self.engines.values())
+
+    def run(self) -> None:
+        """Serve until a ``Shutdown`` arrives or the API process goes away."""
+        loader = threading.Thread(target=self._load, name="engine-loader", daemon=True)
+        loader.start()
+        with torch.inference_mode():
+            while True:
+                self._take_loaded()
+                timeout = 0.0 if self.busy else (LOAD_POLL if self._loading else None)
+                for message in self.channel.receive(timeout):
+                    if isinstance(message, Shutdown):
+                        self.shutdown()
+                        return
+                    self.handle(message)
+                if self.channel.closed:
+                    return
+                self._send()  # answers to cancellations must not wait for a step
+                for engine in list(self.engines.values()):
+                    if not engine.idle:
+                        engine.step()
+                self._send()
+
+    def _load(self) -> None:
+        torch.set_num_threads(1)  # the decode loop's thread count is its own
+        for result in load_all(self.config):
+            self._loaded.put(result)
+        self._loaded.put(None)
+
+    def _take_loaded(self) -> None:
+        while self._loading and not self._loaded.empty():
+            result = self._loaded.get()
+            if result is None:
+                self._loading = False
+            elif isinstance(result, ModelFailed):
+                logger.error("model '%s' failed to load: %s", result.name, result.message)
+                self.channel.send(result)
+            else:
+                self.engines[result.name] = ModelEngine(
+                    result, self.config.max_batch_size, self.config.prefill_chunk, self.outbox
+                )
+                self.channel.send(ModelLoaded(result.info()))
+
+    def handle(self, message: ToEngine) -> None:
+        if isinstance(message, Submit):
+            engine = self.engines.get(message.model)
+            if engine is None:
+                failed = Failed(message.id, 503, f"model '{message.model}' is not loaded")
+                self.outbox.add(failed, urgent=True)
+            else:
+                engine.submit(message)
+        elif isinstance(message, Cancel):
+            for engine in self.engines.values():
+                engine.cancel(message.id)
+        elif isinstance(message, Trace):
+            self._trace(message)
+
+    def _trace(self, message: Trace) -> None:
+        engine = self.engines.get(message.model)
+        if engine is None:
+            failed = Failed(message.id, 503, f"model '{message.model}' is not loaded")
+            self.outbox.add(failed, urgent=True)
+            return
+        try:
+            request = TraceRequest.model_validate_json(message.request)
+            document = trace_document(request, engine.loaded, message.prompt_ids)
+            body = orjson.dumps(document, option=orjson.OPT_SERIALIZE_NUMPY)
+        except Exception:
+            logger.exception("model '%s': trace failed", message.model)
+            self.outbox.add(Failed(message.id, 500, "the trace failed"), urgent=True)
+            return
+        self.channel.send(TraceDone(message.id, body))
+
+    def _send(self) -> None:
+        """Send the outbox if it holds something that must not wait, or waited long enough."""
+        if not self.outbox.events and not self.outbox.stats:
+            return
+        now = time.monotonic()
+        interval = self.config.stream_interval
+        if not (self.outbox.urgent or now - self._last_send >= interval or not self.busy):
+            return
+        outputs = self.outbox.take()
+        if outputs is not None:
+            self.channel.send(outputs)
+            self._last_send = now
+
+    def shutdown(self) -> None:
+        for engine in self.engines.values():
+            engine.shutdown()
+        outputs = self.outbox.take()
+        if outputs is not None:
+            self.channel.send(outputs)
+
+
+def run_engine_process(
+    sock: socket.socket, setup: Callable[[EngineCore], None] | None = None
+) -> None:
+    """The engine process's entry point (``multiprocessing`` target): configure, then serve.
+
+    ``setup`` runs with the core before it serves (the tests use it to reach into the process).
+    """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the API process, which stops us
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(name)s: %(message)s")
+    status = 0
+    try:
+        serve_engine(sock, setup)
+    except BaseException:
+        logger.exception("the engine process failed")
+        status = 1
+    # Skip the interpreter's teardown: after torch has run in the loader thread it hung in
+    # native code (no Python frame) for as long as we waited; nothing is left to clean up.
+    logging.shutdown()
+    os._exit(status)
+
+
+def serve_engine(sock: socket.socket, setup: Callable[[EngineCore], None] | None = None) -> None:
+    """Read the configuration from ``sock``, load, and serve until told to stop."""
+    channel = Channel(sock)
+    try:
+        config = channel.config()
+    except (ConnectionError, msgspec.DecodeError):
+        return
+    torch.set_num_threads(config.threads)
+    core = EngineCore(config, channel)
+    if setup is not None:
+        setup(core)
+    try:
+        core.run()
+    except (BrokenPipeError, ConnectionResetError):
+        pass  # the API process has gone: nobody is left to answer
+    finally:
+        sock.close()

@@ -1,0 +1,144 @@
+"""Who decodes next: admission, chunked prefill and finishing, as a pure object.
+
+The :class:`Scheduler` holds no tensors, threads or clocks; it decides, and the engine carries
+the decisions out on a ``model.decode.DecodeBatch``. Each step's :class:`StepPlan` says which
+prompt tokens to prefill: first the rest of a prompt already being prefilled, then new requests
+from the waiting queue in arrival order while a batch row is free and the step's prompt-token
+budget (``prefill_chunk``) lasts. A prompt that fits the budget is prefilled whole; a prompt
+longer than the whole budget is prefilled in chunks over several steps (the rows already
+decoding take a step between chunks); one that fits the budget but not what is left of it waits
+for the next step. A request that only scores its prompt (``needs_row`` False) takes no row.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Generic, Protocol, TypeVar
+
+
+class Schedulable(Protocol):
+    """What the scheduler reads of a request."""
+
+    @property
+    def prompt_length(self) -> int: ...
+
+    @property
+    def needs_row(self) -> bool: ...
+
+
+R = TypeVar("R", bound=Schedulable)
+
+
+class Phase(Enum):
+    """Where a request is, as the scheduler sees it."""
+
+    WAITING = "waiting"  # queued for a row
+    PREFILLING = "prefilling"  # holds a row; part of its prompt is not prefilled yet
+    DECODING = "decoding"  # holds a row; its whole prompt is prefilled
+    GONE = "gone"  # finished, cancelled or never seen: it holds nothing
+
+
+@dataclass
+class StepPlan(Generic[R]):
+    """One step's decisions. ``prefill``: (request, prompt tokens to prefill now), the request
+    being prefilled first, then the newly admitted ones in arrival order; ``admitted``: the
+    requests taken from the queue this step (``scored`` those that only score their prompt:
+    they are done once scored)."""
+
+    prefill: list[tuple[R, int]] = field(default_factory=list)
+    admitted: list[R] = field(default_factory=list)
+    scored: list[R] = field(default_factory=list)
+
+
+class Scheduler(Generic[R]):
+    """FCFS admission into ``max_rows`` rows, at most ``prefill_chunk`` prompt tokens a step."""
+
+    def __init__(self, max_rows: int, prefill_chunk: int) -> None:
+        if max_rows < 1 or prefill_chunk < 1:
+            raise ValueError(f"max_rows and prefill_chunk must be ≥ 1: {max_rows}, {prefill_chunk}")
+        self.max_rows = max_rows
+        self.prefill_chunk = prefill_chunk
+        self.waiting: deque[R] = deque()
+        self.running: list[R] = []  # holding a row, in admission order
+        self._prefilled: dict[int, int] = {}  # id(request) → prompt tokens planned so far
+
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and not self.running
+
+    def add(self, request: R) -> None:
+        self.waiting.append(request)
+
+    def phase(self, request: R) -> Phase:
+        if request in self.running:
+            done = self._prefilled[id(request)] == request.prompt_length
+            return Phase.DECODING if done else Phase.PREFILLING
+        return Phase.WAITING if request in self.waiting else Phase.GONE
+
+    def cancel(self, request: R) -> Phase:
+        """Forget ``request`` wherever it is; returns where it was."""
+        phase = self.phase(request)
+        if phase == Phase.WAITING:
+            self.waiting.remove(request)
+        elif phase != Phase.GONE:
+            self.finish([request])
+        return phase
+
+    def finish(self, requests: list[R]) -> None:
+        """``requests`` leave their rows (finished or failed)."""
+        for request in requests:
+            self.running.remove(request)
+            del self._prefilled[id(request)]
+
+    def clear_running(self) -> list[R]:
+        """Every request holding a row leaves (their step failed); returns them."""
+        running, self.running = self.running, []
+        self._prefilled.clear()
+        return running
+
+    def clear(self) -> list[R]:
+        """Everything leaves (shutdown): the running requests, then the waiting ones."""
+        everyone = [*self.clear_running(), *self.waiting]
+        self.waiting.clear()
+        return everyone
+
+    def schedule(self) -> StepPlan[R]:
+        """Decide the next step, and count its prompt tokens as prefilled."""
+        plan: StepPlan[R] = StepPlan()
+        budget = self.prefill_chunk
+        partial = next((r for r in self.running if self._left(r)), None)
+        if partial is not None:
+            budget -= self._take(plan, partial, budget)
+            partial = partial if self._left(partial) else None
+        while self.waiting and budget > 0 and partial is None:
+            request = self.waiting[0]
+            length = request.prompt_length
+            fits = length <= budget
+            whole_step = budget == self.prefill_chunk
+            if not request.needs_row:
+                if not (fits or whole_step):
+                    break
+                plan.scored.append(self.waiting.popleft())
+                plan.admitted.append(request)
+                budget -= min(length, budget)
+                continue
+            if len(self.running) >= self.max_rows or not (fits or length > self.prefill_chunk):
+                break
+            self.running.append(self.waiting.popleft())
+            self._prefilled[id(request)] = 0
+            plan.admitted.append(request)
+            budget -= self._take(plan, request, budget)
+            partial = request if self._left(request) else None
+        return plan
+
+    def _left(self, request: R) -> int:
+        return request.prompt_length - self._prefilled[id(request)]
+
+    def _take(self, plan: StepPlan[R], request: R, budget: int) -> int:
+        """Plan up to ``budget`` more of ``request``'s prompt; returns the tokens planned."""
+        count = min(self._left(request), budget)
+        plan.prefill.append((request, count))
+        self._prefilled[id(request)] += count
+        return count

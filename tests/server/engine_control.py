@@ -1,0 +1,225 @@
+"""The tests' reach into the engine process: a thread there that installs gates and faults.
+
+``running_server`` starts every test server's engine with :func:`run_controlled` and keeps the
+other end of a pipe: :class:`Control`. Each command runs in the engine process, on the objects
+the engine decodes with, so the tests hold, break or poison the real engine across the process
+boundary:
+
+- a **gate** makes each forward pass of a model wait for one permit (``Gate``);
+- **poison** turns one seeded request's logits NaN once it has generated some tokens;
+- a **failing sampler** makes one seeded request's generator raise on a later draw;
+- **break** makes a model's forward raise (a failed step).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+
+import server.core
+import server.engine
+from model.sampling import RowSampler
+from server.core import EngineCore, run_engine_process
+
+Command = tuple[Any, ...]
+
+
+def run_controlled(sock: Any, control: Connection, hold_loading: bool = False) -> None:
+    """The engine process's entry point in the tests (see ``server.client.Launcher``).
+
+    ``hold_loading``: no model loads until the ``release_loading`` command.
+    """
+
+    def setup(core: EngineCore) -> None:
+        controller = Controller(core, control)
+        if hold_loading:
+            controller.hold_loading()
+        controller.start()
+
+    run_engine_process(sock, setup=setup)
+
+
+class Controller(threading.Thread):
+    """Runs the test process's commands in the engine process, one reply per command."""
+
+    def __init__(self, core: EngineCore, control: Connection) -> None:
+        super().__init__(name="engine-control", daemon=True)
+        self.core = core
+        self.control = control
+        self.gates: dict[str, threading.Semaphore] = {}
+        self.passed: dict[str, int] = {}
+        self.ungated: dict[str, Callable[..., Any] | None] = {}  # forwards under the gates
+        self.loading = threading.Event()
+
+    def hold_loading(self) -> None:
+        load_all = server.core.load_all
+
+        def held(config: Any) -> Any:
+            self.loading.wait(60)
+            return load_all(config)
+
+        server.core.load_all = held  # type: ignore[assignment]
+
+    def release_loading(self) -> None:
+        self.loading.set()
+
+    def run(self) -> None:
+        while True:
+            try:
+                command, *args = self.control.recv()
+            except (EOFError, OSError):
+                return
+            try:
+                reply: Any = getattr(self, command)(*args)
+            except Exception as error:  # the test process sees what went wrong
+                reply = error
+            self.control.send(reply)
+
+    def _model(self, name: str) -> torch.nn.Module:
+        return self.core.engines[name].batch.model
+
+    def _wrap(self, name: str, wrapper: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+        model = self._model(name)
+        model.forward = wrapper(model.forward)  # type: ignore[method-assign]
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def gate(self, name: str) -> None:
+        permits = self.gates[name] = threading.Semaphore(0)
+        self.passed[name] = 0
+        self.ungated[name] = self._model(name).__dict__.get("forward")
+
+        def wrapper(forward: Callable[..., Any]) -> Callable[..., Any]:
+            def gated(*args: Any, **kwargs: Any) -> Any:
+                permits.acquire()
+                self.passed[name] += 1
+                return forward(*args, **kwargs)
+
+            return gated
+
+        self._wrap(name, wrapper)
+
+    def allow(self, name: str, steps: int) -> None:
+        self.gates[name].release(steps)
+
+    def passes(self, name: str) -> int:
+        return self.passed[name]
+
+    def ungate(self, name: str) -> None:
+        """Remove the gate (and let through any forward it holds); faults under it stay."""
+        self.gates.pop(name).release(10_000)
+        forward = self.ungated.pop(name)
+        model = self._model(name)
+        if forward is None:
+            model.__dict__.pop("forward", None)
+        else:
+            model.forward = forward  # type: ignore[method-assign]
+
+    def poison(self, name: str, seed: int, after: int) -> None:
+        """Decode steps give NaN logits to the row seeded ``seed`` once it has ``after`` tokens."""
+        batch = self.core.engines[name].batch
+
+        def wrapper(forward: Callable[..., Any]) -> Callable[..., Any]:
+            def poisoned(tokens: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+                logits = forward(tokens, *args, **kwargs)
+                if tokens.shape[1] == 1 and kwargs.get("rows") == slice(0, batch.decoding):
+                    for position, row in enumerate(batch.members[: batch.decoding]):
+                        bad = row.sampler.params.seed == seed
+                        if bad and len(row.tokens.generated_ids) >= after:
+                            logits[position] = math.nan
+                return logits
+
+            return poisoned
+
+        self._wrap(name, wrapper)
+
+    def failing_sampler(self, seed: int, after: int) -> None:
+        """The request seeded ``seed`` gets a generator that raises after ``after`` draws."""
+
+        class Failing(RowSampler):
+            draws = 0
+
+            def next_uniform(self) -> torch.Tensor:
+                self.draws += 1
+                if self.params.seed == seed and self.draws > after:
+                    raise RuntimeError("this row's generator broke")
+                return super().next_uniform()
+
+        server.engine.RowSampler = Failing  # type: ignore[misc]
+
+    def break_model(self, name: str) -> None:
+        def wrapper(forward: Callable[..., Any]) -> Callable[..., Any]:
+            def broken(*args: Any, **kwargs: Any) -> Any:
+                raise RuntimeError("a device error")
+
+            return broken
+
+        self._wrap(name, wrapper)
+
+    def reset(self, name: str | None = None) -> None:
+        """Undo every gate and fault (of ``name``, or of every model), opening gates first."""
+        names = list(self.core.engines) if name is None else [name]
+        for model in names:
+            if model in self.gates:
+                self.gates.pop(model).release(10_000)
+            self.ungated.pop(model, None)
+            self._model(model).__dict__.pop("forward", None)  # the class's forward again
+        if name is None:
+            server.engine.RowSampler = RowSampler  # type: ignore[misc]
+
+
+class Control:
+    """The test process's end: ``call("gate", "rope")`` runs ``Controller.gate("rope")``."""
+
+    def __init__(self, connection: Connection) -> None:
+        self.connection = connection
+        self._lock = threading.Lock()
+
+    def call(self, command: str, *args: Any) -> Any:
+        with self._lock:
+            self.connection.send((command, *args))
+            reply = self.connection.recv()
+        if isinstance(reply, Exception):
+            raise reply
+        return reply
+
+
+class Gate:
+    """Holds a model's forward passes in the engine process until released.
+
+    While installed, each forward pass of the model waits for one permit.
+    """
+
+    def __init__(self, control: Control, model: str) -> None:
+        self.control = control
+        self.model = model
+        self.given = 0  # permits released so far
+        self.opened = False
+        control.call("gate", model)
+
+    @property
+    def passed(self) -> int:
+        """Forwards that went through."""
+        return self.control.call("passes", self.model)
+
+    def allow(self, steps: int = 1) -> None:
+        self.given += steps
+        self.control.call("allow", self.model, steps)
+
+    @property
+    def settled(self) -> bool:
+        """Every permit given has been used: the model is held before its next forward."""
+        return self.passed == self.given
+
+    def open(self) -> None:
+        """Let every forward through from now on, and remove the gate."""
+        if not self.opened:
+            self.opened = True
+            self.control.call("ungate", self.model)

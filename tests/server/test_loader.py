@@ -1,0 +1,73 @@
+"""Loading in the engine process (``server.loader``), without a process: each model loads or
+fails on its own, rope variants share their base's weights, and each model's context limit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from server.loader import LoadedModel, load_all
+from server.messages import EngineConfig, ModelFailed
+from server.service import context_limit
+from tests.server.conftest import CONTEXT_LENGTH, MAX_POSITIONS, tiny_model
+
+VARIANTS = ["yarn4", "ntk4"]
+
+
+def config_for(folders: dict[str, Path], root: Path) -> EngineConfig:
+    return EngineConfig(
+        models=[(name, str(folder)) for name, folder in folders.items()],
+        checkpoints=str(root),
+        device="cpu",
+        dtype="float32",
+        threads=1,
+        max_batch_size=2,
+        max_context=None,
+        prefill_chunk=16,
+        stream_interval=0.0,
+        rope_variants=VARIANTS,
+    )
+
+
+def test_variants_share_the_weights_and_a_broken_checkpoint_fails_alone(
+    checkpoints: Path, tmp_path: Path
+) -> None:
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text("{not json")
+    folders = {"rope": checkpoints / "rope", "broken": broken, "alibi": checkpoints / "alibi"}
+    results = list(load_all(config_for(folders, tmp_path)))
+
+    failed = [r for r in results if isinstance(r, ModelFailed)]
+    assert [f.name for f in failed] == ["broken"]
+    assert str(tmp_path) not in failed[0].message  # paths relative to the checkpoints folder
+    loaded = {r.name: r for r in results if isinstance(r, LoadedModel)}
+    assert list(loaded) == ["rope", "rope+yarn4", "rope+ntk4", "alibi"]  # variants of rope only
+    base = loaded["rope"].model
+    for variant in VARIANTS:
+        model = loaded[f"rope+{variant}"].model
+        assert loaded[f"rope+{variant}"].info().base == "rope"
+        for (name, ours), (_, theirs) in zip(
+            model.state_dict().items(), base.state_dict().items(), strict=True
+        ):
+            assert ours.data_ptr() == theirs.data_ptr(), (variant, name)
+        assert model.positional is not base.positional
+        assert model.config.positional["scaling"] == variant[:-1]
+
+
+@pytest.mark.parametrize(
+    ("scheme", "configured", "expected"),
+    [
+        ("rope", None, 4 * CONTEXT_LENGTH),
+        ("rope", 1000, 1000),
+        ("alibi", 50, 50),
+        ("learned", None, MAX_POSITIONS),
+        ("lowrank", 1000, MAX_POSITIONS),  # never past the table
+        ("mds", 10, 10),
+        ("binary", None, 4 * CONTEXT_LENGTH),
+        ("binary", 1000, 2**8),  # 8 bits count 256 positions
+    ],
+)
+def test_context_limit(scheme: str, configured: int | None, expected: int) -> None:
+    assert context_limit(tiny_model(scheme, 300, seed=0), configured) == expected

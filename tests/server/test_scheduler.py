@@ -1,0 +1,140 @@
+"""The pure scheduler's decisions on scripted arrivals: no model, thread or process."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import pytest
+
+from server.scheduler import Phase, Scheduler, StepPlan
+
+
+@dataclass(eq=False)
+class Ask:
+    """A scripted request: a prompt of ``prompt_length`` tokens, generating unless scoring."""
+
+    prompt_length: int
+    needs_row: bool = True
+    name: str = ""
+
+
+def plan_of(plan: StepPlan[Ask]) -> list[tuple[str, int]]:
+    return [(request.name, count) for request, count in plan.prefill]
+
+
+def asks(*lengths: int) -> list[Ask]:
+    return [Ask(length, name=f"r{i}") for i, length in enumerate(lengths)]
+
+
+def test_arrivals_take_free_rows_in_order_and_the_rest_wait() -> None:
+    scheduler: Scheduler[Ask] = Scheduler(max_rows=2, prefill_chunk=100)
+    first, second, third = asks(5, 6, 7)
+    for request in (first, second, third):
+        scheduler.add(request)
+    plan = scheduler.schedule()
+    assert plan_of(plan) == [("r0", 5), ("r1", 6)]
+    assert plan.admitted == [first, second]
+    assert [scheduler.phase(r) for r in (first, second, third)] == [
+        Phase.DECODING,
+        Phase.DECODING,
+        Phase.WAITING,
+    ]
+    assert plan_of(scheduler.schedule()) == []  # no row free: the third keeps waiting
+    scheduler.finish([first])
+    assert plan_of(scheduler.schedule()) == [("r2", 7)]  # the freed row, at the next step
+    assert scheduler.phase(first) == Phase.GONE
+
+
+def test_the_token_budget_splits_arrivals_over_steps_without_splitting_prompts() -> None:
+    scheduler: Scheduler[Ask] = Scheduler(max_rows=8, prefill_chunk=10)
+    for request in asks(4, 4, 4, 9):
+        scheduler.add(request)
+    assert plan_of(scheduler.schedule()) == [("r0", 4), ("r1", 4)]  # r2 fits 10, not the 2 left
+    assert plan_of(scheduler.schedule()) == [("r2", 4)]  # r3 (9) waits: it fits a whole step
+    assert plan_of(scheduler.schedule()) == [("r3", 9)]
+    assert scheduler.schedule().prefill == []
+
+
+def test_a_prompt_longer_than_the_budget_is_prefilled_in_chunks_first() -> None:
+    scheduler: Scheduler[Ask] = Scheduler(max_rows=8, prefill_chunk=10)
+    short, long, late = asks(3, 25, 2)
+    for request in (short, long, late):
+        scheduler.add(request)
+    assert plan_of(scheduler.schedule()) == [("r0", 3), ("r1", 7)]  # the rest of the budget
+    assert scheduler.phase(long) == Phase.PREFILLING
+    assert plan_of(scheduler.schedule()) == [("r1", 10)]  # nobody overtakes it
+    assert plan_of(scheduler.schedule()) == [("r1", 8), ("r2", 2)]  # done: the next joins
+    assert scheduler.phase(long) == Phase.DECODING
+
+
+def test_a_scoring_request_takes_budget_but_no_row() -> None:
+    scheduler: Scheduler[Ask] = Scheduler(max_rows=1, prefill_chunk=10)
+    busy, score, big_score, after = Ask(4, name="busy"), Ask(5, False), Ask(30, False), Ask(1)
+    for request in (busy, score, big_score, after):
+        scheduler.add(request)
+    plan = scheduler.schedule()
+    assert plan_of(plan) == [("busy", 4)] and plan.scored == [score]
+    assert plan.admitted == [busy, score]
+    plan = scheduler.schedule()  # a prompt past the budget is scored whole, alone in a step
+    assert plan.scored == [big_score] and plan.prefill == []
+    assert scheduler.schedule().admitted == []  # `after` needs a row, and `busy` holds it
+    assert scheduler.phase(big_score) == Phase.GONE
+
+
+def test_cancelling_frees_the_row_or_the_place_in_the_queue() -> None:
+    scheduler: Scheduler[Ask] = Scheduler(max_rows=1, prefill_chunk=4)
+    running, waiting = asks(9, 2)
+    scheduler.add(running)
+    scheduler.add(waiting)
+    scheduler.schedule()
+    assert scheduler.cancel(waiting) == Phase.WAITING
+    assert scheduler.cancel(running) == Phase.PREFILLING
+    assert scheduler.cancel(running) == Phase.GONE
+    assert scheduler.idle and scheduler.schedule().prefill == []
+
+
+def test_a_failed_step_clears_the_rows_and_keeps_the_queue() -> None:
+    scheduler: Scheduler[Ask] = Scheduler(max_rows=2, prefill_chunk=100)
+    requests = asks(1, 2, 3)
+    for request in requests:
+        scheduler.add(request)
+    scheduler.schedule()
+    assert scheduler.clear_running() == requests[:2]
+    assert plan_of(scheduler.schedule()) == [("r2", 3)]
+    assert scheduler.clear() == [requests[2]] and scheduler.idle
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_random_arrivals_respect_rows_budget_order_and_finish_every_prompt(seed: int) -> None:
+    """Scripted random traffic: no step exceeds the budget or the rows, requests start in
+    arrival order, and every prompt is prefilled exactly once, in full."""
+    rng = random.Random(seed)
+    scheduler: Scheduler[Ask] = Scheduler(max_rows=3, prefill_chunk=16)
+    arrivals = [Ask(rng.randint(1, 40), rng.random() > 0.2, f"r{i}") for i in range(30)]
+    pending, started, fed = list(arrivals), [], {id(a): 0 for a in arrivals}
+    decoding: dict[int, int] = {}  # id → steps left to decode
+    while pending or not scheduler.idle:
+        for _ in range(rng.randint(0, 3)):
+            if pending:
+                scheduler.add(pending.pop(0))
+        plan = scheduler.schedule()
+        assert sum(count for _, count in plan.prefill) + sum(
+            r.prompt_length for r in plan.scored
+        ) <= max(16, *(r.prompt_length for r in plan.scored), 0)
+        assert len(scheduler.running) <= 3
+        started += plan.admitted
+        for request, count in plan.prefill:
+            fed[id(request)] += count
+            assert fed[id(request)] <= request.prompt_length
+            if fed[id(request)] == request.prompt_length:
+                decoding[id(request)] = rng.randint(1, 4)
+        for request in plan.scored:
+            fed[id(request)] = request.prompt_length
+        done = [r for r in scheduler.running if decoding.get(id(r), 1) <= 0]
+        scheduler.finish(done)
+        for request in scheduler.running:
+            if id(request) in decoding:
+                decoding[id(request)] -= 1
+    assert started == arrivals
+    assert all(fed[id(a)] == a.prompt_length for a in arrivals)
