@@ -1,0 +1,106 @@
+"""Training curves: train and validation loss against tokens seen, one colour per checkpoint.
+
+Reads what ``ordinal train`` records in each checkpoint's ``metrics.json``: ``train_loss`` and
+``val_loss`` as ``[step, loss]`` pairs, and the train config that turns steps into tokens.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from model.config import write_atomic
+
+METRICS_FILE = "metrics.json"
+SMOOTHING_STEPS = 50  # the train loss of one batch is noisy: a moving average over this many
+
+
+@dataclass(frozen=True)
+class Curves:
+    """One run's losses (nats/token) against tokens seen."""
+
+    scheme: str
+    train_tokens: np.ndarray  # [steps]
+    train_loss: np.ndarray  # [steps], moving average over SMOOTHING_STEPS
+    val_tokens: np.ndarray  # [evals]
+    val_loss: np.ndarray  # [evals]
+    wall_seconds: float
+
+
+def tokens_per_step(metrics: dict[str, Any]) -> int:
+    """Training tokens one optimizer step consumes: sequences × context."""
+    train, model = metrics["train"], metrics["model"]
+    return int(train["batch_size"] * train["grad_accum"] * model["context_length"])
+
+
+def read_curves(folder: Path) -> Curves:
+    """The curves recorded in ``folder/metrics.json``."""
+    metrics = json.loads((folder / METRICS_FILE).read_text())
+    per_step = tokens_per_step(metrics)
+    train = np.asarray(metrics["train_loss"], dtype=float).reshape(-1, 2)
+    val = np.asarray(metrics["val_loss"], dtype=float).reshape(-1, 2)
+    return Curves(
+        scheme=metrics["scheme"],
+        train_tokens=train[:, 0] * per_step,
+        train_loss=moving_average(train[:, 1], SMOOTHING_STEPS),
+        val_tokens=val[:, 0] * per_step,
+        val_loss=val[:, 1],
+        wall_seconds=float(metrics["wall_seconds"]),
+    )
+
+
+def moving_average(values: np.ndarray, window: int) -> np.ndarray:
+    """Trailing mean over up to ``window`` values (fewer at the start): [n] → [n]."""
+    sums = np.cumsum(np.concatenate([[0.0], values]))
+    ends = np.arange(1, len(values) + 1)
+    starts = np.maximum(ends - window, 0)
+    return (sums[ends] - sums[starts]) / (ends - starts)
+
+
+def plot_training_curves(folders: list[Path], path: Path) -> None:
+    """Train (thin) and validation (markers) loss against tokens for every folder, side by side
+    with a zoom on the last half of training where the schemes separate; written atomically."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    runs = [read_curves(folder) for folder in folders]
+    figure = Figure(figsize=(13, 5.5))
+    whole, zoom = figure.subplots(1, 2)
+    palette = matplotlib.colormaps["tab10"].colors
+    for index, run in enumerate(runs):
+        colour = palette[index % len(palette)]
+        for axes in (whole, zoom):
+            axes.plot(run.train_tokens / 1e6, run.train_loss, color=colour, linewidth=1, alpha=0.8)
+            label = f"{run.scheme} ({run.wall_seconds / 60:.1f} min)"
+            axes.plot(run.val_tokens / 1e6, run.val_loss, "o--", color=colour, markersize=4,
+                      linewidth=1, label=label)  # fmt: skip
+    half = max(run.train_tokens[-1] for run in runs) / 2e6
+    last_half = [
+        loss
+        for run in runs
+        for tokens, losses in ((run.train_tokens, run.train_loss), (run.val_tokens, run.val_loss))
+        for loss in losses[tokens / 1e6 >= half]
+    ]
+    zoom.set_xlim(left=half)
+    if last_half:
+        zoom.set_ylim(min(last_half) - 0.05, max(last_half) + 0.05)
+    whole.set_ylim(top=min(whole.get_ylim()[1], 8.0))
+    for axes, title in ((whole, "all of training"), (zoom, "second half")):
+        axes.set_xlabel("tokens seen (millions)")
+        axes.set_ylabel("loss (nats/token)")
+        axes.set_title(title)
+        axes.grid(alpha=0.3)
+    zoom.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=9,
+                title="scheme (train wall time)")  # fmt: skip
+    figure.suptitle(
+        f"Training curves: train loss ({SMOOTHING_STEPS}-step moving average, lines) and "
+        "validation loss (markers)"
+    )
+    figure.tight_layout()
+    write_atomic(path, lambda staging: figure.savefig(staging, format="png", dpi=100))
