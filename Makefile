@@ -84,6 +84,8 @@ checkpoints: $(STAMP)
 	done
 	$(ORDINAL) eval $(addprefix $(CHECKPOINT_DIR)/,$(SCHEMES)) \
 		--plot $(CHECKPOINT_DIR)/loss_by_position.png --table $(CHECKPOINT_DIR)/results.md --save
+	$(PY) -m model.curves $(addprefix $(CHECKPOINT_DIR)/,$(SCHEMES)) \
+		--out $(CHECKPOINT_DIR)/training_curves.png
 
 # Speed figures into docs/benchmarks.md (transformers is a bench-only extra).
 bench: $(STAMP)

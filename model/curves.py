@@ -104,3 +104,23 @@ def plot_training_curves(folders: list[Path], path: Path) -> None:
     )
     figure.tight_layout()
     write_atomic(path, lambda staging: figure.savefig(staging, format="png", dpi=100))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m model.curves CHECKPOINT... --out PNG`` (files without metrics.json skipped)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m model.curves", description=__doc__)
+    parser.add_argument("folders", nargs="+", type=Path)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args(argv)
+    folders = [folder for folder in args.folders if (folder / METRICS_FILE).is_file()]
+    if not folders:
+        parser.error("none of the folders holds a metrics.json")
+    plot_training_curves(folders, args.out)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
