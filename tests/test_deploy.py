@@ -352,17 +352,17 @@ def test_healthcheck_passes_only_when_health_answers_ok(
 
 NGINX_TEMPLATE = REPO / "deploy" / "nginx.conf.template"
 FORWARD_SECONDS = 0.02  # each forward pass of the replicas' model is slowed to this at least
-# A replica: `ordinal serve ARGS` with every forward pass slowed, so a stream's timing shows.
-SLOW_REPLICA = f"""
-import sys, time
+# Every forward pass of a replica's model is slowed, so a stream's timing shows. The model runs in
+# the engine process, a fresh interpreter, so the slowdown goes in as a sitecustomize module,
+# which every interpreter started with it on PYTHONPATH imports first.
+SLOW_FORWARD = f"""
+import time
 import model.transformer
 forward = model.transformer.Transformer.forward
 def slow(self, *args, **kwargs):
     time.sleep({FORWARD_SECONDS})
     return forward(self, *args, **kwargs)
 model.transformer.Transformer.forward = slow
-import ordinal
-sys.exit(ordinal.main(sys.argv[1:]))
 """
 
 
@@ -427,7 +427,10 @@ def test_nginx_spreads_requests_over_two_replicas_and_streams_unbuffered(
     nginx: str, checkpoints: Path, tmp_path: Path
 ) -> None:
     ports = [free_port(), free_port()]
-    environment = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    slow = tmp_path / "slow"
+    slow.mkdir()
+    (slow / "sitecustomize.py").write_text(SLOW_FORWARD)
+    environment = {**os.environ, "PYTHONPATH": f"{slow}{os.pathsep}{REPO}", "OMP_NUM_THREADS": "1"}
     environment.pop("ORDINAL_API_KEY", None)
     processes: list[subprocess.Popen[str]] = []
     try:
@@ -437,7 +440,7 @@ def test_nginx_spreads_requests_over_two_replicas_and_streams_unbuffered(
             serve += ["--stream-interval", "0"]
             processes.append(
                 subprocess.Popen(
-                    [sys.executable, "-c", SLOW_REPLICA, *serve],
+                    [sys.executable, "-m", "ordinal", *serve],
                     cwd=REPO,
                     env=environment,
                     stdout=subprocess.DEVNULL,

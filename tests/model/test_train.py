@@ -217,10 +217,10 @@ def test_candidate_run_resumed_equals_an_uninterrupted_one_and_never_sees_valida
 
     monkeypatch.setattr(model.train, "TrainingSequences", RecordingSequences)
     (tmp_path / "config.json").write_text(json.dumps({"model": {"qk_norm": True}}))
-    extra = ["--preset", "candidate", "--config", str(tmp_path / "config.json")]
+    extra = ["--preset", "shipped", "--config", str(tmp_path / "config.json")]
     extra += ["--storage-dtype", "float32"]
     whole = model.train.run(train_args(tmp_path / "whole", tokenizer_path, *extra))
-    candidate = model.config.PRESETS["candidate"]
+    candidate = model.config.PRESETS["shipped"]
     assert whole["train"]["optimizer"] == candidate.train.optimizer == "muon"
     assert whole["train"]["sequence_starts"] == candidate.train.sequence_starts == "line"
     assert whole["model"]["mlp"] == candidate.model["mlp"] and whole["model"]["qk_norm"] is True
@@ -267,7 +267,7 @@ def test_no_draw_of_the_sampler_reaches_the_validation_plays(
     start), whatever the seed and step. All S hold training text only: each line a sequence
     holds whole is a line of a training speech and its cut last line begins one (a sequence
     running off the end of the training stream is padded, never continued elsewhere)."""
-    args = train_args(tmp_path, tokenizer_path, "--preset", "candidate")
+    args = train_args(tmp_path, tokenizer_path, "--preset", "shipped")
     model_config, train_config = model.train.configs_from_args(args)
     train_config = train_config.replace(sequence_starts=starts)
     sampler = model.train.load_training_data(args.tokenizer, model_config, train_config).sequences
