@@ -1,5 +1,5 @@
 """``ordinal train``: the shipped preset is what it uses by default, a short run learns, a resumed
-run equals an uninterrupted one (AdamW; and the candidate preset's Muon recipe, QK-norm on, bit
+run equals an uninterrupted one (AdamW; and the shipped preset's Muon recipe, QK-norm on, bit
 for bit), no draw of the sampler (speech or line starts, any seed) reaches the validation plays,
 the mds scheme gets the training corpus's speech-aligned geometry whatever the sampler, a bad
 config is a one-line error, two processes under ``torchrun`` (gloo, DDP) follow one process's loss
@@ -198,13 +198,13 @@ def test_the_shipped_preset_is_what_ordinal_train_uses_by_default(tmp_path: Path
     assert train_config.batch_size == tiny.train.batch_size
 
 
-def test_candidate_run_resumed_equals_an_uninterrupted_one_and_never_sees_validation_text(
+def test_muon_run_resumed_equals_an_uninterrupted_one_and_never_sees_validation_text(
     tmp_path: Path,
     tokenizer_path: Path,
     small_corpus: Corpus,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The candidate preset at tiny sizes (Muon, ReLU², no dropout, sequences from any line),
+    """The shipped preset's recipe at tiny sizes (Muon, ReLU², no dropout, sequences from any line),
     with QK-norm on too: stopped at step 15 and resumed, it ends bit for bit where an
     uninterrupted run ends: weights, both optimisers' state and every logged loss."""
     seen: list[torch.Tensor] = []
@@ -220,10 +220,10 @@ def test_candidate_run_resumed_equals_an_uninterrupted_one_and_never_sees_valida
     extra = ["--preset", "shipped", "--config", str(tmp_path / "config.json")]
     extra += ["--storage-dtype", "float32"]
     whole = model.train.run(train_args(tmp_path / "whole", tokenizer_path, *extra))
-    candidate = model.config.PRESETS["shipped"]
-    assert whole["train"]["optimizer"] == candidate.train.optimizer == "muon"
-    assert whole["train"]["sequence_starts"] == candidate.train.sequence_starts == "line"
-    assert whole["model"]["mlp"] == candidate.model["mlp"] and whole["model"]["qk_norm"] is True
+    shipped = model.config.PRESETS["shipped"]
+    assert whole["train"]["optimizer"] == shipped.train.optimizer == "muon"
+    assert whole["train"]["sequence_starts"] == shipped.train.sequence_starts == "line"
+    assert whole["model"]["mlp"] == shipped.model["mlp"] and whole["model"]["qk_norm"] is True
     assert np.mean(losses(whole)[-5:]) < np.mean(losses(whole)[:5])
 
     model.train.run(train_args(tmp_path / "parts", tokenizer_path, *extra, "--stop-at", "15"))
