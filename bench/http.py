@@ -304,8 +304,12 @@ async def drive(url: str, server: psutil.Process, min_seconds: float, min_rounds
 def loaded_memory(checkpoints: Path) -> dict[str, Any]:
     """RSS of a server that loaded every model in ``checkpoints`` (the default ``--models``)."""
     with running_server(checkpoints, models=None) as (url, server):
-        models = httpx.get(f"{url}/health", timeout=10).json()["models"]
-        return {"models": models, "rss_mib": rss(server) / MiB}
+        # /health is 200 once one model serves; the others may still be loading.
+        while True:
+            models = httpx.get(f"{url}/health", timeout=10).json()["models"]
+            if all(model["state"] != "loading" for model in models.values()):
+                return {"models": models, "rss_mib": rss(server) / MiB}
+            time.sleep(0.5)
 
 
 def run(checkpoints: Path, min_seconds: float = 10.0, min_rounds: int = 2) -> dict[str, Any]:

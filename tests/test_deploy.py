@@ -353,17 +353,17 @@ def test_healthcheck_passes_only_when_health_answers_ok(
 NGINX_TEMPLATE = REPO / "deploy" / "nginx.conf.template"
 FORWARD_SECONDS = 0.02  # each forward pass of the replicas' model is slowed to this at least
 # A replica: `ordinal serve ARGS` with every forward pass slowed, so a stream's timing shows.
-SLOW_REPLICA = f"""
-import sys, time
+# The forwards run in the replica's engine process, which imports this sitecustomize too.
+SLOW_FORWARD = f"""
+import time
 import model.transformer
 forward = model.transformer.Transformer.forward
 def slow(self, *args, **kwargs):
     time.sleep({FORWARD_SECONDS})
     return forward(self, *args, **kwargs)
 model.transformer.Transformer.forward = slow
-import ordinal
-sys.exit(ordinal.main(sys.argv[1:]))
 """
+REPLICA = "import sys, ordinal; sys.exit(ordinal.main(sys.argv[1:]))"
 
 
 def render_nginx_config(listen: str, upstreams: list[str], access_log: str) -> str:
@@ -427,7 +427,11 @@ def test_nginx_spreads_requests_over_two_replicas_and_streams_unbuffered(
     nginx: str, checkpoints: Path, tmp_path: Path
 ) -> None:
     ports = [free_port(), free_port()]
-    environment = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    slow = tmp_path / "slow"
+    slow.mkdir()
+    (slow / "sitecustomize.py").write_text(SLOW_FORWARD)
+    path = os.pathsep.join([str(slow), str(REPO), os.environ.get("PYTHONPATH", "")])
+    environment = {**os.environ, "PYTHONPATH": path.rstrip(os.pathsep), "OMP_NUM_THREADS": "1"}
     environment.pop("ORDINAL_API_KEY", None)
     processes: list[subprocess.Popen[str]] = []
     try:
@@ -437,7 +441,7 @@ def test_nginx_spreads_requests_over_two_replicas_and_streams_unbuffered(
             serve += ["--stream-interval", "0"]
             processes.append(
                 subprocess.Popen(
-                    [sys.executable, "-c", SLOW_REPLICA, *serve],
+                    [sys.executable, "-c", REPLICA, *serve],
                     cwd=REPO,
                     env=environment,
                     stdout=subprocess.DEVNULL,
