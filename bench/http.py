@@ -46,6 +46,8 @@ SINGLE_TOKENS = 256  # as bench.decode
 SINGLE_REPEATS = 3
 LEVEL_TOKENS = 256
 LEVELS = (1, 8, 32, 64)
+INTERFERENCE_STREAMS = 16
+LONG_PROMPT_TOKENS = 511  # the longest prompt the shipped rope takes (512 context) and 1 token
 # The server's defaults are measured: its batch holds the largest level (64 streams) at once.
 MAX_BATCH = Settings.model_fields["max_batch_size"].default
 MiB = 2**20
@@ -81,9 +83,11 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def serve_command(checkpoints: Path, port: int, models: list[str] | None) -> list[str]:
+def serve_command(
+    checkpoints: Path, port: int, models: list[str] | None, extra: tuple[str, ...] = ()
+) -> list[str]:
     """``ordinal serve`` for this benchmark: bfloat16 on a GPU, fp32 on CPU (the default)."""
-    command = [sys.executable, "-m", "server.cli", "serve", "--port", str(port)]
+    command = [sys.executable, "-m", "server.cli", "serve", "--port", str(port), *extra]
     command += ["--checkpoints", str(checkpoints)]
     if models:
         command += ["--models", ",".join(models)]
@@ -97,14 +101,20 @@ def served_dtype() -> str:
 
 @contextlib.contextmanager
 def running_server(
-    checkpoints: Path, models: list[str] | None, ready_timeout: float = 600.0
+    checkpoints: Path,
+    models: list[str] | None,
+    ready_timeout: float = 600.0,
+    extra: tuple[str, ...] = (),
 ) -> Iterator[tuple[str, psutil.Process]]:
-    """Start ``ordinal serve``, wait for ``/health`` 200, yield (base URL, process); stop it."""
+    """Start ``ordinal serve`` (``extra``: more flags), wait for ``/health`` 200, yield (base
+    URL, process); stop it."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     with tempfile.TemporaryFile() as log:
         process = subprocess.Popen(
-            serve_command(checkpoints, port, models), stdout=log, stderr=subprocess.STDOUT
+            serve_command(checkpoints, port, models, extra),
+            stdout=log,
+            stderr=subprocess.STDOUT,
         )
         try:
             wait_until_healthy(url, process, ready_timeout, log)
@@ -301,11 +311,64 @@ async def drive(url: str, server: psutil.Process, min_seconds: float, min_rounds
     return {"single_stream": single, "concurrency": levels}
 
 
+async def prefill_interference(url: str, long_prompts: bool) -> dict[str, Any]:
+    """``INTERFERENCE_STREAMS`` streams decoding ``LEVEL_TOKENS`` tokens each; with
+    ``long_prompts``, ``LONG_PROMPT_TOKENS``-token prompts (one token each) arrive back to
+    back meanwhile. Percentiles of the time between a stream's consecutive tokens."""
+    async with httpx.AsyncClient(base_url=url, timeout=300) as client:
+        prompt = await prompt_ids(client)
+        long = (prompt * (LONG_PROMPT_TOKENS // len(prompt) + 1))[:LONG_PROMPT_TOKENS]
+        decoding = asyncio.Event()
+        arrived = 0
+
+        async def arrivals() -> None:
+            nonlocal arrived
+            await decoding.wait()
+            while decoding.is_set():
+                body = {"model": "rope", "prompt": long, "max_tokens": 1}
+                (await client.post("/v1/completions", json=body)).raise_for_status()
+                arrived += 1
+
+        feeder = asyncio.create_task(arrivals()) if long_prompts else None
+        streams = asyncio.gather(
+            *(
+                stream_completion(client, prompt, LEVEL_TOKENS, seed)
+                for seed in range(INTERFERENCE_STREAMS)
+            )
+        )
+        decoding.set()
+        done = await streams
+        decoding.clear()
+        if feeder is not None:
+            await feeder
+    gaps = [1000 * (b - a) for s in done for a, b in itertools.pairwise(s.token_times)]
+    return {
+        "streams": INTERFERENCE_STREAMS,
+        "long_prompts": arrived,
+        "itl_ms_p50": percentile(gaps, 50),
+        "itl_ms_p99": percentile(gaps, 99),
+    }
+
+
+def interference(checkpoints: Path) -> dict[str, Any]:
+    """Inter-token latency of running streams with and without long prompts arriving, on a
+    server that sends every token at once (``--stream-interval 0``: the gaps are the steps)."""
+    extra = ("--stream-interval", "0")
+    with running_server(checkpoints, models=["rope"], extra=extra) as (url, _):
+        quiet = asyncio.run(prefill_interference(url, long_prompts=False))
+        busy = asyncio.run(prefill_interference(url, long_prompts=True))
+    return {"prompt_tokens": LONG_PROMPT_TOKENS, "quiet": quiet, "long_prompts": busy}
+
+
 def loaded_memory(checkpoints: Path) -> dict[str, Any]:
     """RSS of a server that loaded every model in ``checkpoints`` (the default ``--models``)."""
     with running_server(checkpoints, models=None) as (url, server):
-        models = httpx.get(f"{url}/health", timeout=10).json()["models"]
-        return {"models": models, "rss_mib": rss(server) / MiB}
+        # /health is 200 once one model serves; the others may still be loading.
+        while True:
+            models = httpx.get(f"{url}/health", timeout=10).json()["models"]
+            if all(model["state"] != "loading" for model in models.values()):
+                return {"models": models, "rss_mib": rss(server) / MiB}
+            time.sleep(0.5)
 
 
 def run(checkpoints: Path, min_seconds: float = 10.0, min_rounds: int = 2) -> dict[str, Any]:
@@ -314,6 +377,7 @@ def run(checkpoints: Path, min_seconds: float = 10.0, min_rounds: int = 2) -> di
         rope_only_rss = rss(server) / MiB
         results = asyncio.run(drive(url, server, min_seconds, min_rounds))
     results["memory"] = {"rope_only_rss_mib": rope_only_rss, **loaded_memory(checkpoints)}
+    results["interference"] = interference(checkpoints)
     served = Settings()  # what `ordinal serve` reads from the same environment
     results["server"] = {
         "max_batch_size": MAX_BATCH,

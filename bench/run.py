@@ -208,6 +208,30 @@ def http_section(results: Results, in_process: float | None, one_thread: float |
         f"TTFT p99 at 32 clients: {target(p99, 150.0, p99_text, at_most=True)}."
         "\n\nLoad-generator and server CPU are in cores (1.0 = one core busy the whole level): "
         "with both on the same cores, a busy load generator caps the figures.\n"
+        + interference_section(results)
+    )
+
+
+def interference_section(results: Results) -> str:
+    """Inter-token latency of running streams while long prompts arrive (#12), if measured."""
+    found = results.get("interference")
+    if found is None:
+        return ""
+    quiet, busy = found["quiet"], found["long_prompts"]
+    rows = [
+        ["none", "—", f"{quiet['itl_ms_p50']:.1f}", f"{quiet['itl_ms_p99']:.1f}"],
+        [
+            f"{found['prompt_tokens']} tokens, back to back",
+            str(busy["long_prompts"]),
+            f"{busy['itl_ms_p50']:.1f}",
+            f"{busy['itl_ms_p99']:.1f}",
+        ],
+    ]
+    header = ["prompts arriving", "how many", "inter-token ms p50", "p99"]
+    return (
+        f"\n{quiet['streams']} streams decoding while long prompts arrive (`--stream-interval 0`, "
+        "so each gap is one step; long prompts are prefilled at most `--prefill-chunk` tokens a "
+        "step):\n\n" + table(header, rows)
     )
 
 

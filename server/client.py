@@ -174,8 +174,9 @@ class EngineClient:
         self._send(job.message(job.id, model.name))
 
     def cancel(self, job_id: int) -> bool:
-        """Ask the engine to drop ``job_id``; False if it has already ended."""
-        if job_id not in self._jobs:
+        """Ask the engine to drop ``job_id``; False if it has already ended, or the engine is
+        stopping (it fails every job itself) or gone (its jobs have failed already)."""
+        if job_id not in self._jobs or self._stopping or self._writer is None:
             return False
         self._send(Cancel(job_id))
         self._cancelled.add(job_id)
@@ -245,7 +246,8 @@ class EngineClient:
             name="ordinal-engine",
             daemon=True,
         )
-        self.process.start()
+        # Off the loop: a fork server starting (the tests') imports torch first.
+        await asyncio.to_thread(self.process.start)
         theirs.close()
         reader, writer = await asyncio.open_unix_connection(sock=ours)
         self._writer = writer

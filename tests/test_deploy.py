@@ -352,9 +352,8 @@ def test_healthcheck_passes_only_when_health_answers_ok(
 
 NGINX_TEMPLATE = REPO / "deploy" / "nginx.conf.template"
 FORWARD_SECONDS = 0.02  # each forward pass of the replicas' model is slowed to this at least
-# Every forward pass of a replica's model is slowed, so a stream's timing shows. The model runs in
-# the engine process, a fresh interpreter, so the slowdown goes in as a sitecustomize module,
-# which every interpreter started with it on PYTHONPATH imports first.
+# A replica: `ordinal serve ARGS` with every forward pass slowed, so a stream's timing shows.
+# The forwards run in the replica's engine process, which imports this sitecustomize too.
 SLOW_FORWARD = f"""
 import time
 import model.transformer
@@ -364,6 +363,7 @@ def slow(self, *args, **kwargs):
     return forward(self, *args, **kwargs)
 model.transformer.Transformer.forward = slow
 """
+REPLICA = "import sys, ordinal; sys.exit(ordinal.main(sys.argv[1:]))"
 
 
 def render_nginx_config(listen: str, upstreams: list[str], access_log: str) -> str:
@@ -430,7 +430,8 @@ def test_nginx_spreads_requests_over_two_replicas_and_streams_unbuffered(
     slow = tmp_path / "slow"
     slow.mkdir()
     (slow / "sitecustomize.py").write_text(SLOW_FORWARD)
-    environment = {**os.environ, "PYTHONPATH": f"{slow}{os.pathsep}{REPO}", "OMP_NUM_THREADS": "1"}
+    path = os.pathsep.join([str(slow), str(REPO), os.environ.get("PYTHONPATH", "")])
+    environment = {**os.environ, "PYTHONPATH": path.rstrip(os.pathsep), "OMP_NUM_THREADS": "1"}
     environment.pop("ORDINAL_API_KEY", None)
     processes: list[subprocess.Popen[str]] = []
     try:
@@ -440,7 +441,7 @@ def test_nginx_spreads_requests_over_two_replicas_and_streams_unbuffered(
             serve += ["--stream-interval", "0"]
             processes.append(
                 subprocess.Popen(
-                    [sys.executable, "-m", "ordinal", *serve],
+                    [sys.executable, "-c", REPLICA, *serve],
                     cwd=REPO,
                     env=environment,
                     stdout=subprocess.DEVNULL,
