@@ -141,6 +141,7 @@ async def create_trace(body: TraceRequest, served: ServedModel) -> bytes:
             param="prompt",
             code="context_length_exceeded",
         )
+    body.sampling_params(served.vocab)  # a bad field is a 400 here, not a failure in the engine
     return await served.engine.trace(prompt_ids, body.model_dump_json().encode())
 
 

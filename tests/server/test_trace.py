@@ -350,6 +350,7 @@ def test_a_prompt_past_the_limit_is_a_400(client: httpx.Client) -> None:
         ({"prompt": PROMPT, "top": 0}, "top"),
         ({"prompt": PROMPT, "max_tokens": 3}, "max_tokens"),  # not a trace field
         ({"prompt": [10**6]}, "prompt"),
+        ({"prompt": PROMPT, "logit_bias": {"938206652": -48.7}}, "logit_bias"),  # past the vocab
         ({}, "prompt"),
     ],
 )
@@ -358,7 +359,7 @@ def test_invalid_values_are_400s_naming_the_field(
 ) -> None:
     found = error(client, body)
     assert found["param"] == param and found["type"] == "invalid_request_error"
-    if param in {"temperature", "top_p", "top_k", "min_p", "repetition_penalty"}:
+    if param in {"temperature", "top_p", "top_k", "min_p", "repetition_penalty", "logit_bias"}:
         same = client.post("/v1/completions", json={**body, "max_tokens": 1}).json()["error"]
         assert same["message"] == found["message"]  # validated exactly like completions
 
