@@ -116,10 +116,7 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
         """Build from a dict, rejecting unknown keys with the list of valid ones."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ConfigError(f"unknown config key(s) {unknown}; valid keys: {sorted(known)}")
+        _reject_unknown(cls, data, "config key(s)", "valid keys")
         return cls(**data)
 
     def save(self, path: str | Path) -> None:
@@ -211,11 +208,16 @@ class TrainConfig:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> TrainConfig:
         """Build from a dict, rejecting unknown keys with the list of valid ones."""
-        valid = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - valid)
-        if unknown:
-            raise ConfigError(f"unknown train setting(s) {unknown}; valid: {sorted(valid)}")
+        _reject_unknown(cls, data, "train setting(s)", "valid")
         return cls(**data)
+
+
+def _reject_unknown(cls: type, data: Mapping[str, Any], what: str, valid_label: str) -> None:
+    """A ConfigError naming the keys of ``data`` that are not fields of ``cls``, and the valid."""
+    valid = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - valid)
+    if unknown:
+        raise ConfigError(f"unknown {what} {unknown}; {valid_label}: {sorted(valid)}")
 
 
 @functools.cache
@@ -310,6 +312,12 @@ def write_json_atomic(path: str | Path, data: Any) -> None:
 def write_text_atomic(path: str | Path, text: str) -> None:
     """Write ``text`` to ``path`` via a temp file in the same folder and os.replace."""
     write_atomic(path, lambda staging: staging.write_text(text))
+
+
+def write_figure_atomic(path: str | Path, figure: Any, dpi: int = 100) -> None:
+    """Save a matplotlib figure as PNG at ``path``, atomically (the staging name ends in
+    ``.tmp``, so the format is given rather than guessed from it)."""
+    write_atomic(path, lambda staging: figure.savefig(staging, format="png", dpi=dpi))
 
 
 def write_atomic(path: str | Path, write: Callable[[Path], object]) -> None:

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from model.config import write_atomic
+from model.config import write_figure_atomic
 
 METRICS_FILE = "metrics.json"
 SMOOTHING_STEPS = 50  # the train loss of one batch is noisy: a moving average over this many
@@ -103,7 +103,7 @@ def plot_training_curves(folders: list[Path], path: Path) -> None:
         "validation loss (markers)"
     )
     figure.tight_layout()
-    write_atomic(path, lambda staging: figure.savefig(staging, format="png", dpi=100))
+    write_figure_atomic(path, figure)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -30,9 +30,7 @@ import argparse
 import hashlib
 import json
 import math
-import os
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +39,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from model.checkpoint import WEIGHTS_FILE, data_section, load_checkpoint
-from model.config import write_json_atomic
+from model.config import write_figure_atomic, write_json_atomic, write_text_atomic
 from model.corpus import load_corpus
 from model.data import IGNORE_INDEX, ValidationStream, validation_stream
 from model.transformer import Transformer
@@ -299,13 +297,8 @@ def plot_loss_by_position(reports: list[dict[str, Any]], path: Path) -> None:
     axes.set_ylim(top=min(axes.get_ylim()[1], 8.0))
     axes.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=9)
     figure.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".png")
-    os.close(fd)
-    figure.savefig(tmp, dpi=110)
+    write_figure_atomic(path, figure, dpi=110)
     plt.close(figure)
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, path)
 
 
 def results_table(reports: list[dict[str, Any]]) -> str:
@@ -381,5 +374,5 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     if args.plot:
         plot_loss_by_position(reports, args.plot)
     if args.table:
-        args.table.write_text(results_table(reports))
+        write_text_atomic(args.table, results_table(reports))
     return reports

@@ -15,10 +15,9 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 from model.checkpoint import load_checkpoint, with_positional
-from model.tokenizer import special_ids, token_bytes
 from model.transformer import Transformer
 from server.messages import EngineConfig, ModelFailed, ModelInfo
-from server.service import context_limit, load_failure, resolve_device, token_strings
+from server.service import context_limit, load_failure, resolve_device, vocabulary_tables
 from server.settings import parse_rope_variant
 
 
@@ -64,17 +63,12 @@ def prepare(
     max_context: int | None,
     started: float,
 ) -> LoadedModel:
-    specials = special_ids(tokenizer)
-    table = token_bytes(tokenizer)
     return LoadedModel(
         name=name,
         base=base,
         model=model,
         tokenizer=tokenizer,
-        token_bytes=table,
-        token_strings=token_strings(tokenizer, table),
-        bos=specials.bos,
-        eos=specials.eos,
+        **vocabulary_tables(tokenizer)._asdict(),
         max_context=context_limit(model, max_context),
         load_seconds=time.perf_counter() - started,
     )

@@ -12,7 +12,7 @@ import logging
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from tokenizers import Tokenizer
@@ -86,12 +86,24 @@ def context_limit(model: Transformer, configured: int | None) -> int:
     return limit if cap is None else min(limit, cap)
 
 
-def token_strings(tokenizer: Tokenizer, table: list[bytes]) -> list[str]:
-    """id → the token as logprobs name it: its text (invalid UTF-8 escaped), specials by name."""
+class VocabularyTables(NamedTuple):
+    """What both processes compute once per tokenizer: the API to write responses, the engine
+    to decode and trace."""
+
+    token_bytes: list[bytes]  # id → raw bytes (specials: b"")
+    token_strings: list[str]  # id → the token as logprobs name it (specials by name)
+    bos: int
+    eos: int
+
+
+def vocabulary_tables(tokenizer: Tokenizer) -> VocabularyTables:
+    """The tables of ``tokenizer``; invalid UTF-8 in a token's text is backslash-escaped."""
+    table = token_bytes(tokenizer)
     strings = [piece.decode("utf-8", errors="backslashreplace") for piece in table]
-    for special in special_ids(tokenizer):
+    specials = special_ids(tokenizer)
+    for special in specials:
         strings[special] = tokenizer.id_to_token(special)
-    return strings
+    return VocabularyTables(table, strings, specials.bos, specials.eos)
 
 
 @dataclass
@@ -113,17 +125,12 @@ class ServedModel:
     @classmethod
     def from_checkpoint(cls, info: ModelInfo, folder: Path, engine: ModelClient) -> ServedModel:
         tokenizer = load_tokenizer(folder / TOKENIZER_FILE)
-        specials = special_ids(tokenizer)
-        table = token_bytes(tokenizer)
         return cls(
             name=info.name,
             info=info,
             tokenizer=tokenizer,
             engine=engine,
-            token_bytes=table,
-            token_strings=token_strings(tokenizer, table),
-            bos=specials.bos,
-            eos=specials.eos,
+            **vocabulary_tables(tokenizer)._asdict(),
             created=int(folder.stat().st_mtime),
             chat_template=ChatTemplate.from_checkpoint(folder),
         )

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -27,7 +25,7 @@ import torch
 from matplotlib.figure import Figure
 from tqdm import tqdm
 
-from model.config import ModelConfig, write_json_atomic, write_text_atomic
+from model.config import ModelConfig, write_figure_atomic, write_json_atomic, write_text_atomic
 from model.data import boundary_sequences, encode_documents
 from model.geometry.corpus import CorpusGeometry, measure_corpus
 from model.geometry.metrics import (
@@ -147,19 +145,6 @@ def scheme_diagnostics(label: str, scheme: PositionalScheme, hellinger: np.ndarr
 # ---------------------------------------------------------------------------------- figures
 
 
-def _save(figure: Figure, path: Path) -> None:
-    """Write a PNG atomically: a temp file in the same folder, then os.replace."""
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".png")
-    os.close(handle)
-    try:
-        figure.savefig(temporary, format="png", dpi=100)
-        os.chmod(temporary, 0o644)
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
-
-
 def _plot_hellinger(geometry: CorpusGeometry) -> Figure:
     figure = Figure(layout="constrained", figsize=(11, 4.5))
     heatmap_axes, floor_axes = figure.subplots(1, 2)
@@ -235,7 +220,7 @@ def _plot_requirements(rows: list[RequirementRow], labels: list[str]) -> Figure:
     colours = {True: "#c8e6c9", False: "#ffcdd2", None: "#eeeeee"}
     columns = [*REQUIREMENTS, "beyond_max_positions"]
     cells = [[symbols[getattr(row, name)] for name in columns] for row in rows]
-    figure = Figure(layout="constrained", figsize=(11, 0.4 * len(rows) + 1))
+    figure = Figure(layout="constrained", figsize=(12, 0.32 * len(rows) + 0.5))
     axes = figure.subplots()
     axes.axis("off")
     table = axes.table(
@@ -246,6 +231,8 @@ def _plot_requirements(rows: list[RequirementRow], labels: list[str]) -> Figure:
         cellLoc="center",
         loc="center",
     )
+    table.auto_set_font_size(False)  # matplotlib's automatic size shrinks it to ~7 pt
+    table.set_fontsize(9)
     table.scale(1, 1.4)
     return figure
 
@@ -380,7 +367,7 @@ def write_report(
         "requirements.png": _plot_requirements(requirements, [label for label, _ in labelled]),
     }
     for name, figure in figures.items():
-        _save(figure, out / name)
+        write_figure_atomic(out / name, figure)
     _advance(progress)
     progress.close()
     report["figures"] = sorted(figures)

@@ -143,23 +143,18 @@ CLAIMS = (
         f"if the model attends through M_k, past-L retention ≥ {HOLDS}",
         lambda s: past_l(s, high_supports=True, whole_test=False),
     ),
-    Claim(
-        "learned",
-        "a learned table cannot go past its last (trained) row",
-        f"retention past L below {FAILS}",
-        lambda s: past_l(s, high_supports=False, whole_test=True),
-    ),
-    Claim(
-        "mds",
-        "(a table too: the same claim)",
-        f"retention past L below {FAILS}",
-        lambda s: past_l(s, high_supports=False, whole_test=True),
-    ),
-    Claim(
-        "lowrank",
-        "(a table too: the same claim)",
-        f"retention past L below {FAILS}",
-        lambda s: past_l(s, high_supports=False, whole_test=True),
+    *(
+        Claim(
+            scheme,
+            statement,
+            f"retention past L below {FAILS}",
+            lambda s: past_l(s, high_supports=False, whole_test=True),
+        )
+        for scheme, statement in (
+            ("learned", "a learned table cannot go past its last (trained) row"),
+            ("mds", "(a table too: the same claim)"),
+            ("lowrank", "(a table too: the same claim)"),
+        )
     ),
     Claim(
         "rope",
