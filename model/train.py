@@ -18,6 +18,7 @@ sizes so its ``--help`` needs no torch, and tests/server/test_cli.py checks that
 from __future__ import annotations
 
 import argparse
+import ctypes
 import dataclasses
 import json
 import os
@@ -197,6 +198,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     """
     model_config, train_config = configs_from_args(args)
     device = resolve_device(args.device)
+    keep_freed_memory()
     if "WORLD_SIZE" not in os.environ:
         return _train(args, model_config, train_config, device, rank=0, world=1)
     if device.type == "cuda":
@@ -356,6 +358,25 @@ def _prepare_process(train_config: TrainConfig, world: int) -> None:
     if train_config.threads:
         torch.set_num_threads(train_config.threads)
     torch.manual_seed(train_config.seed)
+
+
+# mallopt(3) parameters (glibc's malloc.h).
+_M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4
+
+
+def keep_freed_memory() -> None:
+    """Have the C library keep the memory that tensors free for the next ones, for the rest of
+    the process (``run`` calls it: the setting is process-wide). A training step allocates and
+    frees the same large tensors every time (the logits alone, [B·T, V] floats, are 33 MB in
+    the shipped recipe); glibc serves blocks that large with mmap and unmaps them when freed,
+    so every step page-faults them in again (docs/performance.md: "The training step"). With
+    no mmap and no trimming below 1 GiB they come from the heap and stay there. Values are
+    unchanged: torch aligns every tensor to 64 bytes either way. A no-op where the C library
+    has no mallopt (not glibc)."""
+    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
+    if mallopt is not None:
+        mallopt(_M_MMAP_MAX, 0)
+        mallopt(_M_TRIM_THRESHOLD, 1 << 30)
 
 
 class _Progress:
