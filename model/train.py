@@ -20,9 +20,11 @@ from __future__ import annotations
 import argparse
 import ctypes
 import dataclasses
+import functools
 import json
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,6 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from tokenizers import Tokenizer
+from torch import Tensor
 from torch.profiler import record_function
 from tqdm import tqdm
 
@@ -67,6 +70,9 @@ from model.transformer import Transformer
 
 # TrainConfig lives in model.config
 __all__ = ["TrainConfig", "TrainingRun", "configs_from_args", "run"]
+
+# inputs [B, T], targets [B, T] → the summed loss over the scored targets (see summed_loss).
+LossSum = Callable[[Tensor, Tensor], Tensor]
 
 METRICS_FILE = "metrics.json"
 STATE_FILE = "state.pt"
@@ -438,6 +444,7 @@ class TrainingRun:
     data: TrainingData
     model: Transformer
     trainable: torch.nn.Module
+    loss_sum: LossSum  # summed_loss of trainable, compiled with train_config.compile
     optimizers: list[torch.optim.Optimizer]
     state_path: Path
 
@@ -463,17 +470,30 @@ class TrainingRun:
             trainable = torch.nn.parallel.DistributedDataParallel(
                 model, device_ids=[device] if device.type == "cuda" else None
             )
+        loss_sum = functools.partial(summed_loss, trainable)
+        if train_config.compile:
+            loss_sum = torch.compile(loss_sum)
         state_path = (args.state_dir or Path("runs") / args.out.name) / STATE_FILE
         optimizers = build_optimizers(model, train_config, device)
         return cls(
-            args, train_config, device, rank, world, data, model, trainable, optimizers, state_path
+            args=args,
+            train_config=train_config,
+            device=device,
+            rank=rank,
+            world=world,
+            data=data,
+            model=model,
+            trainable=trainable,
+            loss_sum=loss_sum,
+            optimizers=optimizers,
+            state_path=state_path,
         )
 
     def optimise(self, step: int) -> float:
         """One optimisation step on step ``step``'s global batch; returns its mean loss."""
         set_learning_rates(self.optimizers, self.train_config, step)
         loss = _train_step(
-            self.trainable,
+            self.loss_sum,
             self.data.sequences,
             self.train_config,
             step,
@@ -516,8 +536,17 @@ def _fresh_metrics(model_config: ModelConfig, train_config: TrainConfig) -> dict
     }
 
 
+def summed_loss(trainable: torch.nn.Module, inputs: Tensor, targets: Tensor) -> Tensor:
+    """Summed next-token loss of ``trainable`` on ``inputs`` [B, T] over the scored ``targets``
+    [B, T] (float32 scalar): the part of a step that ``TrainConfig.compile`` compiles."""
+    logits = trainable(inputs)
+    return F.cross_entropy(
+        logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
+
+
 def _train_step(
-    trainable: torch.nn.Module,
+    loss_sum: LossSum,
     sequences: TrainingSequences,
     train_config: TrainConfig,
     step: int,
@@ -540,13 +569,10 @@ def _train_step(
             # DDP averages the gradients of `world` processes, so each scales its sum by world.
             scored = _global_sum((targets != IGNORE_INDEX).sum(), world).clamp(min=1)
         with record_function("forward"):
-            logits = trainable(inputs)
-            loss_sum = F.cross_entropy(
-                logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
-            )
+            summed = loss_sum(inputs, targets)
         with record_function("backward"):
-            (loss_sum * world / scored / train_config.grad_accum).backward()
-        step_loss += loss_sum.detach().double() / scored / train_config.grad_accum
+            (summed * world / scored / train_config.grad_accum).backward()
+        step_loss += summed.detach().double() / scored / train_config.grad_accum
     return _global_sum(step_loss, world).item()
 
 

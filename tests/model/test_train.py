@@ -197,6 +197,11 @@ def test_the_shipped_preset_is_what_ordinal_train_uses_by_default(tmp_path: Path
     assert (train_config.optimizer, train_config.steps) == ("muon", 9)
     assert train_config.batch_size == tiny.train.batch_size
 
+    # A true/false setting is --NAME / --no-NAME; neither leaves the preset's.
+    for given, expected in [([], False), (["--compile"], True), (["--no-compile"], False)]:
+        args = build_parser().parse_args([*out, *given])
+        assert model.train.configs_from_args(args)[1].compile is expected
+
 
 def test_candidate_run_resumed_equals_an_uninterrupted_one_and_never_sees_validation_text(
     tmp_path: Path,
