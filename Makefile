@@ -91,7 +91,7 @@ bench: $(STAMP)
 	$(PY) -m bench.run
 
 # Training step time: tokens/s over 20 steps of ordinal train's default preset (rope, one thread)
-# after 3 warm-up steps; BENCH_TRAIN passes options, e.g. BENCH_TRAIN="--preset candidate --profile".
+# after 3 warm-up steps; BENCH_TRAIN passes options, e.g. BENCH_TRAIN="--threads 0 --profile".
 BENCH_TRAIN ?=
 bench-train: $(STAMP)
 	$(PY) -m bench.train $(BENCH_TRAIN)

@@ -2,7 +2,7 @@
 the share of a step's time by phase (batch, forward, backward, clip, each optimiser) and by op.
 
     python -m bench.train                          # ordinal train's default preset, rope, 1 thread
-    python -m bench.train --preset candidate --scheme alibi --steps 50 --threads 2
+    python -m bench.train --preset tiny --scheme alibi --steps 2 --threads 0  # 0: torch's own
     python -m bench.train --profile --out bench/results/train.json
     python -m bench.train --malloc-defaults        # without ordinal train's keep_freed_memory
 
