@@ -312,7 +312,7 @@ def test_make_checkpoints_rebuilds_with_the_preset_on_the_tiny_one(tmp_path: Pat
     command = [
         *("make", "--no-print-directory", "-o", ".venv/.installed", "checkpoints"),
         *("PRESET=tiny", "SCHEMES=rope alibi", f"CHECKPOINT_DIR={checkpoints}", f"RUNS={runs}"),
-        f"ORDINAL={sys.executable} -m ordinal",
+        *(f"ORDINAL={sys.executable} -m ordinal", f"PY={sys.executable}"),  # not .venv's
     ]
     environment = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     result = subprocess.run(
