@@ -13,7 +13,7 @@ TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 # `make serve PORT=8100` serves there; unset, --port is not passed (ORDINAL_PORT or 8000 applies).
 PORT ?=
 
-.PHONY: setup test lint format serve checkpoints bench clean browser nginx ui mutation
+.PHONY: setup test lint format serve checkpoints bench clean browser nginx ui mutation bench-train
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -91,6 +91,12 @@ checkpoints: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m pip install --quiet -e '.[bench]'
 	$(PY) -m bench.run
+
+# Training step time: tokens/s over 20 steps of ordinal train's default preset (rope, one thread)
+# after 3 warm-up steps; BENCH_TRAIN passes options, e.g. BENCH_TRAIN="--threads 0 --profile".
+BENCH_TRAIN ?=
+bench-train: $(STAMP)
+	$(PY) -m bench.train $(BENCH_TRAIN)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

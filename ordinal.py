@@ -44,7 +44,7 @@ CORPORA = ("synthetic", "shakespeare")
 PRESETS = ("shipped", "v1", "tiny")
 # model.config.TrainConfig's fields and defaults (the shipped preset's recipe), and the shipped
 # preset's model sizes (model.train.DEFAULT_MODEL) that `ordinal train` takes as flags.
-TRAIN_DEFAULTS: dict[str, int | float | str] = {
+TRAIN_DEFAULTS: dict[str, int | float | str | bool] = {
     "steps": 2000,
     "batch_size": 32,
     "grad_accum": 1,
@@ -62,6 +62,7 @@ TRAIN_DEFAULTS: dict[str, int | float | str] = {
     "save_every": 500,
     "seed": 1337,
     "threads": 0,
+    "compile": False,
 }
 MODEL_SIZE_DEFAULTS: dict[str, int] = {
     "d_model": 128,
@@ -175,8 +176,17 @@ def train_options(parser: argparse.ArgumentParser) -> None:
         "recipe (a flag beats the --config file, which beats the preset; defaults shown are the "
         "shipped preset's)"
     )
+    notes = {
+        "batch_size": " (global: split across torchrun processes)",
+        "compile": " (torch.compile the forward and loss: faster, not bit-identical)",
+    }
     for name, default in TRAIN_DEFAULTS.items():
-        note = " (global: split across torchrun processes)" if name == "batch_size" else ""
+        note = notes.get(name, "")
+        if isinstance(default, bool):  # --compile / --no-compile; neither: the preset's
+            group.add_argument(
+                flag(name), action=argparse.BooleanOptionalAction, help=f"default {default}{note}"
+            )
+            continue
         choices = TRAIN_CHOICES.get(name)
         group.add_argument(
             flag(name),

@@ -152,7 +152,9 @@ class TrainConfig:
     ``lr`` is AdamW's peak learning rate; under ``optimizer="muon"`` the blocks' matrices take
     ``muon_lr`` instead (Muon's updates are orthogonalised, so its scale is its own), on the
     same warmup-and-cosine shape. ``weight_decay`` applies to matrices (and the embedding),
-    under either optimiser.
+    under either optimiser. ``compile`` runs the forward pass and loss through
+    ``torch.compile``: faster steps after a one-time compilation, but not bit for bit the eager
+    run's (fused kernels round differently), so no preset uses it (docs/performance.md).
     """
 
     steps: int = 2000
@@ -172,6 +174,7 @@ class TrainConfig:
     save_every: int = 500
     seed: int = 1337
     threads: int = 0  # 0 = torch's default
+    compile: bool = False
 
     def __post_init__(self) -> None:
         # A wrong type or range would otherwise surface as a TypeError or ZeroDivisionError
@@ -180,6 +183,10 @@ class TrainConfig:
             value = getattr(self, name)
             if kind is str:
                 _check_choice(f"train.{name}", value, _TRAIN_CHOICES[name])
+                continue
+            if kind is bool:
+                if not isinstance(value, bool):
+                    raise ConfigError(f"train.{name} must be true or false, got {value!r}")
                 continue
             allowed = int if kind is int else (int, float)
             if isinstance(value, bool) or not isinstance(value, allowed):

@@ -18,10 +18,13 @@ sizes so its ``--help`` needs no torch, and tests/server/test_cli.py checks that
 from __future__ import annotations
 
 import argparse
+import ctypes
 import dataclasses
+import functools
 import json
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,6 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from tokenizers import Tokenizer
+from torch import Tensor
 from torch.profiler import record_function
 from tqdm import tqdm
 
@@ -66,6 +70,9 @@ from model.transformer import Transformer
 
 # TrainConfig lives in model.config
 __all__ = ["TrainConfig", "TrainingRun", "configs_from_args", "run"]
+
+# inputs [B, T], targets [B, T] → the summed loss over the scored targets (see summed_loss).
+LossSum = Callable[[Tensor, Tensor], Tensor]
 
 METRICS_FILE = "metrics.json"
 STATE_FILE = "state.pt"
@@ -197,6 +204,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     """
     model_config, train_config = configs_from_args(args)
     device = resolve_device(args.device)
+    keep_freed_memory()
     if "WORLD_SIZE" not in os.environ:
         return _train(args, model_config, train_config, device, rank=0, world=1)
     if device.type == "cuda":
@@ -358,6 +366,25 @@ def _prepare_process(train_config: TrainConfig, world: int) -> None:
     torch.manual_seed(train_config.seed)
 
 
+# mallopt(3) parameters (glibc's malloc.h).
+_M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4
+
+
+def keep_freed_memory() -> None:
+    """Have the C library keep the memory that tensors free for the next ones, for the rest of
+    the process (``run`` calls it: the setting is process-wide). A training step allocates and
+    frees the same large tensors every time (the logits alone, [B·T, V] floats, are 33 MB in
+    the shipped recipe); glibc serves blocks that large with mmap and unmaps them when freed,
+    so every step page-faults them in again (docs/performance.md: "The training step"). With
+    no mmap and no trimming below 1 GiB they come from the heap and stay there. Values are
+    unchanged: torch aligns every tensor to 64 bytes either way. A no-op where the C library
+    has no mallopt (not glibc)."""
+    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
+    if mallopt is not None:
+        mallopt(_M_MMAP_MAX, 0)
+        mallopt(_M_TRIM_THRESHOLD, 1 << 30)
+
+
 class _Progress:
     """The run's metrics as they grow (what metrics.json holds) and the tqdm bar over the steps
     still to run, which shows the latest loss and tokens/s (rank 0 only)."""
@@ -417,6 +444,7 @@ class TrainingRun:
     data: TrainingData
     model: Transformer
     trainable: torch.nn.Module
+    loss_sum: LossSum  # summed_loss of trainable, compiled with train_config.compile
     optimizers: list[torch.optim.Optimizer]
     state_path: Path
 
@@ -442,17 +470,30 @@ class TrainingRun:
             trainable = torch.nn.parallel.DistributedDataParallel(
                 model, device_ids=[device] if device.type == "cuda" else None
             )
+        loss_sum = functools.partial(summed_loss, trainable)
+        if train_config.compile:
+            loss_sum = torch.compile(loss_sum)
         state_path = (args.state_dir or Path("runs") / args.out.name) / STATE_FILE
         optimizers = build_optimizers(model, train_config, device)
         return cls(
-            args, train_config, device, rank, world, data, model, trainable, optimizers, state_path
+            args=args,
+            train_config=train_config,
+            device=device,
+            rank=rank,
+            world=world,
+            data=data,
+            model=model,
+            trainable=trainable,
+            loss_sum=loss_sum,
+            optimizers=optimizers,
+            state_path=state_path,
         )
 
     def optimise(self, step: int) -> float:
         """One optimisation step on step ``step``'s global batch; returns its mean loss."""
         set_learning_rates(self.optimizers, self.train_config, step)
         loss = _train_step(
-            self.trainable,
+            self.loss_sum,
             self.data.sequences,
             self.train_config,
             step,
@@ -495,8 +536,17 @@ def _fresh_metrics(model_config: ModelConfig, train_config: TrainConfig) -> dict
     }
 
 
+def summed_loss(trainable: torch.nn.Module, inputs: Tensor, targets: Tensor) -> Tensor:
+    """Summed next-token loss of ``trainable`` on ``inputs`` [B, T] over the scored ``targets``
+    [B, T] (float32 scalar): the part of a step that ``TrainConfig.compile`` compiles."""
+    logits = trainable(inputs)
+    return F.cross_entropy(
+        logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
+
+
 def _train_step(
-    trainable: torch.nn.Module,
+    loss_sum: LossSum,
     sequences: TrainingSequences,
     train_config: TrainConfig,
     step: int,
@@ -519,13 +569,10 @@ def _train_step(
             # DDP averages the gradients of `world` processes, so each scales its sum by world.
             scored = _global_sum((targets != IGNORE_INDEX).sum(), world).clamp(min=1)
         with record_function("forward"):
-            logits = trainable(inputs)
-            loss_sum = F.cross_entropy(
-                logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
-            )
+            summed = loss_sum(inputs, targets)
         with record_function("backward"):
-            (loss_sum * world / scored / train_config.grad_accum).backward()
-        step_loss += loss_sum.detach().double() / scored / train_config.grad_accum
+            (summed * world / scored / train_config.grad_accum).backward()
+        step_loss += summed.detach().double() / scored / train_config.grad_accum
     return _global_sum(step_loss, world).item()
 
 

@@ -200,6 +200,7 @@ def test_unknown_preset_lists_the_valid_ones() -> None:
         ({"muon_momentum": 1.0}, "train.muon_momentum must be < 1"),
         ({"optimizer": "sgd"}, r"train.optimizer must be one of \['adamw', 'muon'\]"),
         ({"sequence_starts": "word"}, r"train.sequence_starts must be one of"),
+        ({"compile": 1}, "train.compile must be true or false"),
     ],
 )
 def test_bad_train_setting_is_named(changes: dict, message: str) -> None:

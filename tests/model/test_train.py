@@ -197,6 +197,11 @@ def test_the_shipped_preset_is_what_ordinal_train_uses_by_default(tmp_path: Path
     assert (train_config.optimizer, train_config.steps) == ("muon", 9)
     assert train_config.batch_size == tiny.train.batch_size
 
+    # A true/false setting is --NAME / --no-NAME; neither leaves the preset's.
+    for given, expected in [([], False), (["--compile"], True), (["--no-compile"], False)]:
+        args = build_parser().parse_args([*out, *given])
+        assert model.train.configs_from_args(args)[1].compile is expected
+
 
 def test_muon_run_resumed_equals_an_uninterrupted_one_and_never_sees_validation_text(
     tmp_path: Path,
@@ -307,7 +312,7 @@ def test_make_checkpoints_rebuilds_with_the_preset_on_the_tiny_one(tmp_path: Pat
     command = [
         *("make", "--no-print-directory", "-o", ".venv/.installed", "checkpoints"),
         *("PRESET=tiny", "SCHEMES=rope alibi", f"CHECKPOINT_DIR={checkpoints}", f"RUNS={runs}"),
-        f"ORDINAL={sys.executable} -m ordinal",
+        *(f"ORDINAL={sys.executable} -m ordinal", f"PY={sys.executable}"),  # not .venv's
     ]
     environment = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     result = subprocess.run(
