@@ -39,15 +39,13 @@ def flipflop_answers(tokens: list[int]) -> dict[int, int]:
 
 
 def recall_answers(tokens: list[int]) -> dict[int, int]:
-    """Position → answer: a key seen before (at a pair's key slot) is followed by the value
-    that followed its first occurrence."""
-    answers, first_value = {}, {}
-    for position in range(0, len(tokens) - 1, 2):
-        key = tokens[position]
-        if key in first_value:
-            answers[position + 1] = first_value[key]
-        else:
-            first_value[key] = tokens[position + 1]
+    """Position → answer: after a query ``k?``, the value of k's latest assignment ``k=v``."""
+    answers, current = {}, {}
+    for position, token in enumerate(tokens):
+        if token < recall.QUERY_0:
+            current[token // recall.VALUES] = token % recall.VALUES
+        elif token < recall.VALUE_0 and position + 1 < len(tokens):
+            answers[position + 1] = recall.VALUE_0 + current[token - recall.QUERY_0]
     return answers
 
 
@@ -122,13 +120,21 @@ def test_lengths_a_task_cannot_fill_are_refused(name: str) -> None:
         TASKS[name].generate(0, max(TASKS[name].min_length, 32), 0)
 
 
-def test_recall_keys_are_distinct_and_cannot_outgrow_their_alphabet() -> None:
-    batch = recall.TASK.generate(3, recall.TASK.max_length, 4)
-    for row in batch.tokens:
-        keys = row[: 2 * recall.KEYS : 2].tolist()
-        assert len(set(keys)) == len(keys) == recall.KEYS
-    with pytest.raises(TaskError, match="recall"):
-        recall.TASK.generate(0, recall.TASK.max_length + 1, 1)
+def test_recall_answers_are_the_latest_assignment_not_the_first() -> None:
+    """Keys are reassigned, so an answer often differs from the key's first value: reading the
+    first match instead of the latest one must fail."""
+    tokens = recall.TASK.generate(3, 128, 8).tokens.tolist()
+    differ = 0
+    for row in tokens:
+        first: dict[int, int] = {}
+        for token in row[:32]:
+            first.setdefault(token // recall.VALUES, token % recall.VALUES)
+        answers = recall_answers(row)
+        differ += sum(
+            answer - recall.VALUE_0 != first[row[position - 1] - recall.QUERY_0]
+            for position, answer in answers.items()
+        )
+    assert differ > 0.25 * 8 * 48
 
 
 def test_flipflop_instructions_follow_the_papers_probabilities() -> None:
