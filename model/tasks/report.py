@@ -103,7 +103,8 @@ def render(out: Path) -> str:
     if discussion.exists():
         written = discussion.read_text().strip()
     else:
-        written = _NO_DISCUSSION.format(discussion=discussion)
+        rerun = command(out, found[0].result["settings"]) + " --reuse"
+        written = _NO_DISCUSSION.format(discussion=discussion, rerun=rerun)
     sections = [
         _introduction(out, found),
         _task_table(found),
@@ -118,8 +119,8 @@ def render(out: Path) -> str:
 
 _NO_DISCUSSION = (
     "*Not written yet: put what the results say about each scheme, and how they compare with "
-    "the ALiBi, NoPE, CoPE and FIRE papers, in `{discussion}`, then rerun "
-    "`ordinal tasks --reuse` (nothing is retrained) to include it here.*"
+    "the ALiBi, NoPE, CoPE and FIRE papers, in `{discussion}`, then `{rerun}` (nothing is "
+    "retrained) includes it here.*"
 )
 
 
@@ -183,11 +184,13 @@ def _introduction(out: Path, found: list[Summary]) -> str:
         "from the true tokens before it; mean ± sample standard deviation over the "
         f"{seeds} seeds. **Chance**: always giving the test set's most common answer.",
         f"- **Tables past L**: learned, mds and lowrank get a table of "
-        f"{max(settings['multiples'])}L rows, and training only reaches rows 0..L−1, so the "
-        "rows past L keep their initial values (mds: rows 0..L−1 are P_MDS of the task's "
-        "training sequences; lowrank: the rows of A past L stay as drawn, B is trained). The "
-        "longer tests therefore run, and put to the test the seeds' claim that a table cannot "
-        "serve past its last trained row, instead of refusing.",
+        f"{max(settings['multiples'])}L rows, and training only reaches rows 0..L−2 (a "
+        "sequence of L tokens is read as L−1 inputs, each predicting the next), so the later "
+        "rows keep their initial values (mds: rows 0..L−1 are P_MDS of the task's training "
+        "sequences; lowrank: the rows of A stay as drawn, B is trained). The longer tests "
+        "therefore run, and put to the test the seeds' claim that a table cannot serve past its "
+        "last trained row, instead of refusing. An answer at position L or later is the first "
+        "predicted from an untrained row.",
         f"- **Time**: {minutes:.1f} minutes of training and testing, summed over the results "
         "(the workers of `--jobs` run side by side, so the run itself took less).",
     ]

@@ -5,8 +5,8 @@ Each (scheme, task) is one unit of work: its seeds are trained one after another
 is written atomically to ``OUT/TASK-SCHEME.json`` as soon as it is done, so an interrupted run
 keeps what it finished and ``--reuse`` skips it next time (a result is reused only when its
 settings and seeds are the current ones). Units run in ``--jobs`` worker processes of one
-thread each (these models are too small for threads to help; a second process doubles the
-throughput on two cores). Once every unit is written, docs/tasks.md and the plots are
+thread each (these models are too small for a second thread to help; a second process keeps
+the second core busy). Once every unit is written, docs/tasks.md and the plots are
 generated from the result files alone (``model.tasks.report``). The options are ``ordinal
 tasks``'s (ordinal.py restates the defaults here; tests/server/test_cli.py checks them).
 """

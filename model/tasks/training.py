@@ -8,8 +8,9 @@ and the score count the answer tokens only: the rest of a task's sequence is noi
 structure that no model could, or need, predict.
 
 Table schemes (learned, mds, lowrank) get a table of max(multiples) × L rows, and training only
-ever reaches rows 0..L−1: the rows past L keep their initial values, which is the seeds' claim
-("a learned table cannot go past its last trained row") put to the test, rather than a crash.
+ever reaches rows 0..L−2 (a sequence of L tokens is L−1 inputs, each predicting the next): the
+later rows keep their initial values, which is the seeds' claim ("a learned table cannot go past
+its last trained row") put to the test, rather than a crash.
 ``mds`` fills rows 0..L−1 with P_MDS of the task's training sequences (as ``ordinal train``
 does with the corpus), and its rows past L stay the placeholder the scheme starts with.
 """
@@ -63,7 +64,7 @@ class SuiteSettings:
     test lengths (multiples of L), the number of test sequences per length, the architecture and
     the recipe. A result is reused only when its settings are these (``ordinal tasks --reuse``)."""
 
-    length: int = 64
+    length: int = 32
     multiples: tuple[int, ...] = (1, 2, 4)
     test_sequences: int = 256
     model: dict[str, Any] = field(default_factory=lambda: dict(TASK_MODEL))
