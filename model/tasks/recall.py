@@ -52,4 +52,5 @@ TASK = Task(
     max_length=1 << 20,
     summary="T/4 assignments `k=v` (keys reassigned), then queries `k?`: k's latest value",
     make=make,
+    stationary=False,
 )

@@ -245,22 +245,18 @@ def _figures(out: Path, found: list[Summary]) -> str:
 
 def _past_l_table(found: list[Summary]) -> str:
     length = found[0].length
-    names = [
-        name
-        for name in _tasks(found)
-        if any(s.task == name and s.window(2 * length, 0, length) is not None for s in found)
-        and 2 * length in found[0].accuracy
-    ]
-    if not names:
-        return "## Before and past L\n\nNo task has answers on both sides of L at 2L."
+    names = [name for name in _tasks(found) if TASKS[name].stationary]
+    if not names or 2 * length not in found[0].accuracy:
+        return "## Before and past L\n\nNo stationary task was tested at 2L."
     header = ["scheme", *(f"{name} {part}" for name in names for part in ("< L", "≥ L", "kept"))]
     rows = [
         "## Before and past L",
         "",
-        f"In the 2L test of {', '.join(names)}, answers sit on both sides of position L = "
-        f"{length}, after contexts of the same kind (segments and instructions do not depend on "
-        "position): accuracy on the answers before L and past it, and the share of the margin "
-        "above chance kept past L (mean over seeds).",
+        f"{' and '.join(names)} are stationary (the first n tokens of a longer sequence are "
+        "distributed as a sequence of n tokens), so in their 2L test the answers before "
+        f"position L = {length} and past it follow contexts of the same kind, and only the "
+        "positions differ: accuracy on each side, and the share of the margin above chance "
+        "kept past L (means over seeds).",
         "",
         "| " + " | ".join(header) + " |",
         "|---" * len(header) + "|",
@@ -272,14 +268,15 @@ def _past_l_table(found: list[Summary]) -> str:
             if summary is None:
                 cells += ["–"] * 3
                 continue
-            kept = past_l_retention(summary)
-            cells += [
-                f"{summary.window(2 * length, 0, length):.2f}",
-                f"{summary.window(2 * length, length, 2 * length):.2f}",
-                "n/a" if kept is None else f"{kept:.2f}",
-            ]
+            before = summary.window(2 * length, 0, length)
+            past = summary.window(2 * length, length, 2 * length)
+            cells += [_figure(value) for value in (before, past, past_l_retention(summary))]
         rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows)
+
+
+def _figure(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.2f}"
 
 
 def _claims_table(found: list[Summary]) -> str:

@@ -112,6 +112,33 @@ def test_every_answer_is_computable_from_the_tokens_before_it(name: str) -> None
             assert all(tokens[position] == answer for position, answer in expected.items())
 
 
+def positional_frequencies(tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[N, n] token ids → [n, vocab] share of each token at each position."""
+    counts = torch.nn.functional.one_hot(tokens, vocab_size).sum(dim=0)
+    return counts / len(tokens)
+
+
+@pytest.mark.parametrize("name", TASKS)
+def test_a_task_is_stationary_exactly_when_it_says_so(name: str) -> None:
+    """Stationary: the first n tokens (and answers) of 2n-token sequences are distributed as
+    n-token sequences (total variation per position within sampling noise); the others differ
+    at some position by far more."""
+    n, count = 24, 4000
+    short = TASKS[name].generate(1, n, count)
+    prefix = TASKS[name].generate(2, 2 * n, count)
+    vocab = TASKS[name].vocab_size
+    apart = 0.5 * (
+        positional_frequencies(short.tokens, vocab)
+        - positional_frequencies(prefix.tokens[:, :n], vocab)
+    ).abs().sum(dim=1)
+    answers_apart = (short.answers.float().mean(0) - prefix.answers[:, :n].float().mean(0)).abs()
+    largest = max(float(apart.max()), float(answers_apart.max()))
+    if TASKS[name].stationary:
+        assert largest < 0.1
+    else:
+        assert largest > 0.3
+
+
 @pytest.mark.parametrize("name", TASKS)
 def test_lengths_a_task_cannot_fill_are_refused(name: str) -> None:
     with pytest.raises(TaskError, match=name):

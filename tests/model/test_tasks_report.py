@@ -141,13 +141,13 @@ def test_the_committed_page_is_what_its_results_make(monkeypatch: pytest.MonkeyP
 LENGTH, CHANCE, ANSWERS = 8, 0.5, 100
 
 
-def made_up(scheme: str, accuracy: Callable[[int, int], float]) -> Summary:
-    """A flipflop result whose accuracy at each (test length, position) is ``accuracy``."""
+def made_up(scheme: str, accuracy: Callable[[int, int], float], task: str = "flipflop") -> Summary:
+    """A result whose accuracy at each (test length, position) is ``accuracy``."""
     tests = [m * LENGTH for m in (1, 2, 4)]
     correct = {str(t): [0] + [round(ANSWERS * accuracy(t, p)) for p in range(1, t)] for t in tests}
     result: dict[str, Any] = {
         "scheme": scheme,
-        "task": "flipflop",
+        "task": task,
         "settings": {"length": LENGTH, "multiples": [1, 2, 4], "seeds": 2},
         "chance": {str(t): CHANCE for t in tests},
         "answers": {str(t): [0] + [ANSWERS] * (t - 1) for t in tests},
@@ -157,9 +157,9 @@ def made_up(scheme: str, accuracy: Callable[[int, int], float]) -> Summary:
     return Summary.of(result)
 
 
-def judge(scheme: str, accuracy: Callable[[int, int], float]) -> str:
+def judge(scheme: str, accuracy: Callable[[int, int], float], task: str = "flipflop") -> str:
     claim = next(c for c in CLAIMS if c.scheme == scheme)
-    return claim.judge(made_up(scheme, accuracy)).outcome
+    return claim.judge(made_up(scheme, accuracy, task)).outcome
 
 
 def perfect(test: int, position: int) -> float:
@@ -172,6 +172,13 @@ def lost_past_l(test: int, position: int) -> float:
 
 def fading(test: int, position: int) -> float:  # loses its margin linearly over 3L past L
     return max(CHANCE, 1.0 - CHANCE * max(0, position - LENGTH) / (3 * LENGTH))
+
+
+def test_a_task_that_is_not_stationary_is_judged_by_its_whole_longer_tests() -> None:
+    assert judge("learned", lost_past_l, task="copy") == SUPPORTED  # its 2L answers: all past L
+    assert judge("learned", perfect, task="copy") == NOT_SUPPORTED
+    assert judge("rope", perfect, task="copy") == "n/a"  # before and past L do not compare
+    assert judge("binary", lost_past_l, task="copy") == "n/a"
 
 
 @pytest.mark.parametrize(
