@@ -86,6 +86,7 @@ def plot_task(found: list[Summary]) -> Figure:
     axes.set_xscale("log", base=2)
     tests = sorted(found[0].accuracy)
     axes.set_xticks(tests, [f"{t} ({t // length}L)" for t in tests])
+    axes.set_xlim(tests[0] / 1.25, tests[-1] * 1.25)
     axes.set(
         title=f"{found[0].task}: {TASKS[found[0].task].summary}",
         xlabel="test length (tokens)",
@@ -213,9 +214,9 @@ def _task_table(found: list[Summary]) -> str:
         answers = sum(first.result["answers"][str(first.length)])
         per_sequence = answers / first.result["settings"]["test_sequences"]
         task = TASKS[name]
+        summary = task.summary.replace("|", "\\|")  # a bare | would end the table cell
         rows.append(
-            f"| {name} | {task.summary} | {task.vocab_size} | {per_sequence:.1f} "
-            f"| {first.chance:.2f} |"
+            f"| {name} | {summary} | {task.vocab_size} | {per_sequence:.1f} | {first.chance:.2f} |"
         )
     return "\n".join(rows)
 
