@@ -174,7 +174,8 @@ def _introduction(out: Path, found: list[Summary]) -> str:
         f"- **Model**: {_plural(model['n_layers'], 'layer')}, d_model {model['d_model']}, "
         f"{_plural(model['n_heads'], 'head')}, d_ff {model['d_ff']}, {model['norm']}"
         f"{_NORM_NOTE.get(model['norm'], '')}, dropout {model['dropout']}. The schemes' own "
-        f"parameters are the shipped checkpoints' ({positional}).",
+        f"parameters ({positional}) are the shipped checkpoints', but integer's scale: in units "
+        "of L, since the raw p swamped the token embeddings and learned nothing at L.",
         f"- **Training**: {train['steps']} steps of {train['batch_size']} fresh sequences of "
         f"length L, with `ordinal train`'s AdamW, warmup ({train['warmup_steps']} steps) and "
         f"cosine decay (peak {train['lr']}, floor {train['min_lr']}); the loss counts the answer "
