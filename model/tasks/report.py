@@ -297,7 +297,7 @@ def _claims_table(found: list[Summary]) -> str:
         "| scheme | claim | what would show it | " + " | ".join(names) + " | overall |",
         "|---" * (len(names) + 4) + "|",
     ]
-    for claim in CLAIMS:
+    for claim in (claim for claim in CLAIMS if claim.scheme in _schemes(found)):
         summaries_of = [_find(found, claim.scheme, name) for name in names]
         verdicts = [claim.judge(s) for s in summaries_of if s is not None]
         cells = ["–" if s is None else claim.judge(s).cell() for s in summaries_of]
