@@ -35,8 +35,10 @@ Generator = Callable[[np.random.Generator, int, int], tuple[np.ndarray, np.ndarr
 @dataclass(frozen=True)
 class Task:
     """A task: its name, vocabulary size, the shortest and longest length it can fill, what it
-    asks (one line, for the docs) and its generator ``make(rng, length, count)`` → tokens and
-    answers as numpy arrays [count, length]."""
+    asks (one line, for the docs), its generator ``make(rng, length, count)`` → tokens and
+    answers as numpy arrays [count, length], and whether it is ``stationary``: the first n
+    tokens of a longer sequence are distributed as a sequence of n tokens, so its answers before
+    and past a position see contexts of the same kind (only the positions differ)."""
 
     name: str
     vocab_size: int
@@ -44,6 +46,7 @@ class Task:
     max_length: int
     summary: str
     make: Generator
+    stationary: bool
 
     def generate(self, seed: int, length: int, count: int) -> TaskBatch:
         """``count`` sequences of ``length`` tokens drawn with ``seed`` → TaskBatch [N, T]."""

@@ -6,11 +6,10 @@ below; none is typed by hand. Two measurements carry them:
 
 - **retention** at a test length: the share of its margin above chance at L that a model keeps
   there (1 = as good as at L, 0 = chance);
-- **past-L retention**: in the 2L test of the tasks whose answers sit on both sides of
-  position L with alike contexts (counting, flip-flop: their segments and instructions do not
-  depend on position), accuracy on the answers at positions ≥ L against those < L, relative to
-  chance. It isolates the positions themselves: the content before an answer is the same kind
-  on both sides.
+- **past-L retention**: in the 2L test of a stationary task (``Task.stationary``: counting,
+  flip-flop), accuracy on the answers at positions ≥ L against those < L, relative to chance.
+  It isolates the positions themselves: the content before an answer is of the same kind on
+  both sides.
 """
 
 from __future__ import annotations
@@ -18,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from model.tasks import TASKS
 from model.tasks.results import Summary
 
 # A task counts as learned at L when the mean accuracy there covers half the way from chance
@@ -75,7 +75,7 @@ def past_l_retention(summary: Summary) -> float | None:
     """Past-L retention in the 2L test (module docstring); None where a side has no answers or
     the model has no margin before L."""
     length = summary.length
-    if 2 * length not in summary.accuracy:
+    if not TASKS[summary.task].stationary or 2 * length not in summary.accuracy:
         return None
     before = summary.window(2 * length, 0, length)
     past = summary.window(2 * length, length, 2 * length)
@@ -95,7 +95,7 @@ def past_l(summary: Summary, high_supports: bool, whole_test: bool) -> Verdict:
     if whole_test and 2 * summary.length in summary.accuracy:
         kept = summary.retention(2 * summary.length)
         return Verdict(_graded(kept, high_supports), f"kept {kept:.2f} at 2L, all past L")
-    return Verdict("n/a", "no answers before L at 2L")
+    return Verdict("n/a", "not a stationary task")
 
 
 def cliff(summary: Summary) -> Verdict:
@@ -104,8 +104,8 @@ def cliff(summary: Summary) -> Verdict:
     if (missing := _not_learned(summary)) is not None:
         return missing
     length, width = summary.length, max(1, round(CLIFF_WINDOW * summary.length))
-    if 2 * length not in summary.accuracy:
-        return Verdict("n/a", "no 2L test")
+    if not TASKS[summary.task].stationary or 2 * length not in summary.accuracy:
+        return Verdict("n/a", "not a stationary task")
     before = summary.window(2 * length, length - width, length)
     after = summary.window(2 * length, length, length + width)
     if before is None or after is None or before <= summary.chance:

@@ -39,4 +39,5 @@ TASK = Task(
     max_length=1 << 20,
     summary=f"{COPIED} data tokens among blanks, then a marker: copy them in order",
     make=make,
+    stationary=False,
 )

@@ -57,4 +57,5 @@ TASK = Task(
     max_length=1 << 20,
     summary="segments `| letters ? s n`: n = how often s appeared since the marker",
     make=make,
+    stationary=True,
 )

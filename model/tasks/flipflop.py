@@ -40,4 +40,5 @@ TASK = Task(
     max_length=1 << 20,
     summary="after `r`, the bit of the last `w` (ignoring `i`): FFL(0.8)",
     make=make,
+    stationary=True,
 )

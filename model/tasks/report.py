@@ -86,6 +86,7 @@ def plot_task(found: list[Summary]) -> Figure:
     axes.set_xscale("log", base=2)
     tests = sorted(found[0].accuracy)
     axes.set_xticks(tests, [f"{t} ({t // length}L)" for t in tests])
+    axes.set_xlim(tests[0] / 1.25, tests[-1] * 1.25)
     axes.set(
         title=f"{found[0].task}: {TASKS[found[0].task].summary}",
         xlabel="test length (tokens)",
@@ -103,7 +104,8 @@ def render(out: Path) -> str:
     if discussion.exists():
         written = discussion.read_text().strip()
     else:
-        written = _NO_DISCUSSION.format(discussion=discussion)
+        rerun = command(out, found[0].result["settings"]) + " --reuse"
+        written = _NO_DISCUSSION.format(discussion=discussion, rerun=rerun)
     sections = [
         _introduction(out, found),
         _task_table(found),
@@ -118,8 +120,8 @@ def render(out: Path) -> str:
 
 _NO_DISCUSSION = (
     "*Not written yet: put what the results say about each scheme, and how they compare with "
-    "the ALiBi, NoPE, CoPE and FIRE papers, in `{discussion}`, then rerun "
-    "`ordinal tasks --reuse` (nothing is retrained) to include it here.*"
+    "the ALiBi, NoPE, CoPE and FIRE papers, in `{discussion}`, then `{rerun}` (nothing is "
+    "retrained) includes it here.*"
 )
 
 
@@ -172,7 +174,8 @@ def _introduction(out: Path, found: list[Summary]) -> str:
         f"- **Model**: {_plural(model['n_layers'], 'layer')}, d_model {model['d_model']}, "
         f"{_plural(model['n_heads'], 'head')}, d_ff {model['d_ff']}, {model['norm']}"
         f"{_NORM_NOTE.get(model['norm'], '')}, dropout {model['dropout']}. The schemes' own "
-        f"parameters are the shipped checkpoints' ({positional}).",
+        f"parameters ({positional}) are the shipped checkpoints', but integer's scale: in units "
+        "of L, since the raw p swamped the token embeddings and learned nothing at L.",
         f"- **Training**: {train['steps']} steps of {train['batch_size']} fresh sequences of "
         f"length L, with `ordinal train`'s AdamW, warmup ({train['warmup_steps']} steps) and "
         f"cosine decay (peak {train['lr']}, floor {train['min_lr']}); the loss counts the answer "
@@ -183,11 +186,13 @@ def _introduction(out: Path, found: list[Summary]) -> str:
         "from the true tokens before it; mean ± sample standard deviation over the "
         f"{seeds} seeds. **Chance**: always giving the test set's most common answer.",
         f"- **Tables past L**: learned, mds and lowrank get a table of "
-        f"{max(settings['multiples'])}L rows, and training only reaches rows 0..L−1, so the "
-        "rows past L keep their initial values (mds: rows 0..L−1 are P_MDS of the task's "
-        "training sequences; lowrank: the rows of A past L stay as drawn, B is trained). The "
-        "longer tests therefore run, and put to the test the seeds' claim that a table cannot "
-        "serve past its last trained row, instead of refusing.",
+        f"{max(settings['multiples'])}L rows, and training only reaches rows 0..L−2 (a "
+        "sequence of L tokens is read as L−1 inputs, each predicting the next), so the later "
+        "rows keep their initial values (mds: rows 0..L−1 are P_MDS of the task's training "
+        "sequences; lowrank: the rows of A stay as drawn, B is trained). The longer tests "
+        "therefore run, and put to the test the seeds' claim that a table cannot serve past its "
+        "last trained row, instead of refusing. An answer at position L or later is the first "
+        "predicted from an untrained row.",
         f"- **Time**: {minutes:.1f} minutes of training and testing, summed over the results "
         "(the workers of `--jobs` run side by side, so the run itself took less).",
     ]
@@ -210,9 +215,9 @@ def _task_table(found: list[Summary]) -> str:
         answers = sum(first.result["answers"][str(first.length)])
         per_sequence = answers / first.result["settings"]["test_sequences"]
         task = TASKS[name]
+        summary = task.summary.replace("|", "\\|")  # a bare | would end the table cell
         rows.append(
-            f"| {name} | {task.summary} | {task.vocab_size} | {per_sequence:.1f} "
-            f"| {first.chance:.2f} |"
+            f"| {name} | {summary} | {task.vocab_size} | {per_sequence:.1f} | {first.chance:.2f} |"
         )
     return "\n".join(rows)
 
@@ -242,22 +247,18 @@ def _figures(out: Path, found: list[Summary]) -> str:
 
 def _past_l_table(found: list[Summary]) -> str:
     length = found[0].length
-    names = [
-        name
-        for name in _tasks(found)
-        if any(s.task == name and s.window(2 * length, 0, length) is not None for s in found)
-        and 2 * length in found[0].accuracy
-    ]
-    if not names:
-        return "## Before and past L\n\nNo task has answers on both sides of L at 2L."
+    names = [name for name in _tasks(found) if TASKS[name].stationary]
+    if not names or 2 * length not in found[0].accuracy:
+        return "## Before and past L\n\nNo stationary task was tested at 2L."
     header = ["scheme", *(f"{name} {part}" for name in names for part in ("< L", "≥ L", "kept"))]
     rows = [
         "## Before and past L",
         "",
-        f"In the 2L test of {', '.join(names)}, answers sit on both sides of position L = "
-        f"{length}, after contexts of the same kind (segments and instructions do not depend on "
-        "position): accuracy on the answers before L and past it, and the share of the margin "
-        "above chance kept past L (mean over seeds).",
+        f"{' and '.join(names)} are stationary (the first n tokens of a longer sequence are "
+        "distributed as a sequence of n tokens), so in their 2L test the answers before "
+        f"position L = {length} and past it follow contexts of the same kind, and only the "
+        "positions differ: accuracy on each side, and the share of the margin above chance "
+        "kept past L (means over seeds).",
         "",
         "| " + " | ".join(header) + " |",
         "|---" * len(header) + "|",
@@ -269,14 +270,15 @@ def _past_l_table(found: list[Summary]) -> str:
             if summary is None:
                 cells += ["–"] * 3
                 continue
-            kept = past_l_retention(summary)
-            cells += [
-                f"{summary.window(2 * length, 0, length):.2f}",
-                f"{summary.window(2 * length, length, 2 * length):.2f}",
-                "n/a" if kept is None else f"{kept:.2f}",
-            ]
+            before = summary.window(2 * length, 0, length)
+            past = summary.window(2 * length, length, 2 * length)
+            cells += [_figure(value) for value in (before, past, past_l_retention(summary))]
         rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows)
+
+
+def _figure(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.2f}"
 
 
 def _claims_table(found: list[Summary]) -> str:
@@ -295,7 +297,7 @@ def _claims_table(found: list[Summary]) -> str:
         "| scheme | claim | what would show it | " + " | ".join(names) + " | overall |",
         "|---" * (len(names) + 4) + "|",
     ]
-    for claim in CLAIMS:
+    for claim in (claim for claim in CLAIMS if claim.scheme in _schemes(found)):
         summaries_of = [_find(found, claim.scheme, name) for name in names]
         verdicts = [claim.judge(s) for s in summaries_of if s is not None]
         cells = ["–" if s is None else claim.judge(s).cell() for s in summaries_of]

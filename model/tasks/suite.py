@@ -5,8 +5,8 @@ Each (scheme, task) is one unit of work: its seeds are trained one after another
 is written atomically to ``OUT/TASK-SCHEME.json`` as soon as it is done, so an interrupted run
 keeps what it finished and ``--reuse`` skips it next time (a result is reused only when its
 settings and seeds are the current ones). Units run in ``--jobs`` worker processes of one
-thread each (these models are too small for threads to help; a second process doubles the
-throughput on two cores). Once every unit is written, docs/tasks.md and the plots are
+thread each (these models are too small for a second thread to help; a second process keeps
+the second core busy). Once every unit is written, docs/tasks.md and the plots are
 generated from the result files alone (``model.tasks.report``). The options are ``ordinal
 tasks``'s (ordinal.py restates the defaults here; tests/server/test_cli.py checks them).
 """
@@ -28,7 +28,7 @@ from model.config import write_json_atomic
 from model.positional import SCHEMES
 from model.tasks import TASKS, TaskError, task
 from model.tasks.report import DEFAULT_OUT, DEFAULT_SEEDS, write_report
-from model.tasks.results import result_path
+from model.tasks.results import load_results, result_path
 from model.tasks.training import (
     SUITES,
     SuiteSettings,
@@ -82,6 +82,19 @@ def _reusable(path: Path, settings: dict[str, Any]) -> bool:
         return False
 
 
+def _refuse_a_mixed_folder(
+    out: Path, units: list[tuple[str, str]], settings: dict[str, Any]
+) -> None:
+    """The page is made from every result in ``out``, so they must share their settings: a
+    result this run will not rewrite must already have ``settings`` (checked before training)."""
+    for result in load_results(out) if out.is_dir() else []:
+        if (result["scheme"], result["task"]) not in units and result["settings"] != settings:
+            raise TaskError(
+                f"{out} holds {result['task']}-{result['scheme']}.json made with other settings: "
+                "rerun every scheme and task with these settings, or use another --out"
+            )
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Run ``ordinal tasks`` per ``args``; returns the report (see model.tasks.report)."""
     settings = SUITES["quick" if args.quick else "full"]
@@ -94,9 +107,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             task(name).generate(0, length, 1)
     wanted = {**settings.to_dict(), "seeds": args.seeds}
     units = [(scheme, name) for name in task_names for scheme in schemes]
+    _refuse_a_mixed_folder(args.out, units, wanted)
     if args.reuse:
         units = [unit for unit in units if not _reusable(result_path(args.out, *unit), wanted)]
-    progress = tqdm(total=len(units), desc="tasks", unit="model set", disable=not units)
+    progress = tqdm(
+        total=len(units), desc="tasks", unit="model set", disable=not units, leave=False
+    )
     if args.jobs == 1 or len(units) <= 1:
         for scheme, name in units:
             _save(args.out, run_unit(scheme, name, args.seeds, settings), progress)

@@ -8,8 +8,9 @@ and the score count the answer tokens only: the rest of a task's sequence is noi
 structure that no model could, or need, predict.
 
 Table schemes (learned, mds, lowrank) get a table of max(multiples) × L rows, and training only
-ever reaches rows 0..L−1: the rows past L keep their initial values, which is the seeds' claim
-("a learned table cannot go past its last trained row") put to the test, rather than a crash.
+ever reaches rows 0..L−2 (a sequence of L tokens is L−1 inputs, each predicting the next): the
+later rows keep their initial values, which is the seeds' claim ("a learned table cannot go past
+its last trained row") put to the test, rather than a crash.
 ``mds`` fills rows 0..L−1 with P_MDS of the task's training sequences (as ``ordinal train``
 does with the corpus), and its rows past L stay the placeholder the scheme starts with.
 """
@@ -27,6 +28,7 @@ import torch.nn.functional as F
 from model.config import PRESETS, ModelConfig, TrainConfig
 from model.geometry.corpus import measure_corpus
 from model.geometry.metrics import classical_mds
+from model.positional import SCHEMES
 from model.tasks.base import Task, TaskBatch, derive_seed
 from model.train import build_optimizers, set_learning_rates
 from model.transformer import Transformer
@@ -63,7 +65,7 @@ class SuiteSettings:
     test lengths (multiples of L), the number of test sequences per length, the architecture and
     the recipe. A result is reused only when its settings are these (``ordinal tasks --reuse``)."""
 
-    length: int = 64
+    length: int = 32
     multiples: tuple[int, ...] = (1, 2, 4)
     test_sequences: int = 256
     model: dict[str, Any] = field(default_factory=lambda: dict(TASK_MODEL))
@@ -76,7 +78,11 @@ class SuiteSettings:
             "multiples": list(self.multiples),
             "test_sequences": self.test_sequences,
             "model": dict(self.model),
-            "positional": {scheme: dict(p) for scheme, p in PRESETS["shipped"].positional.items()},
+            "positional": {
+                scheme: parameters
+                for scheme in SCHEMES
+                if (parameters := scheme_parameters(scheme, self.length))
+            },
             "train": {name: train[name] for name in TRAIN_FIELDS},
         }
 
@@ -104,10 +110,21 @@ def suite_name(settings: dict[str, Any]) -> str | None:
     return next((name for name, suite in SUITES.items() if suite.to_dict() == bare), None)
 
 
+def scheme_parameters(scheme: str, length: int) -> dict[str, Any]:
+    """``scheme``'s parameters: the shipped checkpoints' (sinusoidal's scale, the tables' ranks),
+    but integer's scale. The shipped raw p (scale 1) swamps the token embeddings so far that
+    integer learned nothing at L (flip-flop: 0.52, chance 0.52); in units of L (scale 1/L) it
+    learned flip-flop (0.85) and is still what the seeds describe, unbounded past L, so their
+    claim about it can be tested."""
+    parameters = dict(PRESETS["shipped"].positional.get(scheme, {}))
+    if scheme == "integer":
+        parameters["scale"] = 1 / length
+    return parameters
+
+
 def model_config(scheme: str, task: Task, settings: SuiteSettings) -> ModelConfig:
-    """The suite's architecture for ``task`` with ``scheme`` and the shipped preset's parameters
-    for that scheme (sinusoidal's scale, the tables' ranks)."""
-    positional = {**PRESETS["shipped"].positional.get(scheme, {}), "scheme": scheme}
+    """The suite's architecture for ``task`` with ``scheme`` and its parameters."""
+    positional = {**scheme_parameters(scheme, settings.length), "scheme": scheme}
     return ModelConfig.from_dict(
         {
             **settings.model,

@@ -39,15 +39,13 @@ def flipflop_answers(tokens: list[int]) -> dict[int, int]:
 
 
 def recall_answers(tokens: list[int]) -> dict[int, int]:
-    """Position → answer: a key seen before (at a pair's key slot) is followed by the value
-    that followed its first occurrence."""
-    answers, first_value = {}, {}
-    for position in range(0, len(tokens) - 1, 2):
-        key = tokens[position]
-        if key in first_value:
-            answers[position + 1] = first_value[key]
-        else:
-            first_value[key] = tokens[position + 1]
+    """Position → answer: after a query ``k?``, the value of k's latest assignment ``k=v``."""
+    answers, current = {}, {}
+    for position, token in enumerate(tokens):
+        if token < recall.QUERY_0:
+            current[token // recall.VALUES] = token % recall.VALUES
+        elif token < recall.VALUE_0 and position + 1 < len(tokens):
+            answers[position + 1] = recall.VALUE_0 + current[token - recall.QUERY_0]
     return answers
 
 
@@ -114,6 +112,33 @@ def test_every_answer_is_computable_from_the_tokens_before_it(name: str) -> None
             assert all(tokens[position] == answer for position, answer in expected.items())
 
 
+def positional_frequencies(tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[N, n] token ids → [n, vocab] share of each token at each position."""
+    counts = torch.nn.functional.one_hot(tokens, vocab_size).sum(dim=0)
+    return counts / len(tokens)
+
+
+@pytest.mark.parametrize("name", TASKS)
+def test_a_task_is_stationary_exactly_when_it_says_so(name: str) -> None:
+    """Stationary: the first n tokens (and answers) of 2n-token sequences are distributed as
+    n-token sequences (total variation per position within sampling noise); the others differ
+    at some position by far more."""
+    n, count = 24, 4000
+    short = TASKS[name].generate(1, n, count)
+    prefix = TASKS[name].generate(2, 2 * n, count)
+    vocab = TASKS[name].vocab_size
+    apart = 0.5 * (
+        positional_frequencies(short.tokens, vocab)
+        - positional_frequencies(prefix.tokens[:, :n], vocab)
+    ).abs().sum(dim=1)
+    answers_apart = (short.answers.float().mean(0) - prefix.answers[:, :n].float().mean(0)).abs()
+    largest = max(float(apart.max()), float(answers_apart.max()))
+    if TASKS[name].stationary:
+        assert largest < 0.1
+    else:
+        assert largest > 0.3
+
+
 @pytest.mark.parametrize("name", TASKS)
 def test_lengths_a_task_cannot_fill_are_refused(name: str) -> None:
     with pytest.raises(TaskError, match=name):
@@ -122,13 +147,21 @@ def test_lengths_a_task_cannot_fill_are_refused(name: str) -> None:
         TASKS[name].generate(0, max(TASKS[name].min_length, 32), 0)
 
 
-def test_recall_keys_are_distinct_and_cannot_outgrow_their_alphabet() -> None:
-    batch = recall.TASK.generate(3, recall.TASK.max_length, 4)
-    for row in batch.tokens:
-        keys = row[: 2 * recall.KEYS : 2].tolist()
-        assert len(set(keys)) == len(keys) == recall.KEYS
-    with pytest.raises(TaskError, match="recall"):
-        recall.TASK.generate(0, recall.TASK.max_length + 1, 1)
+def test_recall_answers_are_the_latest_assignment_not_the_first() -> None:
+    """Keys are reassigned, so an answer often differs from the key's first value: reading the
+    first match instead of the latest one must fail."""
+    tokens = recall.TASK.generate(3, 128, 8).tokens.tolist()
+    differ = 0
+    for row in tokens:
+        first: dict[int, int] = {}
+        for token in row[:32]:
+            first.setdefault(token // recall.VALUES, token % recall.VALUES)
+        answers = recall_answers(row)
+        differ += sum(
+            answer - recall.VALUE_0 != first[row[position - 1] - recall.QUERY_0]
+            for position, answer in answers.items()
+        )
+    assert differ > 0.25 * 8 * 48
 
 
 def test_flipflop_instructions_follow_the_papers_probabilities() -> None:
@@ -149,7 +182,7 @@ def test_derived_seeds_are_reproducible_and_unrelated() -> None:
     assert derive_seed(1, 32) != derive_seed(0, 32)
 
 
-def test_tables_have_rows_for_every_test_length_and_the_rows_past_l_stay_untrained() -> None:
+def test_tables_have_rows_for_every_test_length_and_only_the_rows_read_in_training_change() -> None:
     settings = SUITES["quick"]
     config = model_config("learned", TASKS["flipflop"], settings)
     assert config.max_positions == max(settings.test_lengths)
@@ -157,9 +190,9 @@ def test_tables_have_rows_for_every_test_length_and_the_rows_past_l_stay_untrain
     torch.manual_seed(0)  # what train_model draws its initial weights from for seed 0
     before = Transformer(config).positional.table
     after = train_model("learned", TASKS["flipflop"], 0, settings).positional.table
-    length = settings.length
-    assert torch.equal(before[length:], after[length:])
-    assert not torch.equal(before[:length], after[:length])
+    inputs = settings.length - 1  # a training sequence of L tokens is L−1 inputs
+    assert torch.equal(before[inputs:], after[inputs:])
+    assert (before[:inputs] != after[:inputs]).any(dim=1).all()
 
 
 def test_mds_rows_within_l_are_the_task_geometry() -> None:

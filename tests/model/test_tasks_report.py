@@ -63,19 +63,28 @@ def test_reuse_trains_nothing_and_keeps_the_hand_written_discussion(
     assert page == render(out)
 
 
-def test_other_settings_are_retrained_and_mixed_results_are_refused(
+def test_reuse_retrains_a_result_made_with_other_settings(quick_run: Path, tmp_path: Path) -> None:
+    out = tmp_path / "tasks"
+    out.mkdir()
+    shutil.copy(quick_run / "flipflop-rope.json", out)
+    args = ["tasks", "--quick", "--jobs", "1", "--reuse", "--seeds", "2", "--out", str(out)]
+    assert main([*args, "--schemes", "rope", "--tasks", "flipflop"]) == 0
+    assert len(json.loads((out / "flipflop-rope.json").read_text())["correct"]) == 2
+    assert "× 2 seeds" in out.with_suffix(".md").read_text()
+
+
+def test_a_folder_of_mixed_settings_is_refused_before_training(
     quick_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "tasks"
     shutil.copytree(quick_run, out)
     before = (out / "flipflop-rope.json").read_text()
-    args = ["tasks", "--quick", "--jobs", "1", "--reuse", "--seeds", "2", "--out", str(out)]
-    assert main([*args, "--schemes", "rope", "--tasks", "flipflop"]) == 2
-    assert len(json.loads((out / "flipflop-rope.json").read_text())["correct"]) == 2
-    assert (out / "flipflop-rope.json").read_text() != before
-    # The error is the last line, after the progress bar of the unit that was retrained.
-    last = capsys.readouterr().err.replace("\r", "\n").strip().splitlines()[-1]
-    assert last.startswith("ordinal tasks: error: ") and "different settings" in last
+    args = ["tasks", "--quick", "--seeds", "2", "--schemes", "rope", "--tasks", "flipflop"]
+    assert main([*args, "--out", str(out)]) == 2
+    assert (out / "flipflop-rope.json").read_text() == before
+    err = capsys.readouterr().err
+    assert err.startswith("ordinal tasks: error: ") and err.count("\n") == 1
+    assert "other settings" in err
 
 
 def test_results_do_not_depend_on_the_number_of_workers(quick_run: Path, tmp_path: Path) -> None:
@@ -132,13 +141,13 @@ def test_the_committed_page_is_what_its_results_make(monkeypatch: pytest.MonkeyP
 LENGTH, CHANCE, ANSWERS = 8, 0.5, 100
 
 
-def made_up(scheme: str, accuracy: Callable[[int, int], float]) -> Summary:
-    """A flipflop result whose accuracy at each (test length, position) is ``accuracy``."""
+def made_up(scheme: str, accuracy: Callable[[int, int], float], task: str = "flipflop") -> Summary:
+    """A result whose accuracy at each (test length, position) is ``accuracy``."""
     tests = [m * LENGTH for m in (1, 2, 4)]
     correct = {str(t): [0] + [round(ANSWERS * accuracy(t, p)) for p in range(1, t)] for t in tests}
     result: dict[str, Any] = {
         "scheme": scheme,
-        "task": "flipflop",
+        "task": task,
         "settings": {"length": LENGTH, "multiples": [1, 2, 4], "seeds": 2},
         "chance": {str(t): CHANCE for t in tests},
         "answers": {str(t): [0] + [ANSWERS] * (t - 1) for t in tests},
@@ -148,9 +157,9 @@ def made_up(scheme: str, accuracy: Callable[[int, int], float]) -> Summary:
     return Summary.of(result)
 
 
-def judge(scheme: str, accuracy: Callable[[int, int], float]) -> str:
+def judge(scheme: str, accuracy: Callable[[int, int], float], task: str = "flipflop") -> str:
     claim = next(c for c in CLAIMS if c.scheme == scheme)
-    return claim.judge(made_up(scheme, accuracy)).outcome
+    return claim.judge(made_up(scheme, accuracy, task)).outcome
 
 
 def perfect(test: int, position: int) -> float:
@@ -163,6 +172,13 @@ def lost_past_l(test: int, position: int) -> float:
 
 def fading(test: int, position: int) -> float:  # loses its margin linearly over 3L past L
     return max(CHANCE, 1.0 - CHANCE * max(0, position - LENGTH) / (3 * LENGTH))
+
+
+def test_a_task_that_is_not_stationary_is_judged_by_its_whole_longer_tests() -> None:
+    assert judge("learned", lost_past_l, task="copy") == SUPPORTED  # its 2L answers: all past L
+    assert judge("learned", perfect, task="copy") == NOT_SUPPORTED
+    assert judge("rope", perfect, task="copy") == "n/a"  # before and past L do not compare
+    assert judge("binary", lost_past_l, task="copy") == "n/a"
 
 
 @pytest.mark.parametrize(
