@@ -1,11 +1,14 @@
 """Speed through the real server: ``ordinal serve`` in a subprocess, driven over HTTP.
 
 Measures (a) one stream's tokens/s and time to first token (TTFT), with the in-process
-benchmark's request: a 32-token prompt, 256 new tokens, greedy, EOS ignored; (b) at 1, 8, 32 and
-64 concurrent clients sending sampled requests back to back, aggregate tokens/s, TTFT p50/p99 and
-time per output token p50, with the CPU time of this load generator and of the server (a Python
-load generator on two cores can itself be the bottleneck); (c) the server's resident memory with
-every shipped model loaded.
+benchmark's request: a 32-token prompt, 256 new tokens, greedy, EOS ignored; (b) at 1, 8 and 32
+concurrent clients sending sampled 256-token requests back to back, and 64 sending 128-token
+ones, aggregate tokens/s, TTFT p50/p99, time per output token p50 and the peak RSS of all the
+server's processes, with the CPU time of this load generator and of the server (a Python load
+generator on two cores can itself be the bottleneck); (c) the server's resident memory with
+every shipped model loaded, and with rope alone; (d) the inter-token latency of 16 streams
+while 511-token prompts arrive. (a) and (b) run against the server's defaults: every model in
+the folder loaded, the default batch and stream interval.
 
     python -m bench.http --out bench/results/http.json
 """
@@ -45,7 +48,8 @@ PROMPT_TOKENS = 32  # as bench.decode
 SINGLE_TOKENS = 256  # as bench.decode
 SINGLE_REPEATS = 3
 LEVEL_TOKENS = 256
-LEVELS = (1, 8, 32, 64)
+# (concurrent clients, tokens per request): issue #12's rows; 64 streams send 128-token requests.
+LEVELS = ((1, LEVEL_TOKENS), (8, LEVEL_TOKENS), (32, LEVEL_TOKENS), (64, 128))
 INTERFERENCE_STREAMS = 16
 LONG_PROMPT_TOKENS = 511  # the longest prompt the shipped rope takes (512 context) and 1 token
 # The server's defaults are measured: its batch holds the largest level (64 streams) at once.
@@ -253,12 +257,14 @@ async def concurrency_level(
     server: psutil.Process,
     prompt: list[int],
     streams: int,
+    tokens: int,
     min_seconds: float,
     min_rounds: int,
 ) -> dict[str, Any]:
-    """``streams`` clients, each sending sampled ``LEVEL_TOKENS``-token requests back to back
-    (a closed loop), until each has sent ``min_rounds`` requests and ``min_seconds`` have
-    passed."""
+    """``streams`` clients, each sending sampled ``tokens``-token requests back to back (a
+    closed loop), until each has sent ``min_rounds`` requests and ``min_seconds`` have passed.
+    Any error (a non-200 or an error event) aborts the benchmark, so a level that returns had
+    none."""
     done: list[Stream] = []
     seeds = itertools.count()
     start = time.perf_counter()
@@ -266,7 +272,7 @@ async def concurrency_level(
     async def client_loop() -> None:
         rounds = 0
         while rounds < min_rounds or time.perf_counter() - start < min_seconds:
-            done.append(await stream_completion(client, prompt, LEVEL_TOKENS, next(seeds)))
+            done.append(await stream_completion(client, prompt, tokens, next(seeds)))
             rounds += 1
 
     stop = asyncio.Event()
@@ -280,6 +286,7 @@ async def concurrency_level(
     per_token = [1000 * s.time_per_token for s in done if s.time_per_token is not None]
     return {
         "streams": streams,
+        "tokens_per_request": tokens,
         "requests": len(done),
         "seconds": wall,
         "tokens": sum(s.tokens for s in done),
@@ -302,9 +309,9 @@ async def drive(url: str, server: psutil.Process, min_seconds: float, min_rounds
         single = await single_stream(client, prompt)
         print("http single stream", {k: round(v, 1) for k, v in single.items()}, flush=True)
         levels = []
-        for streams in LEVELS:
+        for streams, tokens in LEVELS:
             level = await concurrency_level(
-                client, server, prompt, streams, min_seconds, min_rounds
+                client, server, prompt, streams, tokens, min_seconds, min_rounds
             )
             print("http", {k: round(v or 0, 1) for k, v in level.items()}, flush=True)
             levels.append(level)
@@ -372,11 +379,16 @@ def loaded_memory(checkpoints: Path) -> dict[str, Any]:
 
 
 def run(checkpoints: Path, min_seconds: float = 10.0, min_rounds: int = 2) -> dict[str, Any]:
-    """Every HTTP measurement, as one JSON-ready dict."""
-    with running_server(checkpoints, models=["rope"]) as (url, server):
+    """Every HTTP measurement, as one JSON-ready dict.
+
+    The load runs against the server as ``ordinal serve`` starts by default: every model in
+    ``checkpoints`` loaded (so the peak RSS is that of the whole deployment), rope driven."""
+    with running_server(checkpoints, models=["rope"]) as (_, server):
         rope_only_rss = rss(server) / MiB
+    memory = loaded_memory(checkpoints)
+    with running_server(checkpoints, models=None) as (url, server):
         results = asyncio.run(drive(url, server, min_seconds, min_rounds))
-    results["memory"] = {"rope_only_rss_mib": rope_only_rss, **loaded_memory(checkpoints)}
+    results["memory"] = {"rope_only_rss_mib": rope_only_rss, **memory}
     results["interference"] = interference(checkpoints)
     served = Settings()  # what `ordinal serve` reads from the same environment
     results["server"] = {
@@ -386,6 +398,7 @@ def run(checkpoints: Path, min_seconds: float = 10.0, min_rounds: int = 2) -> di
         "stream_interval_s": served.stream_interval,
     }
     results["level_tokens"] = LEVEL_TOKENS
+    results["models_loaded"] = len(memory["models"])
     results["prompt"] = PROMPT
     return results
 

@@ -133,7 +133,7 @@ def transformers_section(results: Results) -> str:
     rows = []
     for size, data in results["sizes"].items():
         ours, theirs = data["ours"][GPT2_LAYOUT], data["transformers"]
-        for batch, goal in (("batch_1", 2.0), ("batch_32", 1.5)):
+        for batch, goal in (("batch_1", 2.0), ("batch_32", 2.0)):
             speedup = divide(ours[batch], theirs[batch])
             shown = target(speedup, goal, f"{ratio(speedup)} (≥ {goal:g}×)")
             label = batch.replace("_", " ")
@@ -169,6 +169,7 @@ def http_section(results: Results, in_process: float | None, one_thread: float |
     rows = [
         [
             str(n),
+            str(level.get("tokens_per_request", results.get("level_tokens", 256))),
             str(level["requests"]),
             rate(level["tokens_per_s"]),
             ratio(divide(level["tokens_per_s"], base)),
@@ -181,22 +182,25 @@ def http_section(results: Results, in_process: float | None, one_thread: float |
         ]
         for n, level in levels.items()
     ]
-    header = ["clients", "requests", "tokens/s", "× 1 client", "TTFT p50 ms", "TTFT p99 ms"]
+    header = ["clients", "tokens each", "requests", "tokens/s", "× 1 client"]
+    header += ["TTFT p50 ms", "TTFT p99 ms"]
     header += ["ms/token p50", "load-gen CPU cores", "server CPU cores", "server peak RSS MiB"]
     at_32 = levels.get(32, {})
     scaling = divide(at_32.get("tokens_per_s"), base)
     p99 = at_32.get("ttft_ms_p99")
     p99_text = "—" if p99 is None else f"{p99:.0f} ms (target ≤ 150 ms)"
     return (
-        "## Through the HTTP server\n\n`ordinal serve` (the shipped rope checkpoint, "
+        "## Through the HTTP server\n\n`ordinal serve` with its defaults (every shipped "
+        f"model loaded: {results.get('models_loaded', 1)}; the rope model driven; "
         f"`--max-batch-size {results['server']['max_batch_size']}`, "
         f"{results['server']['dtype']}) in a subprocess; one asyncio httpx client process; "
         "streaming, `ignore_eos` so every request runs to `max_tokens`. The single stream "
         "sends the in-process request (32-token prompt, 256 new tokens, greedy; best of "
         f"{results['single_stream']['requests']}) and its rate counts the whole request, time "
         "to first token included; 'HTTP decode only' leaves that out. At each concurrency "
-        f"level every client sends {results.get('level_tokens', 128)}-token requests sampled at "
-        "temperature 0.8 (seeded) back to back. The server sends a stream's tokens in batches "
+        "level every client sends requests of the row's length sampled at temperature 0.8 "
+        "(seeded) back to back; any error aborts the run, so every row had none. The server "
+        "sends a stream's tokens in batches "
         f"at most {1000 * results['server'].get('stream_interval_s', 0):g} ms apart "
         "(`--stream-interval`; first and last tokens at once), so 'ms/token' is each stream's "
         "mean time between tokens after the first.\n\n"
@@ -232,6 +236,89 @@ def interference_section(results: Results) -> str:
         f"\n{quiet['streams']} streams decoding while long prompts arrive (`--stream-interval 0`, "
         "so each gap is one step; long prompts are prefilled at most `--prefill-chunk` tokens a "
         "step):\n\n" + table(header, rows)
+    )
+
+
+def targets_section(results: dict[str, Results]) -> str:
+    """Issue #12's table: each serving and decode target beside this run's figure."""
+    decoded, served = results["decode"], results["http"]
+    levels = {level["streams"]: level for level in served["concurrency"]}
+    single, at_32, at_64 = levels[1], levels[32], levels[64]
+    ours_hf = decoded["sizes"]["4L-256d-v4096"]
+    speedups = {
+        batch: divide(ours_hf["ours"][GPT2_LAYOUT][batch], ours_hf["transformers"][batch])
+        for batch in ("batch_1", "batch_32")
+    }
+    http_share = divide(
+        served["single_stream"]["tokens_per_s"], decoded.get("rope_batch_1_one_thread")
+    )
+    scaling = divide(at_32["tokens_per_s"], single["tokens_per_s"])
+    peak = max(level["server_peak_rss_mib"] for level in served["concurrency"])
+    p64 = f"TTFT p50 {at_64['ttft_ms_p50']:.0f} ms, p99 {at_64['ttft_ms_p99']:.0f} ms, 0 errors"
+
+    def row(
+        label: str,
+        shown: str,
+        goal_text: str,
+        value: float | None,
+        goal: float,
+        at_most: bool = False,
+    ) -> list[str]:
+        return [label, shown, goal_text, target(value, goal, "", at_most).strip() or "—"]
+
+    rows = [
+        row(
+            "HTTP single stream ÷ in-process (one thread)",
+            ratio(http_share),
+            "≥ 0.9×",
+            http_share,
+            0.9,
+        ),
+        row("32 concurrent streams, aggregate ÷ 1 stream", ratio(scaling), "≥ 8×", scaling, 8.0),
+        row(
+            "TTFT p99 at 32 streams",
+            f"{at_32['ttft_ms_p99']:.0f} ms",
+            "≤ 150 ms",
+            at_32["ttft_ms_p99"],
+            150.0,
+            at_most=True,
+        ),
+        row(
+            f"64 concurrent streams of {at_64.get('tokens_per_request', 128)} tokens",
+            p64,
+            "p99 ≤ 300 ms, 0 errors",
+            at_64["ttft_ms_p99"],
+            300.0,
+            at_most=True,
+        ),
+        row(
+            "batch-1 decode ÷ transformers `generate`, 4L-256d-v4096",
+            ratio(speedups["batch_1"]),
+            "≥ 2.0×",
+            speedups["batch_1"],
+            2.0,
+        ),
+        row(
+            "batch-32 decode ÷ transformers `generate`, 4L-256d-v4096",
+            ratio(speedups["batch_32"]),
+            "≥ 2.0×",
+            speedups["batch_32"],
+            2.0,
+        ),
+        row(
+            f"peak RSS of the server's processes, {served.get('models_loaded', '?')} models "
+            "loaded, during the load",
+            f"{peak:,.0f} MiB",
+            "≤ 1,024 MiB",
+            peak,
+            1024.0,
+            at_most=True,
+        ),
+    ]
+    return (
+        "## Targets (issue #12)\n\nEvery row from this one `make bench` run (`python -m "
+        "bench.run`); the sections below say how each was measured.\n\n"
+        + table(["", "measured", "target", "met"], rows)
     )
 
 
@@ -350,12 +437,15 @@ def render(results: dict[str, Results]) -> str:
     in_process = decoded["sizes"].get("shipped", {}).get("ours", {}).get("rope", {}).get("batch_1")
     one_thread = decoded.get("rope_batch_1_one_thread")
     sections: list[tuple[str, Callable[[], str]]] = [
+        ("targets", lambda: targets_section(results)),
         ("decode", lambda: decode_section(decoded) + "\n" + transformers_section(decoded)),
         ("http", lambda: http_section(results["http"], in_process, one_thread)),
         ("http", lambda: memory_section(results["http"])),
         ("bound", lambda: bound_section(results["bound"], measured_rates(results))),
     ]
-    body = [make() for stage, make in sections if stage in results]
+    # The targets need both the decode and the HTTP figures.
+    present = set(results) | ({"targets"} if {"decode", "http"} <= set(results) else set())
+    body = [make() for stage, make in sections if stage in present]
     intro = "# Benchmarks\n\nWritten by `make bench` (`python -m bench.run`); "
     intro += "targets are shown beside the figures, ✓ where this run met them.\n\n"
     return intro + machine_section(results["machine"], decoded) + "\n" + "\n".join(body)

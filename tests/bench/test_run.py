@@ -1,4 +1,4 @@
-"""docs/benchmarks.md holds every row issue #6 asks for, rendered from the committed results.
+"""docs/benchmarks.md holds every row issues #6 and #12 ask for, from the committed results.
 
 The figures themselves are measurements (``make bench``), never asserted; what is checked is
 that the committed results are complete and that the report shows each of them.
@@ -47,3 +47,12 @@ def test_the_report_shows_every_row(results: dict) -> None:
     assert "| 10 | alibi, binary" in report  # RSS with every shipped model loaded
     assert "bound tokens/s" in report and "of bound" in report
     assert "—" not in report.split("## Against")[1].split("## Through")[0]  # every ratio measured
+
+
+def test_the_report_opens_with_each_target_of_issue_12_measured(results: dict) -> None:
+    targets = render(results).split("## Targets (issue #12)")[1].split("\n## ")[0]
+    rows = [line for line in targets.splitlines() if line.startswith("| ") and "---" not in line]
+    assert len(rows) == 1 + 7  # the header and the issue's seven rows
+    for row in rows[1:]:
+        measured, met = row.split(" | ")[1], row.rstrip(" |").split(" | ")[-1]
+        assert measured != "—" and met in ("✓", "✗")
