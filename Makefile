@@ -27,8 +27,10 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
+# mypy reads its settings (what to check, the pydantic plugin) from pyproject.toml's [tool.mypy].
 test: $(STAMP) browser nginx
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
 	$(PY) -m pytest
 
 # The playground's browser tests drive Debian's chromium (Playwright's own browser downloads
@@ -60,7 +62,7 @@ ui:
 	rm -rf .ui-vendor
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check . && $(VENV)/bin/mypy
 
 format: $(STAMP)
 	$(VENV)/bin/ruff check --fix . && $(VENV)/bin/ruff format .
@@ -99,7 +101,7 @@ bench-train: $(STAMP)
 	$(PY) -m bench.train $(BENCH_TRAIN)
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .pytest_cache .mypy_cache
 
 # Mutation testing (mutmut, one worker) of the files in pyproject.toml's [tool.ordinal.mutation],
 # each against its own tests; FILES="model/positional/rope.py" runs only those. docs/testing.md.

@@ -311,23 +311,23 @@ def preset(name: str) -> Preset:
     return PRESETS[name]
 
 
-def write_json_atomic(path: str | Path, data: Any) -> None:
+def write_json_atomic(path: str | os.PathLike[str], data: Any) -> None:
     """Write JSON to ``path`` via a temp file in the same folder and os.replace."""
     write_text_atomic(path, json.dumps(data, indent=2) + "\n")
 
 
-def write_text_atomic(path: str | Path, text: str) -> None:
+def write_text_atomic(path: str | os.PathLike[str], text: str) -> None:
     """Write ``text`` to ``path`` via a temp file in the same folder and os.replace."""
     write_atomic(path, lambda staging: staging.write_text(text))
 
 
-def write_figure_atomic(path: str | Path, figure: Any, dpi: int = 100) -> None:
+def write_figure_atomic(path: str | os.PathLike[str], figure: Any, dpi: int = 100) -> None:
     """Save a matplotlib figure as PNG at ``path``, atomically (the staging name ends in
     ``.tmp``, so the format is given rather than guessed from it)."""
     write_atomic(path, lambda staging: figure.savefig(staging, format="png", dpi=dpi))
 
 
-def write_atomic(path: str | Path, write: Callable[[Path], object]) -> None:
+def write_atomic(path: str | os.PathLike[str], write: Callable[[Path], object]) -> None:
     """``write(staging)`` writes the file's content to ``staging`` (a temp file beside ``path``),
     which then replaces ``path`` at once: readers see the old file or the new one, never a part.
     Any writer that takes a path fits (``torch.save``, ``Figure.savefig``, ...)."""
@@ -336,7 +336,7 @@ def write_atomic(path: str | Path, write: Callable[[Path], object]) -> None:
 
 
 @contextmanager
-def atomic_path(path: str | Path) -> Iterator[Path]:
+def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
     """A temp path in ``path``'s folder; when the block ends without error it replaces ``path``
     (readable by all: checkpoints are shared read-only); on error it is removed."""
     path = Path(path)

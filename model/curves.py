@@ -72,7 +72,7 @@ def plot_training_curves(folders: list[Path], path: Path) -> None:
     runs = [read_curves(folder) for folder in folders]
     figure = Figure(figsize=(13, 5.5))
     whole, zoom = figure.subplots(1, 2)
-    palette = matplotlib.colormaps["tab10"].colors
+    palette = matplotlib.color_sequences["tab10"]
     for index, run in enumerate(runs):
         colour = palette[index % len(palette)]
         for axes in (whole, zoom):

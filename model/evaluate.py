@@ -264,7 +264,8 @@ def plot_loss_by_position(reports: list[dict[str, Any]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     figure, axes = plt.subplots(figsize=(12, 6))
-    palette = plt.get_cmap("tab20").colors  # 20 colours: ten schemes and their variants apart
+    # 20 colours: ten schemes and their variants apart
+    palette = matplotlib.color_sequences["tab20"]
     for index, report in enumerate(reports):
         supported = [r for r in report["results"].values() if r["supported"]]
         if not supported:

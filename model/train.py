@@ -59,6 +59,7 @@ from model.data import (
 )
 from model.geometry.corpus import measure_corpus
 from model.geometry.metrics import classical_mds
+from model.positional import MdsPositions
 from model.tokenizer import (
     SpecialIds,
     load_tokenizer,
@@ -161,7 +162,7 @@ def install_corpus_geometry(
     One sequence starts at every training document, as in training, so μ_i is the distribution
     of the token at position i of a training sequence (padding excluded).
     """
-    if model.config.scheme != "mds":
+    if not isinstance(model.positional, MdsPositions):
         return
     n = model.config.max_positions
     inputs = boundary_sequences(documents, n, special)
@@ -470,7 +471,7 @@ class TrainingRun:
             trainable = torch.nn.parallel.DistributedDataParallel(
                 model, device_ids=[device] if device.type == "cuda" else None
             )
-        loss_sum = functools.partial(summed_loss, trainable)
+        loss_sum: Callable[..., Tensor] = functools.partial(summed_loss, trainable)
         if train_config.compile:
             loss_sum = torch.compile(loss_sum)
         state_path = (args.state_dir or Path("runs") / args.out.name) / STATE_FILE

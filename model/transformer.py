@@ -107,6 +107,7 @@ class Attention(nn.Module):
         if rotation is not None:  # queries and keys in one call: half the small ops
             queries, keys = apply_rotation(qkv[:2], *rotation)
         if cache is not None:
+            assert plan is not None  # the model plans the write of every cached pass
             keys, values = cache.write(layer, plan, keys, values)  # [B, H, key_length, hd]
         if recorder is not None:
             recorder.record(queries, keys, mask)
@@ -249,13 +250,14 @@ class Transformer(nn.Module):
         for layer, block in enumerate(self.blocks):
             x = block(x, rotation, mask, cache, plan, layer, recorder)
         if cache is not None:
+            assert plan is not None  # planned above, with the cache
             cache.commit(plan)
 
         x = self.final_norm(x)
-        if last_only and new_counts is None:
-            x = x[:, -1]
-        elif last_only:
+        if last_only and new_counts is not None:
             x = x[torch.arange(batch, device=device), (new_counts - 1).to(device)]
+        elif last_only:
+            x = x[:, -1]
         return self.lm_head(x)
 
     def _attention_mask(
@@ -263,9 +265,8 @@ class Transformer(nn.Module):
     ) -> AttentionMask:
         """Causality (a query sees keys at its own position or before) plus the scheme's bias."""
         bias = self.positional.attention_bias(positions, key_positions)  # [B, H, Tq, Tk] or None
-        starts_at_zero = plan is None or plan.same_start == 0
         if bias is None:
-            if starts_at_zero:
+            if plan is None or plan.same_start == 0:  # every row starts at position 0
                 return AttentionMask(None, is_causal=True)
             if plan.same_start is not None and positions.shape[1] == 1:
                 return AttentionMask(None, is_causal=False)  # one new token sees every slot

@@ -240,7 +240,9 @@ class EngineClient:
         context = multiprocessing.get_context(launcher.method)
         if launcher.preload:
             context.set_forkserver_preload(list(launcher.preload))
-        self.process = context.Process(
+        # Every start method's context has Process; typeshed types get_context(str) as the
+        # BaseContext, which lacks it.
+        self.process = context.Process(  # type: ignore[attr-defined]
             target=_engine_main,
             args=(launcher.target, theirs, *launcher.args),
             name="ordinal-engine",
@@ -321,9 +323,11 @@ class EngineClient:
             if isinstance(event, Dropped):
                 last = True
             else:
-                delivered: Event = event
+                delivered: Event
                 if isinstance(event, Failed):
                     delivered = Failure(APIError(event.status, event.message, code=event.code))
+                else:
+                    delivered = event
                 job.events.put_nowait(delivered)
                 last = job.is_last(delivered)
             if last:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import orjson
@@ -48,7 +48,8 @@ async def create_completion(
             f"most {MAX_CHOICES} per request",
             param="n",
         )
-    writers, jobs = [], []
+    writers: list[CompletionWriter] = []
+    jobs: list[Job | None] = []
     for prompt in prompts:
         for j in range(body.n):
             prompt_ids, job = build_job(body, served, prompt, choice_seed(body.seed, j))
@@ -64,7 +65,7 @@ def choice_seed(seed: int | None, choice: int) -> int | None:
 
 async def respond(
     jobs: list[Job | None],
-    writers: list[CompletionWriter],
+    writers: Sequence[CompletionWriter],  # read only: a list of ChatWriters fits too
     served: ServedModel,
     request: Request,
     service: Service,
@@ -181,7 +182,7 @@ def _max_tokens(body: CompletionRequest, served: ServedModel, prompt_length: int
 
 
 async def _collect(
-    streams: list[AsyncIterator[list[Piece]]], writers: list[CompletionWriter]
+    streams: list[AsyncIterator[list[Piece]]], writers: Sequence[CompletionWriter]
 ) -> Response:
     async def pieces_of(stream: AsyncIterator[list[Piece]]) -> list[Piece]:
         return [piece async for batch in stream for piece in batch]
@@ -192,7 +193,7 @@ async def _collect(
 
 
 async def _sse(
-    streams: list[AsyncIterator[list[Piece]]], writers: list[CompletionWriter]
+    streams: list[AsyncIterator[list[Piece]]], writers: Sequence[CompletionWriter]
 ) -> AsyncIterator[bytes]:
     try:
         async for index, batch in _interleave(streams):
@@ -212,8 +213,8 @@ async def _interleave(
 ) -> AsyncIterator[tuple[int, list[Piece]]]:
     """(choice index, pieces) from every stream as they arrive; the first error ends them all."""
     if len(streams) == 1:
-        async for batch in streams[0]:
-            yield 0, batch
+        async for pieces in streams[0]:
+            yield 0, pieces
         return
     arrived: asyncio.Queue[tuple[int, list[Piece] | None, BaseException | None]] = asyncio.Queue()
 

@@ -8,6 +8,7 @@ same shape. A stream that fails after its headers went out ends with :func:`erro
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import orjson
@@ -70,7 +71,7 @@ class APIError(Exception):
         *,
         param: str | None = None,
         code: str | None = None,
-        headers: dict[str, str] | None = None,
+        headers: Mapping[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -153,16 +154,16 @@ def document_errors(app: FastAPI) -> None:
 def install_error_handlers(app: FastAPI) -> None:
     """Answer every error raised while handling a request in OpenAI's shape."""
 
+    # The decorator, not add_exception_handler: that one's type wants handlers of any Exception.
+    @app.exception_handler(APIError)
     async def on_api_error(request: Request, error: APIError) -> Response:
         return error.response()
 
+    @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, error: RequestValidationError) -> Response:
         return validation_error(list(error.errors())).response()
 
+    @app.exception_handler(HTTPException)
     async def on_http_error(request: Request, error: HTTPException) -> Response:
         message = str(error.detail) if error.status_code != 404 else f"no route {request.url.path}"
         return APIError(error.status_code, message, headers=error.headers).response()
-
-    app.add_exception_handler(APIError, on_api_error)
-    app.add_exception_handler(RequestValidationError, on_validation_error)
-    app.add_exception_handler(HTTPException, on_http_error)

@@ -13,7 +13,7 @@ the vocabulary) are checked once the model is known, in ``server.completions``.
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, cast
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
@@ -116,16 +116,20 @@ class SamplingRequest(StrictBody):
 
 
 class PromptRequest(SamplingRequest):
-    """A prompt (text, or token ids) and its sampling settings: what completions and traces
-    read."""
+    """A prompt (text, or token ids) and its sampling settings: what traces read."""
 
     prompt: Prompt
 
 
-def unsupported(noop: Any = None) -> Any:
-    """A field of OpenAI's API that ordinal does not implement: absent, null or its no-op value
-    ``noop`` is accepted (clients send defaults); anything else is a 400 saying so, never
-    "extra inputs are not permitted"."""
+# A field of OpenAI's API that ordinal does not implement. The check is separate, so that each
+# field names its own no-op value: ``name: Annotated[Unsupported, refused_unless(noop)] = None``.
+Unsupported = Annotated[Any, Field(description="not supported")]
+
+
+def refused_unless(noop: Any = None) -> AfterValidator:
+    """The check of an Unsupported field: absent, null or its no-op value ``noop`` is accepted
+    (clients send defaults); anything else is a 400 saying so, never "extra inputs are not
+    permitted"."""
 
     def refuse(value: Any) -> None:
         if value is None or (noop is not None and value == noop):
@@ -133,7 +137,7 @@ def unsupported(noop: Any = None) -> Any:
         only = f" (only {json.dumps(noop)}, a no-op, is accepted)" if noop is not None else ""
         raise ValueError(f"is not supported by ordinal{only}")
 
-    return Annotated[Any, AfterValidator(refuse), Field(None, description="not supported")]
+    return AfterValidator(refuse)
 
 
 class OpenAIHints(StrictBody):
@@ -147,7 +151,7 @@ class OpenAIHints(StrictBody):
     service_tier: Text | None = None
 
 
-class CompletionRequest(PromptRequest, OpenAIHints):
+class CompletionRequest(SamplingRequest, OpenAIHints):
     """``POST /v1/completions``, as in OpenAI's legacy completions API."""
 
     # OpenAI's four forms: a text, token ids, or a list of either (one prompt each)
@@ -160,8 +164,8 @@ class CompletionRequest(PromptRequest, OpenAIHints):
     stream_options: StreamOptions | None = None
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     n: int = Field(1, ge=1, le=MAX_N)  # choices per prompt; choice j draws with seed + j
-    best_of: unsupported(noop=1)
-    suffix: unsupported(noop="")
+    best_of: Annotated[Unsupported, refused_unless(1)] = None
+    suffix: Annotated[Unsupported, refused_unless("")] = None
     # vLLM's extension: logprobs name tokens "token_id:<id>" instead of their text.
     return_tokens_as_token_ids: bool = False
     # vLLM's extension: keep generating past <|eos|> (benchmarks need exact lengths).
@@ -184,8 +188,8 @@ class CompletionRequest(PromptRequest, OpenAIHints):
         """Each prompt of ``prompt``: one text or one list of token ids."""
         prompt = self.prompt
         if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
-            return [prompt]  # type: ignore[list-item]
-        return list(prompt)  # type: ignore[arg-type]
+            return [cast(Prompt, prompt)]  # the checker cannot narrow a list by its first item
+        return list(prompt)
 
     @property
     def include_usage(self) -> bool:
@@ -229,19 +233,19 @@ class ChatRequest(SamplingRequest, OpenAIHints):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # needs logprobs: true
     n: int = Field(1, ge=1, le=MAX_N)  # choices; choice j draws with seed + j
     ignore_eos: bool = False
-    audio: unsupported()
-    function_call: unsupported()
-    functions: unsupported()
-    modalities: unsupported(noop=["text"])
-    parallel_tool_calls: unsupported()
-    prediction: unsupported()
-    reasoning_effort: unsupported()
-    response_format: unsupported(noop={"type": "text"})
-    store: unsupported(noop=False)
-    tool_choice: unsupported(noop="none")
-    tools: unsupported(noop=[])
-    verbosity: unsupported()
-    web_search_options: unsupported()
+    audio: Annotated[Unsupported, refused_unless()] = None
+    function_call: Annotated[Unsupported, refused_unless()] = None
+    functions: Annotated[Unsupported, refused_unless()] = None
+    modalities: Annotated[Unsupported, refused_unless(["text"])] = None
+    parallel_tool_calls: Annotated[Unsupported, refused_unless()] = None
+    prediction: Annotated[Unsupported, refused_unless()] = None
+    reasoning_effort: Annotated[Unsupported, refused_unless()] = None
+    response_format: Annotated[Unsupported, refused_unless({"type": "text"})] = None
+    store: Annotated[Unsupported, refused_unless(False)] = None
+    tool_choice: Annotated[Unsupported, refused_unless("none")] = None
+    tools: Annotated[Unsupported, refused_unless([])] = None
+    verbosity: Annotated[Unsupported, refused_unless()] = None
+    web_search_options: Annotated[Unsupported, refused_unless()] = None
 
     @field_validator("top_logprobs")
     @classmethod

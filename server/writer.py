@@ -10,7 +10,7 @@ from __future__ import annotations
 import codecs
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import orjson
@@ -53,7 +53,8 @@ class CompletionWriter:
             if body.return_tokens_as_token_ids
             else served.token_strings.__getitem__
         )
-        self.prompt_text, self.prompt_offsets = "", []
+        self.prompt_text = ""
+        self.prompt_offsets: list[int] = []
         if body.echo:
             self.prompt_text, self.prompt_offsets = decode_with_offsets(
                 served.token_bytes, prompt_ids
@@ -100,7 +101,7 @@ class CompletionWriter:
 
     def _token_piece(self, event: Token) -> Piece:
         self.completion_tokens += 1
-        logprobs = None
+        logprobs: Logprobs | None = None
         if event.logprob is not None:
             logprobs = {
                 "tokens": [self.name(event.token)],
@@ -114,7 +115,7 @@ class CompletionWriter:
     def _prompt_piece(self, scores: Scores, final: bool) -> Piece:
         """The echoed prompt with its logprobs; its first token has none (nothing precedes it)."""
         tops = map(self._top, scores.top_ids, scores.top_values)
-        logprobs = {
+        logprobs: Logprobs = {
             "tokens": [self.name(token) for token in self.prompt_ids],
             "token_logprobs": [None, *scores.logprobs],
             "top_logprobs": [None, *tops],
@@ -185,7 +186,7 @@ class ChatWriter(CompletionWriter):
 
     def _token_piece(self, event: Token) -> Piece:
         self.completion_tokens += 1
-        logprobs = None
+        logprobs: Logprobs | None = None
         if event.logprob is not None:
             top = zip(event.top_ids or [], event.top_values or [], strict=True)
             entry = self._entry(event.token, event.logprob)
@@ -227,7 +228,7 @@ class ChatWriter(CompletionWriter):
         return {**self._envelope([choice]), "usage": self.usage()}
 
 
-def total_usage(writers: list[CompletionWriter]) -> dict[str, int]:
+def total_usage(writers: Sequence[CompletionWriter]) -> dict[str, int]:
     """A request's usage over its choices: each prompt counted once (its n choices share it,
     as OpenAI counts them), every choice's tokens."""
     n = writers[0].body.n
@@ -240,7 +241,7 @@ def total_usage(writers: list[CompletionWriter]) -> dict[str, int]:
     }
 
 
-def combine(results: list[dict[str, Any]], writers: list[CompletionWriter]) -> dict[str, Any]:
+def combine(results: list[dict[str, Any]], writers: Sequence[CompletionWriter]) -> dict[str, Any]:
     """One non-stream response from each choice's: the first's envelope, every choice."""
     choices = [result["choices"][0] for result in results]
     return {**results[0], "choices": choices, "usage": total_usage(writers)}

@@ -149,6 +149,8 @@ def split_half_noise_floor(
         raise GeometryInputError(f"need at least 2 sequences to split, got {len(sequences)}")
     order = np.random.default_rng(seed).permutation(len(sequences))
     half = len(sequences) // 2
+    first: Sequence[Sequence[int]] | np.ndarray | torch.Tensor  # as `sequences`
+    second: Sequence[Sequence[int]] | np.ndarray | torch.Tensor
     if isinstance(sequences, np.ndarray | torch.Tensor):  # a padded [N, L] matrix
         first, second = sequences[order[:half]], sequences[order[half:]]
     else:

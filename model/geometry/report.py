@@ -48,7 +48,7 @@ from model.geometry.synthetic import (
     synthetic_corpus,
     synthetic_figures,
 )
-from model.positional import PositionalScheme, PositionOutOfRange
+from model.positional import MdsPositions, PositionalScheme, PositionOutOfRange
 
 CORPORA = ("synthetic", "shakespeare")
 REPORT_FILE = "report.json"
@@ -98,7 +98,7 @@ def untrained_schemes(
     )
     schemes = default_schemes(config, seed)
     for scheme in schemes:
-        if scheme.name == "mds":
+        if isinstance(scheme, MdsPositions):
             rank = min(scheme.params.rank, n)
             coordinates = classical_mds(geometry.hellinger, rank=rank).positions
             scheme.set_coordinates(torch.from_numpy(coordinates))

@@ -137,9 +137,11 @@ def length_drift(scheme: PositionalScheme, n_positions: int) -> float:
     if short is None:
         return 0.0
     try:
-        long = encode_positions(scheme, torch.arange(2 * n_positions), keys)[:n_positions]
+        long = encode_positions(scheme, torch.arange(2 * n_positions), keys)
     except PositionOutOfRange:
         long = encode_positions(scheme, torch.arange(n_positions), keys)
+    assert long is not None  # the scheme encoded the short sequence
+    long = long[:n_positions]
     peak = short.abs().max().item()
     drift = (short - long).abs().max().item()
     return drift / peak if peak > 0 else drift

@@ -34,6 +34,7 @@ def alibi_slopes(n_heads: int) -> Tensor:
 
 class AlibiPositions(PositionalScheme):
     name = "alibi"
+    slopes: Tensor  # a buffer (register_buffer below), declared for the type checker
 
     def __init__(self, config, params) -> None:
         super().__init__(config, params)

@@ -26,6 +26,7 @@ class BinaryParams:
 class BinaryPositions(PositionalScheme):
     name = "binary"
     Params = BinaryParams
+    powers: Tensor  # a buffer (register_buffer below), declared for the type checker
 
     def __init__(self, config, params: BinaryParams) -> None:
         super().__init__(config, params)

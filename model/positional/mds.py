@@ -29,6 +29,7 @@ class MdsPositions(PositionalScheme):
     name = "mds"
     is_table = True
     Params = MdsParams
+    coordinates: Tensor  # a buffer (register_buffer below), declared for the type checker
 
     def __init__(self, config, params: MdsParams) -> None:
         super().__init__(config, params)

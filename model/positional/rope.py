@@ -93,7 +93,7 @@ def yarn_inverse_frequencies(
         return rotary_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
 
     low = max(math.floor(correction_dim(beta_fast)), 0)
-    high = min(math.ceil(correction_dim(beta_slow)), rotary_dim - 1)
+    high: float = min(math.ceil(correction_dim(beta_slow)), rotary_dim - 1)
     if low == high:
         high += 0.001  # a ramp of width zero would divide by zero
     pair = torch.arange(rotary_dim // 2, dtype=torch.float64)

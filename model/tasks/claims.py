@@ -46,6 +46,13 @@ def learned(summary: Summary) -> bool:
     return summary.margin(summary.length) >= LEARNED * (1 - summary.chance)
 
 
+def _learned_retention(summary: Summary, test_length: int) -> float:
+    """Retention at ``test_length`` of a task learned at L, which has a margin there."""
+    kept = summary.retention(test_length)
+    assert kept is not None, "a task learned at L has a margin above chance there"
+    return kept
+
+
 def _graded(value: float, high_supports: bool) -> str:
     """SUPPORTED / PARTLY / NOT_SUPPORTED for a retention ``value``."""
     if FAILS <= value < HOLDS:
@@ -64,7 +71,7 @@ def extrapolation(summary: Summary, high_supports: bool) -> Verdict:
     if (missing := _not_learned(summary)) is not None:
         return missing
     longer = sorted(test for test in summary.accuracy if test > summary.length)
-    kept = [summary.retention(test) for test in longer]
+    kept = [_learned_retention(summary, test) for test in longer]
     evidence = ", ".join(
         f"{k:.2f} at {t // summary.length}L" for k, t in zip(kept, longer, strict=True)
     )
@@ -93,7 +100,7 @@ def past_l(summary: Summary, high_supports: bool, whole_test: bool) -> Verdict:
     if kept is not None:
         return Verdict(_graded(kept, high_supports), f"kept {kept:.2f} past L")
     if whole_test and 2 * summary.length in summary.accuracy:
-        kept = summary.retention(2 * summary.length)
+        kept = _learned_retention(summary, 2 * summary.length)
         return Verdict(_graded(kept, high_supports), f"kept {kept:.2f} at 2L, all past L")
     return Verdict("n/a", "not a stationary task")
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from matplotlib.figure import Figure
 
-from model.config import write_atomic, write_text_atomic
+from model.config import write_figure_atomic, write_text_atomic
 from model.tasks import TASKS, TaskError
 from model.tasks.claims import CLAIMS, FAILS, HOLDS, LEARNED, overall, past_l_retention
 from model.tasks.results import Summary, format_mean, load_results
@@ -51,7 +51,7 @@ def write_report(out: Path) -> dict[str, Any]:
     for name in _tasks(found):
         figure = plot_task([s for s in found if s.task == name])
         path = out / f"{name}.png"
-        write_atomic(path, lambda staging, f=figure: f.savefig(staging, format="png", dpi=100))
+        write_figure_atomic(path, figure)
         figures.append(path.name)
     markdown = render(out)
     write_text_atomic(out.with_suffix(".md"), markdown)

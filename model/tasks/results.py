@@ -50,7 +50,7 @@ class Summary:
     def of(cls, result: dict[str, Any]) -> Summary:
         length = result["settings"]["length"]
         accuracy = {
-            int(test): [window_accuracy(result, int(test), seed) for seed in range(_seeds(result))]
+            int(test): [_test_accuracy(result, int(test), seed) for seed in range(_seeds(result))]
             for test in result["answers"]
         }
         return cls(
@@ -86,11 +86,19 @@ class Summary:
             window_accuracy(self.result, test_length, seed, start, stop)
             for seed in range(_seeds(self.result))
         ]
-        return statistics.fmean(values) if None not in values else None
+        found = [value for value in values if value is not None]
+        return statistics.fmean(found) if len(found) == len(values) else None
 
 
 def _seeds(result: dict[str, Any]) -> int:
     return len(result["correct"])
+
+
+def _test_accuracy(result: dict[str, Any], test_length: int, seed: int) -> float:
+    """Seed ``seed``'s accuracy over the whole ``test_length`` test."""
+    accuracy = window_accuracy(result, test_length, seed)
+    assert accuracy is not None, "every task puts answers in every test"
+    return accuracy
 
 
 def window_accuracy(

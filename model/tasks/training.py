@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from model.config import PRESETS, ModelConfig, TrainConfig
 from model.geometry.corpus import measure_corpus
 from model.geometry.metrics import classical_mds
-from model.positional import SCHEMES
+from model.positional import SCHEMES, MdsPositions
 from model.tasks.base import Task, TaskBatch, derive_seed
 from model.train import build_optimizers, set_learning_rates
 from model.transformer import Transformer
@@ -148,7 +148,7 @@ def install_task_geometry(model: Transformer, task: Task, length: int, seed: int
     """For ``mds``: rows 0..length−1 of the fixed table become P_MDS of the task's training
     sequences (their positional token distributions under the Hellinger metric); the rows past
     them, which training never reaches, keep their placeholder values."""
-    if model.config.scheme != "mds":
+    if not isinstance(model.positional, MdsPositions):
         return
     sequences = task.generate(derive_seed(GEOMETRY_STREAM, seed), length, GEOMETRY_SEQUENCES)
     geometry = measure_corpus(task.name, sequences.tokens, task.vocab_size, None, seed)
