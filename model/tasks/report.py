@@ -10,6 +10,7 @@ results.
 
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -88,7 +89,8 @@ def plot_task(found: list[Summary]) -> Figure:
     axes.set_xticks(tests, [f"{t} ({t // length}L)" for t in tests])
     axes.set_xlim(tests[0] / 1.25, tests[-1] * 1.25)
     axes.set(
-        title=f"{found[0].task}: {TASKS[found[0].task].summary}",
+        # Wrapped: a long summary centred over the axes would run off the figure's left edge.
+        title=textwrap.fill(f"{found[0].task}: {TASKS[found[0].task].summary}", 64),
         xlabel="test length (tokens)",
         ylabel="accuracy on the answers",
         ylim=(0, 1.02),
