@@ -36,8 +36,6 @@ import time
 import tomllib
 from pathlib import Path
 
-from model.config import write_text_atomic
-
 ROOT = Path(__file__).resolve().parent.parent
 MUTANTS = Path("mutants")  # mutmut's working copy, relative to ROOT (mutmut's choice)
 REPORT = MUTANTS / "report.txt"
@@ -220,6 +218,11 @@ def main(argv: list[str] | None = None) -> None:
         run_entry(entry, args.jobs)
         results += collect(entry)
     report = render(results, time.perf_counter() - start, args.jobs)
+    # Imported here, never at the top: the --run-mutmut child runs this module, and a `model`
+    # imported before mutmut puts mutants/ first on sys.path would be the unmutated one, so the
+    # tests would never reach a mutant (mutmut: "could not find any test case for any mutant").
+    from model.config import write_text_atomic
+
     write_text_atomic(REPORT, report)
     print(f"\n{report}", end="")
 
