@@ -606,10 +606,16 @@ def test_rope_angles_default_to_base_10000() -> None:
         ({"rotary_fraction": 1.5}, "rotary_fraction must be in"),
         ({"scaling": "longrope"}, "scaling must be one of"),
         ({"scaling_factor": 0.5}, "scaling_factor must be ≥ 1"),
+        ({"original_context": 0}, "original_context must be ≥ 1"),
+        ({"beta_slow": 0.0}, "beta_slow"),
+        ({"beta_slow": 2.0, "beta_fast": 2.0}, "beta_slow"),
     ],
 )
 def test_rope_parameters_out_of_range_are_refused(settings: dict, message: str) -> None:
-    RopeParams(rotary_fraction=1.0, scaling="ntk", scaling_factor=1.0)  # the edges are valid
+    # The edges are valid: a fraction of 1, a factor of 1, a context of one token, and any
+    # 0 < beta_slow < beta_fast however close.
+    RopeParams(rotary_fraction=1.0, scaling="ntk", scaling_factor=1.0, original_context=1)
+    RopeParams(beta_slow=1e-9, beta_fast=2e-9)
     with pytest.raises(ValueError, match=message):
         RopeParams(**settings)
 
