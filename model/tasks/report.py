@@ -145,6 +145,16 @@ def command(out: Path, settings: dict[str, Any]) -> str:
     return " ".join(words)
 
 
+def _optimiser(train: dict[str, Any]) -> str:
+    """How ``model.train.build_optimizers`` splits the parameters, in words, with the peaks."""
+    if train["optimizer"] == "muon":
+        return (
+            f"Muon for the blocks' matrices (peak {train['muon_lr']}, momentum "
+            f"{train['muon_momentum']}) and AdamW for the rest (peak {train['lr']})"
+        )
+    return f"AdamW (peak {train['lr']})"
+
+
 def _introduction(out: Path, found: list[Summary]) -> str:
     settings = found[0].result["settings"]
     model, train = settings["model"], settings["train"]
@@ -179,9 +189,10 @@ def _introduction(out: Path, found: list[Summary]) -> str:
         f"parameters ({positional}) are the shipped checkpoints', but integer's scale: in units "
         "of L, since the raw p swamped the token embeddings and learned nothing at L.",
         f"- **Training**: {train['steps']} steps of {train['batch_size']} fresh sequences of "
-        f"length L, with `ordinal train`'s AdamW, warmup ({train['warmup_steps']} steps) and "
-        f"cosine decay (peak {train['lr']}, floor {train['min_lr']}); the loss counts the answer "
-        f"tokens only. Seed s = 0..{seeds - 1} sets the initial weights and the training "
+        f"length L, with `ordinal train`'s {_optimiser(train)}, warmup "
+        f"({train['warmup_steps']} steps) and cosine decay to {train['min_lr'] / train['lr']:g} × "
+        f"each peak; the loss counts the answer tokens only. Seed s = 0..{seeds - 1} sets the "
+        "initial weights and the training "
         f"sequences; the {settings['test_sequences']} test sequences of each length are the "
         "same for every scheme and seed.",
         "- **Accuracy**: exact match of the greedy prediction on each answer token, predicted "

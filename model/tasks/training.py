@@ -3,7 +3,8 @@
 Every scheme gets the same model (``SuiteSettings.model``), the same batches (drawn from the
 seed and the step) and the same test sequences (drawn from the length alone); only
 ``positional`` differs. The optimiser and its schedule are ``ordinal train``'s
-(``model.train.build_optimizers`` / ``set_learning_rates``: AdamW, warmup then cosine). The loss
+(``model.train.build_optimizers`` / ``set_learning_rates``: Muon for the blocks' matrices and
+AdamW for the rest, as the shipped preset, warmup then cosine). The loss
 and the score count the answer tokens only: the rest of a task's sequence is noise or
 structure that no model could, or need, predict.
 
@@ -53,10 +54,13 @@ TASK_MODEL: dict[str, Any] = {
     "tie_embeddings": True,
     "qk_norm": False,
 }
-TASK_TRAIN = TrainConfig(steps=1000, batch_size=32, lr=3e-3, min_lr=3e-4, warmup_steps=100)
+TASK_TRAIN = TrainConfig(
+    steps=1000, batch_size=32, optimizer="muon", lr=3e-3, min_lr=3e-4, warmup_steps=100
+)
 # The suite's own settings of TrainConfig (the rest is TrainConfig's defaults, unused here:
 # evaluation and saving happen once, after training).
-TRAIN_FIELDS = ("steps", "batch_size", "lr", "min_lr", "warmup_steps", "weight_decay", "grad_clip")
+TRAIN_FIELDS = ("steps", "batch_size", "optimizer", "lr", "muon_lr", "muon_momentum")
+TRAIN_FIELDS += ("min_lr", "warmup_steps", "weight_decay", "grad_clip")
 
 
 @dataclass(frozen=True)
