@@ -59,8 +59,8 @@ TASK_TRAIN = TrainConfig(
 )
 # The suite's own settings of TrainConfig (the rest is TrainConfig's defaults, unused here:
 # evaluation and saving happen once, after training).
-TRAIN_FIELDS = ("steps", "batch_size", "optimizer", "lr", "muon_lr", "muon_momentum")
-TRAIN_FIELDS += ("min_lr", "warmup_steps", "weight_decay", "grad_clip")
+TRAIN_FIELDS: tuple[str, ...] = ("steps", "batch_size", "optimizer", "lr", "muon_lr")
+TRAIN_FIELDS += ("muon_momentum", "min_lr", "warmup_steps", "weight_decay", "grad_clip")
 
 
 @dataclass(frozen=True)
