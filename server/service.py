@@ -251,7 +251,14 @@ class Service:
     # ---- what the engine process reports (server.client.Listener) -------------------------
 
     def loaded(self, info: ModelInfo, engine: ModelClient) -> None:
-        served = ServedModel.from_checkpoint(info, self._folders[info.base], engine)
+        # This process reads the files the engine does not (tokenizer, chat template): one that
+        # is broken fails its model here, as the engine fails one whose weights are broken.
+        # Raised into the engine client, it would be taken for a lost engine and restart it.
+        try:
+            served = ServedModel.from_checkpoint(info, self._folders[info.base], engine)
+        except Exception as error:
+            self.failed(info.name, load_failure(error, self.settings.checkpoints))
+            return
         self.models[info.name] = served
         self.status[info.name] = ModelStatus(ModelState.READY)
         logger.info(

@@ -275,3 +275,28 @@ def test_every_setting_has_a_flag() -> None:
     add_arguments(parser)
     flags = {action.dest for action in parser._actions} - {"help"}
     assert flags == set(Settings.model_fields)
+
+
+def test_a_broken_chat_template_fails_its_model_alone(checkpoints: Path, tmp_path: Path) -> None:
+    """The API process reads the tokenizer config (the engine does not): a broken one fails that
+    model, and the engine is not restarted for it."""
+    for name in ("rope", "none"):
+        shutil.copytree(checkpoints / name, tmp_path / name)
+    (tmp_path / "none" / "tokenizer_config.json").write_text("[not json")
+    with (
+        running_server(test_settings(tmp_path)) as running,
+        httpx.Client(base_url=running.url, timeout=30) as client,
+    ):
+        engine = running.service.engine
+        assert engine is not None and engine.process is not None
+        first_engine = engine.process.pid
+        states = client.get("/health").json()["models"]
+        assert states["rope"]["state"] == "ready"
+        assert states["none"]["state"] == "failed"
+        assert "tokenizer_config.json" in states["none"]["message"]
+        assert str(tmp_path) not in states["none"]["message"]
+        body = {"model": "rope", "prompt": "To be", "max_tokens": 3}
+        assert client.post("/v1/completions", json=body).status_code == 200
+        response = client.post("/v1/completions", json={**body, "model": "none"})
+        assert response.status_code == 503
+        assert engine.process is not None and engine.process.pid == first_engine  # no restart
