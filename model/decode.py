@@ -253,6 +253,8 @@ class DecodeBatch:
     def remove(self, leaving: Sequence[Row]) -> None:
         """Drop ``leaving``: the last decoding row fills each freed decoding slot, and the rows
         still prefilling shift down behind it, so both groups stay contiguous."""
+        if not leaving:  # nothing changes: keep the sampler built for these rows
+            return
         for row in sorted(leaving, key=lambda row: row.index or 0, reverse=True):
             hole = row.index
             assert hole is not None and self.members[hole] is row

@@ -224,7 +224,7 @@ def generate(
             if state.finished:
                 finished.append(row)
         batch.remove(finished)
-        sampled = batch.step() if batch.decoding else None
+        sampled = batch.step()
     return [
         Completion(s.prompt_ids, s.generated_ids, s.text, s.finish_reason or "length")
         for s in states
