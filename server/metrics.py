@@ -101,6 +101,7 @@ class Metrics:
 
     def __init__(self) -> None:
         self.registry = registry = CollectorRegistry()
+        self._bound: dict[str, ModelMetrics] = {}
         ProcessCollector(registry=registry)  # process_cpu_seconds_total, memory, open fds
         model = ["model"]
 
@@ -158,6 +159,13 @@ class Metrics:
         )
 
     def for_model(self, name: str) -> ModelMetrics:
+        """``name``'s label children, bound once (``record`` runs for every engine frame)."""
+        bound = self._bound.get(name)
+        if bound is None:
+            bound = self._bound[name] = self._bind(name)
+        return bound
+
+    def _bind(self, name: str) -> ModelMetrics:
         return ModelMetrics(
             running=self.running.labels(name),
             waiting=self.waiting.labels(name),
