@@ -367,15 +367,13 @@ def interference(checkpoints: Path) -> dict[str, Any]:
     return {"prompt_tokens": LONG_PROMPT_TOKENS, "quiet": quiet, "long_prompts": busy}
 
 
-def loaded_memory(checkpoints: Path) -> dict[str, Any]:
-    """RSS of a server that loaded every model in ``checkpoints`` (the default ``--models``)."""
-    with running_server(checkpoints, models=None) as (url, server):
-        # /health is 200 once one model serves; the others may still be loading.
-        while True:
-            models = httpx.get(f"{url}/health", timeout=10).json()["models"]
-            if all(model["state"] != "loading" for model in models.values()):
-                return {"models": models, "rss_mib": rss(server) / MiB}
-            time.sleep(0.5)
+def wait_until_loaded(url: str) -> dict[str, Any]:
+    """``/health``'s models once none is loading (it is 200 as soon as one model serves)."""
+    while True:
+        models = httpx.get(f"{url}/health", timeout=10).json()["models"]
+        if all(model["state"] != "loading" for model in models.values()):
+            return models
+        time.sleep(0.5)
 
 
 def run(checkpoints: Path, min_seconds: float = 10.0, min_rounds: int = 2) -> dict[str, Any]:
@@ -385,8 +383,9 @@ def run(checkpoints: Path, min_seconds: float = 10.0, min_rounds: int = 2) -> di
     ``checkpoints`` loaded (so the peak RSS is that of the whole deployment), rope driven."""
     with running_server(checkpoints, models=["rope"]) as (_, server):
         rope_only_rss = rss(server) / MiB
-    memory = loaded_memory(checkpoints)
     with running_server(checkpoints, models=None) as (url, server):
+        models = wait_until_loaded(url)
+        memory = {"models": models, "rss_mib": rss(server) / MiB}
         results = asyncio.run(drive(url, server, min_seconds, min_rounds))
     results["memory"] = {"rope_only_rss_mib": rope_only_rss, **memory}
     results["interference"] = interference(checkpoints)
