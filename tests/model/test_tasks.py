@@ -197,11 +197,19 @@ def test_tables_have_rows_for_every_test_length_and_only_the_rows_read_in_traini
 
 def test_mds_rows_within_l_are_the_task_geometry() -> None:
     settings = SUITES["quick"]
-    model = train_model("mds", TASKS["copy"], 0, settings)
-    coordinates = model.positional.coordinates
-    # Position L−9 is always the marker: a distribution far from every other position's.
+    length = settings.length
+    torch.manual_seed(0)  # what train_model draws its initial weights from for seed 0
+    placeholder = Transformer(model_config("mds", TASKS["copy"], settings)).positional.coordinates
+    coordinates = train_model("mds", TASKS["copy"], 0, settings).positional.coordinates
     assert coordinates[: settings.length].abs().sum() > 0
     assert torch.isfinite(coordinates).all()
+    # Rows 0..L−1 are replaced by the task's geometry; the rows past L keep the placeholder.
+    assert (coordinates[:length] != placeholder[:length]).any(dim=1).all()
+    assert torch.equal(coordinates[length:], placeholder[length:])
+    # P_MDS is centred: its coordinates average to zero over the L positions.
+    torch.testing.assert_close(
+        coordinates[:length].mean(dim=0), torch.zeros(coordinates.shape[1]), atol=1e-5, rtol=0
+    )
 
 
 def test_a_short_training_run_learns_flipflop_beyond_chance() -> None:
