@@ -1,10 +1,12 @@
-"""A preallocated key/value cache whose rows may hold sequences of different lengths.
+"""A key/value cache, grown on demand up to a fixed most, whose rows may hold sequences of
+different lengths.
 
 Slot s of row b holds the key and value of that row's token at position s, so a row's length is
 also the position of its next token: positions are derived from the cache, in one place
 (``KVCache.positions``). New entries are written in place (slices, or an index_put for ragged
-rows); the cache is never concatenated or copied per step. Rows can be swapped so that a batch's
-active rows stay at the front (the service's continuous batching relies on this).
+rows); the cache is never concatenated or copied per step, only when it grows (doubling, so a
+logarithmic number of times). Rows can be swapped so that a batch's active rows stay at the
+front (the service's continuous batching relies on this).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from model.config import ModelConfig
 
 
 class CacheFull(ValueError):
-    """A write would go past the cache's preallocated length."""
+    """A write would go past the most positions per row the cache may hold (``max_length``)."""
 
 
 class KVCache:
@@ -27,8 +29,8 @@ class KVCache:
     ``rows`` × ``max_length`` is the most it holds. With ``reserve`` = (rows, length) only that
     much is allocated at first, and the cache grows (doubling, up to the most) when a sequence
     joins past its rows (:meth:`reserve_rows`) or a write goes past its length
-    (:meth:`positions`); :meth:`release` shrinks an empty cache back. A grown cache copies its
-    filled part once; a server's idle models then hold almost nothing.
+    (:meth:`positions`); :meth:`release` shrinks an empty cache back. Growing copies the old
+    allocation into the new one once; a server's idle models then hold almost nothing.
     """
 
     def __init__(
@@ -94,7 +96,8 @@ class KVCache:
         Row b's tokens go to slots lengths[b], lengths[b]+1, …; those slots are their positions.
         With ``new_counts``, tokens past a row's count are padding: not written, and given the
         row's last real position so that table-based schemes never see a phantom position.
-        Runs once per forward pass, on the host; a decode step costs a handful of small ops.
+        Runs once per forward pass, on the host; a decode step costs a handful of small ops
+        (and, the few times a write goes past the allocated length, one reallocation).
         """
         start = self.lengths[rows]
         offsets = self._offsets[:n_new]
@@ -102,7 +105,7 @@ class KVCache:
         if new_counts is None:
             starts = start.tolist()
             key_length = max(starts, default=0) + n_new
-            self._check_room(key_length)
+            self._make_room(key_length)
             if starts and min(starts) == max(starts):
                 return CacheWrite(rows, positions, start + n_new, key_length, starts[0], None)
             valid = torch.ones(positions.shape, dtype=torch.bool)
@@ -119,7 +122,7 @@ class KVCache:
             positions = torch.minimum(positions, last_real.unsqueeze(1))
             end = start + counts
             key_length = int(end.max()) if end.numel() else 0
-            self._check_room(key_length)
+            self._make_room(key_length)
             valid = offsets.unsqueeze(0) < counts.unsqueeze(1)  # [B, T]
         row_index, token_index = valid.nonzero(as_tuple=True)
         slots = positions[row_index, token_index]
@@ -127,7 +130,7 @@ class KVCache:
         scatter = (row_index.to(device), token_index.to(device), slots.to(device))
         return CacheWrite(rows, positions, end, key_length, None, scatter)
 
-    def _check_room(self, key_length: int) -> None:
+    def _make_room(self, key_length: int) -> None:
         if key_length > self.max_length:
             raise CacheFull(
                 f"the cache holds {self.max_length} positions per row; this step needs {key_length}"
