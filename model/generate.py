@@ -16,7 +16,7 @@ import torch
 from tokenizers import Tokenizer
 
 from model.decode import DecodeBatch, Row, Sampled, Tokens
-from model.sampling import RowSampler, SamplingParams
+from model.sampling import RowSampler, SamplingParams, raise_if_failed
 from model.tokenizer import IncrementalDecoder, special_ids
 from model.transformer import Transformer
 
@@ -145,9 +145,7 @@ def _start(
 
 def _sample_all(sampled: Sampled) -> list[int]:
     """The draw's tokens; offline, a row that cannot be sampled is an error for the caller."""
-    if sampled.failures:
-        row, reason = next(iter(sampled.failures.items()))
-        raise ValueError(f"row {row} of the batch could not be sampled: {reason}")
+    raise_if_failed(sampled.failures)
     return sampled.tokens
 
 

@@ -28,7 +28,7 @@ draw raised, and the other rows' tokens are exactly what they would have been wi
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from functools import partial
@@ -149,6 +149,14 @@ class RowSampler:
         return torch.rand(1, generator=self.generator)
 
 
+def raise_if_failed(failures: Mapping[int, FailureReason]) -> None:
+    """Offline, a row that cannot be sampled is the caller's error (the server fails that row
+    alone instead): a ValueError naming the first such row and why."""
+    if failures:
+        row, reason = next(iter(failures.items()))
+        raise ValueError(f"row {row} of the batch could not be sampled: {reason}")
+
+
 class SamplingBatch:
     """The per-row parameters of the rows now decoding, as [B] tensors on ``device``.
 
@@ -216,9 +224,7 @@ class SamplingBatch:
         Returns [B] long.
         """
         tokens, failures = self.draw(logits, seen, counts)
-        if failures:
-            row, reason = next(iter(failures.items()))
-            raise ValueError(f"row {row} of the batch could not be sampled: {reason}")
+        raise_if_failed(failures)
         return tokens
 
     def draw(
