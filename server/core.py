@@ -112,11 +112,7 @@ class EngineCore:
 
     def handle(self, message: ToEngine) -> None:
         if isinstance(message, Submit):
-            engine = self.engines.get(message.model)
-            if engine is None:
-                failed = Failed(message.id, 503, f"model '{message.model}' is not loaded")
-                self.outbox.add(failed, urgent=True)
-            else:
+            if (engine := self._engine_for(message)) is not None:
                 engine.submit(message)
         elif isinstance(message, Cancel):
             for engine in self.engines.values():
@@ -124,11 +120,16 @@ class EngineCore:
         elif isinstance(message, Trace):
             self._trace(message)
 
-    def _trace(self, message: Trace) -> None:
+    def _engine_for(self, message: Submit | Trace) -> ModelEngine | None:
+        """The engine of the message's model, or None after answering 503 for it."""
         engine = self.engines.get(message.model)
         if engine is None:
             failed = Failed(message.id, 503, f"model '{message.model}' is not loaded")
             self.outbox.add(failed, urgent=True)
+        return engine
+
+    def _trace(self, message: Trace) -> None:
+        if (engine := self._engine_for(message)) is None:
             return
         try:
             request = TraceRequest.model_validate_json(message.request)
