@@ -13,8 +13,9 @@ seconds of a start (at most ``MAX_RESTART_DELAY``). It reloads every model; each
 again as soon as it is loaded.
 
 **Shutdown** (:meth:`EngineClient.close`): a ``Shutdown`` message; the engine fails what is
-left with a 503 ("shutting down"), sends it, and exits; it is killed if it has not exited
-within ``STOP_TIMEOUT`` seconds.
+left with a 503 ("shutting down"), sends it, and exits. The API process waits up to
+``STOP_TIMEOUT`` seconds for its last frames, closes the socket, then up to ``STOP_TIMEOUT``
+more for it to exit before killing it.
 """
 
 from __future__ import annotations
