@@ -1,12 +1,12 @@
 """The ``ordinal`` command: serve, train, eval, geometry and tasks.
 
 This module only dispatches. It sits outside both import packages because it reaches into both
-(``serve`` runs ``server.app``; ``train``, ``eval`` and ``geometry`` run ``model`` code), and
+(``serve`` runs ``server.api.app``; ``train``, ``eval`` and ``geometry`` run ``model`` code), and
 ``model`` must never import ``server``. Each subcommand is its options and the
 ``module:function`` that runs it; that module is imported only when the command runs, so
 ``ordinal --help`` and every ``ordinal COMMAND --help`` load no torch, FastAPI or matplotlib
 (importing ``model`` alone takes torch's ~2 s). ``serve``'s flags come from the settings model
-(``server.settings``, pydantic only); the other commands' options are written out below, and
+(``server.api.settings``, pydantic only); the other commands' options are written out below, and
 ``tests/server/test_cli.py`` checks their defaults against the code they configure.
 
 Bad input of any command is a one-line ``ordinal COMMAND: error: ...`` and exit status 2.
@@ -107,9 +107,9 @@ def is_literal(annotation: object) -> bool:
 
 
 def serve_options(parser: argparse.ArgumentParser) -> None:
-    """One flag per setting of ``server.settings.Settings``; an unset flag leaves the
-    ``ORDINAL_*`` variable or the default (``server.app.settings_from_args`` reads them)."""
-    from server.settings import Settings
+    """One flag per setting of ``server.api.settings.Settings``; an unset flag leaves the
+    ``ORDINAL_*`` variable or the default (``server.api.app.settings_from_args`` reads them)."""
+    from server.api.settings import Settings
 
     for name, field in Settings.model_fields.items():
         default = field.get_default(call_default_factory=True)
@@ -212,7 +212,7 @@ def _comma_ints(text: str) -> list[int]:
 
 def _rope_variants(text: str) -> list[tuple[str, str, float]]:
     """ "yarn4,ntk2" → [("yarn4", "yarn", 4.0), ("ntk2", "ntk", 2.0)] (pydantic only, no torch)."""
-    from server.settings import parse_rope_variant
+    from server.api.settings import parse_rope_variant
 
     variants = [part.strip() for part in text.split(",") if part.strip()]
     try:
@@ -346,7 +346,7 @@ class Command:
 
 
 COMMANDS: dict[str, Command] = {
-    "serve": Command("serve the checkpoints over HTTP", serve_options, "server.app:run"),
+    "serve": Command("serve the checkpoints over HTTP", serve_options, "server.api.app:run"),
     "train": Command(
         "train one checkpoint on the Shakespeare corpus (also under torchrun)",
         train_options,

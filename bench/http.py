@@ -38,7 +38,7 @@ import psutil
 
 from bench.decode import bench_device
 from model.config import write_json_atomic
-from server.settings import Settings
+from server.api.settings import Settings
 
 PROMPT = (
     "ROMEO:\nBut soft, what light through yonder window breaks? It is the east, and Juliet is "
@@ -91,7 +91,7 @@ def serve_command(
     checkpoints: Path, port: int, models: list[str] | None, extra: tuple[str, ...] = ()
 ) -> list[str]:
     """``ordinal serve`` for this benchmark: bfloat16 on a GPU, fp32 on CPU (the default)."""
-    command = [sys.executable, "-m", "server.cli", "serve", "--port", str(port), *extra]
+    command = [sys.executable, "-m", "ordinal", "serve", "--port", str(port), *extra]
     command += ["--checkpoints", str(checkpoints)]
     if models:
         command += ["--models", ",".join(models)]

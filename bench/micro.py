@@ -27,9 +27,9 @@ import torch.nn.functional as F
 from bench.decode import NEW_TOKENS, PROMPT_TOKENS
 from bench.run import rate, ratio, table
 from model.sampling import RowSampler, SamplingBatch, SamplingParams
-from server.job import Job
-from server.service import Service
-from server.settings import Settings
+from server.api.job import Job
+from server.api.service import Service
+from server.api.settings import Settings
 
 LINEAR_SHAPES = ((128, 384), (128, 128), (128, 512), (512, 128), (128, 2048))  # (in, out)
 VOCAB = 2048
@@ -88,7 +88,7 @@ def sampling_paths() -> str:
 
 
 def engine_without_http(checkpoint: Path) -> str:
-    """The engine process (``server.core``) fed by the API process's client, jobs submitted
+    """The engine process (``server.engine.core``) fed by the API process's client, jobs submitted
     from an asyncio loop without HTTP: what the server costs before any HTTP work."""
 
     async def tokens_per_s(streams: int, interval: float) -> float:

@@ -178,7 +178,7 @@ def test_compose_schema_rejects_mistakes(mistake: str) -> None:
 def test_compose_environment_is_valid_settings(
     service: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from server.settings import Settings
+    from server.api.settings import Settings
 
     environment = load_compose()["services"][service]["environment"]
     # pydantic-settings ignores unknown ORDINAL_* variables, so names are checked by hand.

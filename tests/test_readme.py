@@ -27,7 +27,7 @@ import yaml
 
 import model.evaluate
 import ordinal
-from server.app import settings_from_args
+from server.api.app import settings_from_args
 from tests.server.conftest import Running, running_server, test_settings
 from tests.test_deploy import compose_tool
 

@@ -26,10 +26,10 @@ from model.config import ModelConfig
 from model.positional import SCHEMES
 from model.tokenizer import train_tokenizer
 from model.transformer import Transformer
-from server.app import create_app
-from server.client import Launcher, ModelClient
-from server.service import Service
-from server.settings import Settings
+from server.api.app import create_app
+from server.api.client import Launcher, ModelClient
+from server.api.service import Service
+from server.api.settings import Settings
 from tests.model.conftest import SCHEME_SETTINGS
 from tests.server.engine_control import Control, Gate
 
@@ -116,7 +116,7 @@ def running_server(
         "tests.server.engine_control:run_controlled",
         (theirs, hold_loading),
         method="forkserver",
-        preload=("server.client", "tests.server.engine_control"),
+        preload=("server.api.client", "tests.server.engine_control"),
     )
     app = create_app(settings, launcher)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))

@@ -22,16 +22,16 @@ from typing import Any
 
 import torch
 
-import server.core
-import server.engine
+import server.engine.core
+import server.engine.engine
 from model.sampling import RowSampler
-from server.core import EngineCore, run_engine_process
+from server.engine.core import EngineCore, run_engine_process
 
 Command = tuple[Any, ...]
 
 
 def run_controlled(sock: Any, control: Connection, hold_loading: bool = False) -> None:
-    """The engine process's entry point in the tests (see ``server.client.Launcher``).
+    """The engine process's entry point in the tests (see ``server.api.client.Launcher``).
 
     ``hold_loading``: no model loads until the ``release_loading`` command.
     """
@@ -58,13 +58,13 @@ class Controller(threading.Thread):
         self.loading = threading.Event()
 
     def hold_loading(self) -> None:
-        load_all = server.core.load_all
+        load_all = server.engine.core.load_all
 
         def held(config: Any) -> Any:
             self.loading.wait(60)
             return load_all(config)
 
-        server.core.load_all = held  # type: ignore[assignment]
+        server.engine.core.load_all = held  # type: ignore[assignment]
 
     def release_loading(self) -> None:
         self.loading.set()
@@ -152,7 +152,7 @@ class Controller(threading.Thread):
                     raise RuntimeError("this row's generator broke")
                 return super().next_uniform()
 
-        server.engine.RowSampler = Failing  # type: ignore[misc]
+        server.engine.engine.RowSampler = Failing  # type: ignore[misc]
 
     def break_model(self, name: str) -> None:
         def wrapper(forward: Callable[..., Any]) -> Callable[..., Any]:
@@ -172,7 +172,7 @@ class Controller(threading.Thread):
             self.ungated.pop(model, None)
             self._model(model).__dict__.pop("forward", None)  # the class's forward again
         if name is None:
-            server.engine.RowSampler = RowSampler  # type: ignore[misc]
+            server.engine.engine.RowSampler = RowSampler  # type: ignore[misc]
 
 
 class Control:

@@ -14,10 +14,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from model.checkpoint import WEIGHTS_FILE, load_checkpoint
 from model.generate import encode_prompt
 from model.positional import TABLE_SCHEMES
-from server.app import add_arguments, settings_from_args
-from server.cli import build_parser, main
-from server.metrics import FAILURE_REASONS
-from server.settings import Settings
+from ordinal import build_parser, main
+from server.api.app import add_arguments, settings_from_args
+from server.api.metrics import FAILURE_REASONS
+from server.api.settings import Settings
 from tests.server.conftest import (
     CONTEXT_LENGTH,
     MAX_POSITIONS,

@@ -22,16 +22,16 @@ import model.evaluate
 import model.tasks
 import model.train
 import ordinal
-import server.app
+import server.api.app
 from model.checkpoint import DTYPES
 from model.geometry import report as geometry_report
 from model.geometry.report import REPORT_FILE
 from model.positional import SCHEMES
 from model.tasks import suite as tasks_suite
 from ordinal import COMMANDS, build_parser, main
-from server.settings import Settings
+from server.api.settings import Settings
 
-HEAVY = ("torch", "fastapi", "uvicorn", "matplotlib", "model", "server.app")
+HEAVY = ("torch", "fastapi", "uvicorn", "matplotlib", "model", "server.api.app")
 
 
 def one_line_error(capsys: pytest.CaptureFixture[str], command: str) -> str:
@@ -89,7 +89,7 @@ def test_serve_without_checkpoints(
     def must_not_serve(*args: object, **kwargs: object) -> NoReturn:
         raise AssertionError("the server started despite bad settings")
 
-    monkeypatch.setattr(server.app.uvicorn, "run", must_not_serve)
+    monkeypatch.setattr(server.api.app.uvicorn, "run", must_not_serve)
     checkpoints = tmp_path / folder
     assert main(["serve", "--checkpoints", str(checkpoints)]) == 2
     err = one_line_error(capsys, "serve")
@@ -123,7 +123,7 @@ def test_an_empty_api_key_is_a_start_up_error(
     def must_not_serve(*args: object, **kwargs: object) -> NoReturn:
         raise AssertionError("the server started with an empty API key")
 
-    monkeypatch.setattr(server.app.uvicorn, "run", must_not_serve)
+    monkeypatch.setattr(server.api.app.uvicorn, "run", must_not_serve)
     monkeypatch.setenv("ORDINAL_API_KEY", key)
     assert main(["serve"]) == 2
     err = one_line_error(capsys, "serve")
@@ -209,6 +209,3 @@ def test_geometry_takes_the_options_of_its_module() -> None:
 
 def test_the_dispatcher_lives_outside_the_packages() -> None:
     assert Path(ordinal.__file__).parent == Path(model.__file__).parent.parent
-    import server.cli  # the old location re-exports it
-
-    assert server.cli.main is main

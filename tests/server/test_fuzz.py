@@ -25,8 +25,8 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from server.app import create_app
-from server.settings import Settings
+from server.api.app import create_app
+from server.api.settings import Settings
 from tests.server.conftest import Running, running_server, test_settings
 
 EXAMPLES_PER_OPERATION = 220

@@ -1,7 +1,7 @@
 """Hostile input, as a fuzzer or an attacker sends it: each gets its 4xx and OpenAI's error body
 (``type``, ``code``, ``param`` and a message that says what is wrong), never a 5xx; the
 connection stays usable and every answer is counted. Values the sampler cannot divide by or
-hold in its dtype are refused or clamped by a documented rule (``server.schemas``)."""
+hold in its dtype are refused or clamped by a documented rule (``server.api.schemas``)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from server import routes
+from server.api import routes
 from tests.server.conftest import Running
 
 OK = {"prompt": "To be"}

@@ -1,5 +1,5 @@
 """Rope's context-extension variants served on the same weights: listed with their scaling and
-answering on their own engines (that they copy no weight: tests/server/test_loader.py)."""
+answering on their own engines (that they copy no weight: tests/server/engine/test_loader.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from server.settings import Settings, parse_rope_variant
+from server.api.settings import Settings, parse_rope_variant
 from tests.server.conftest import CONTEXT_LENGTH, running_server, test_settings
 
 VARIANTS = ["yarn4", "dynamic2", "linear2", "ntk4"]

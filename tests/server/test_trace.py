@@ -23,9 +23,9 @@ from model.checkpoint import load_checkpoint
 from model.positional import SCHEMES
 from model.positional.t5 import relative_position_bucket
 from model.transformer import Transformer
-from server.playground import GEOMETRY_REPORTS
-from server.schemas import MAX_TRACE_TOKENS
-from server.trace import round_significant
+from server.api.playground import GEOMETRY_REPORTS
+from server.api.schemas import MAX_TRACE_TOKENS
+from server.api.trace import round_significant
 from tests.server.conftest import Running
 
 PROMPT = "To be, or not to be, that is the question"

@@ -7,7 +7,7 @@ top_k any integer ≥ 0, one at or past the vocabulary's size meaning off (as 0 
 must be valid Unicode (a lone surrogate such as ``"\ud800"`` is a 400, not a tokenizer crash).
 
 Limits that depend on the model (prompt length, room left for ``max_tokens``, token ids within
-the vocabulary) are checked once the model is known, in ``server.completions``.
+the vocabulary) are checked once the model is known, in ``server.api.completions``.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from model.sampling import (
     MIN_REPETITION_PENALTY,
     SamplingParams,
 )
-from server.errors import APIError
+from server.api.errors import APIError
 
 MAX_STOPS = 4
 MAX_MESSAGES = 256

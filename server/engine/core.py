@@ -1,11 +1,11 @@
 """The engine process: every served model, loaded once, decoded by one loop beside the API.
 
-The API process (``server.client``) starts this process and talks to it over one socket
+The API process (``server.api.client``) starts this process and talks to it over one socket
 (``server.messages``). The loop, in the process's main thread:
 
 1. takes the models a loader thread has finished loading (each announced as it is ready);
 2. reads every message that has arrived — blocking only while there is nothing to decode;
-3. runs one step of every model that has work (``server.engine.ModelEngine``);
+3. runs one step of every model that has work (``server.engine.engine.ModelEngine``);
 4. sends the step's events and metric changes in one frame. With ``stream_interval`` > 0 a
    frame of ordinary tokens may wait up to that long to travel with later ones; a job's first
    and last tokens, failures and answers to cancellations never wait.
@@ -30,8 +30,10 @@ import msgspec
 import orjson
 import torch
 
-from server.engine import ModelEngine, Outbox
-from server.loader import LoadedModel, load_all
+from server.api.schemas import TraceRequest
+from server.api.trace import trace_document
+from server.engine.engine import ModelEngine, Outbox
+from server.engine.loader import LoadedModel, load_all
 from server.messages import (
     Cancel,
     Channel,
@@ -45,8 +47,6 @@ from server.messages import (
     Trace,
     TraceDone,
 )
-from server.schemas import TraceRequest
-from server.trace import trace_document
 
 logger = logging.getLogger("ordinal.engine")
 

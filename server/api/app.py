@@ -13,14 +13,14 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 from pydantic import ValidationError
 
-from server.client import Launcher
-from server.errors import document_errors, install_error_handlers
-from server.middleware import CatchUnexpected, CountRequests, LimitBody, RequireApiKey
-from server.playground import router as playground_router
-from server.playground import static_files
-from server.routes import router
-from server.service import Service, check_settings
-from server.settings import Settings
+from server.api.client import Launcher
+from server.api.errors import document_errors, install_error_handlers
+from server.api.middleware import CatchUnexpected, CountRequests, LimitBody, RequireApiKey
+from server.api.playground import router as playground_router
+from server.api.playground import static_files
+from server.api.routes import router
+from server.api.service import Service, check_settings
+from server.api.settings import Settings
 
 
 def create_app(settings: Settings | None = None, launcher: Launcher | None = None) -> FastAPI:

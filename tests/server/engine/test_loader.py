@@ -1,4 +1,4 @@
-"""Loading in the engine process (``server.loader``), without a process: each model loads or
+"""Loading in the engine process (``server.engine.loader``), without a process: each model loads or
 fails on its own, rope variants share their base's weights, and each model's context limit."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from server.loader import LoadedModel, load_all
+from server.api.service import context_limit
+from server.engine.loader import LoadedModel, load_all
 from server.messages import EngineConfig, ModelFailed
-from server.service import context_limit
 from tests.server.conftest import CONTEXT_LENGTH, MAX_POSITIONS, tiny_model
 
 VARIANTS = ["yarn4", "ntk4"]

@@ -1,7 +1,7 @@
 """Which checkpoints are served, and the per-app state routes read.
 
-A model's name is its checkpoint folder's name. The engine process (``server.core``) loads them
-after the app has started, one model after another (the default first), and each model loads
+A model's name is its checkpoint folder's name. The engine process (``server.engine.core``) loads
+them after the app has started, one model after another (the default first), and each model loads
 — or fails — on its own: a broken checkpoint makes that model answer 503 with what is wrong,
 while the others serve. ``/health`` is 200 while at least one model is ready.
 """
@@ -21,11 +21,11 @@ from model.chat import ChatTemplate
 from model.checkpoint import CONFIG_FILE, TOKENIZER_FILE
 from model.tokenizer import SPECIAL_TOKENS, load_tokenizer, special_ids, token_bytes
 from model.transformer import Transformer
-from server.client import EngineClient, Launcher, ModelClient
-from server.errors import APIError, busy
+from server.api.client import EngineClient, Launcher, ModelClient
+from server.api.errors import APIError, busy
+from server.api.metrics import Metrics
+from server.api.settings import Settings
 from server.messages import EngineConfig, ModelInfo
-from server.metrics import Metrics
-from server.settings import Settings
 
 logger = logging.getLogger("ordinal.server")
 
@@ -189,7 +189,7 @@ def load_failure(error: Exception, root: Path) -> str:
 class Service:
     """What the routes need: settings, metrics, each model's status and the ready models.
 
-    The models live in the engine process (``server.client``): this process learns of each
+    The models live in the engine process (``server.api.client``): this process learns of each
     as it loads or fails, and marks them all loading again while a crashed engine restarts.
     """
 
@@ -248,7 +248,7 @@ class Service:
         )
         await self.engine.start()
 
-    # ---- what the engine process reports (server.client.Listener) -------------------------
+    # ---- what the engine process reports (server.api.client.Listener) -------------------------
 
     def loaded(self, info: ModelInfo, engine: ModelClient) -> None:
         # This process reads the files the engine does not (tokenizer, chat template): one that

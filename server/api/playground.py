@@ -25,14 +25,14 @@ from pydantic import BaseModel, Field
 from starlette.responses import FileResponse, Response
 from starlette.staticfiles import StaticFiles
 
-from server.errors import APIError, error_responses
-from server.schemas import TraceRequest
-from server.service import Service
-from server.trace import TraceResponse, create_trace
+from server.api.errors import APIError, error_responses
+from server.api.schemas import TraceRequest
+from server.api.service import Service
+from server.api.trace import TraceResponse, create_trace
 
-STATIC = Path(__file__).parent / "static"
+STATIC = Path(__file__).resolve().parents[1] / "static"  # server/static
 # Where `ordinal geometry` reports live in a checkout: one folder per corpus.
-GEOMETRY_REPORTS = Path(__file__).resolve().parent.parent / "docs" / "geometry"
+GEOMETRY_REPORTS = Path(__file__).resolve().parents[2] / "docs" / "geometry"
 REPORT_FILE = "report.json"  # model.geometry.report.REPORT_FILE (not imported: matplotlib)
 
 router = APIRouter()

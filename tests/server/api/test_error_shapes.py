@@ -1,8 +1,8 @@
-"""server/errors.py on its own: every error body's shape, type and code, the validation
+"""server/api/errors.py on its own: every error body's shape, type and code, the validation
 messages, the OpenAPI error responses, and the handlers, through a small FastAPI app and
 through ordinal's app without its models (its lifespan never runs, so nothing loads).
 
-These are fast (no model, no server process): the mutation run judges server/errors.py with
+These are fast (no model, no server process): the mutation run judges server/api/errors.py with
 this file alone (pyproject.toml, [tool.ordinal.mutation]).
 """
 
@@ -18,8 +18,8 @@ from fastapi.testclient import TestClient
 from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException
 
-from server.app import create_app
-from server.errors import (
+from server.api.app import create_app
+from server.api.errors import (
     ERROR_DESCRIPTIONS,
     ERROR_TYPES,
     APIError,
@@ -31,7 +31,7 @@ from server.errors import (
     install_error_handlers,
     validation_error,
 )
-from server.settings import Settings
+from server.api.settings import Settings
 
 # OpenAI's error types, written out here rather than read from ERROR_TYPES.
 EXPECTED_TYPES = {

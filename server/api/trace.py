@@ -7,9 +7,9 @@ each layer's attention weights. The positional pieces come from the model's own 
 :func:`model.sampling.sampling_stages`, which runs the sampler's own filter steps. Nothing here
 re-implements a part of the model.
 
-The forward runs in the engine process (``server.core``), the only process that holds the
+The forward runs in the engine process (``server.engine.core``), the only process that holds the
 weights, between two decode steps: the streams decoding meanwhile wait for one forward of at
-most :data:`~server.schemas.MAX_TRACE_TOKENS` tokens. The API process checks the prompt and
+most :data:`~server.api.schemas.MAX_TRACE_TOKENS` tokens. The API process checks the prompt and
 receives the JSON, already written.
 
 Response size: attention holds layers × heads × T(T+1)/2 weights, so it is sent as the causal
@@ -45,10 +45,10 @@ from torch import Tensor
 from model.positional import positions_table
 from model.sampling import sampling_stages
 from model.transformer import AttentionRecorder, Transformer
-from server.completions import prompt_ids_of
-from server.errors import APIError
-from server.schemas import MAX_TRACE_TOKENS, TraceRequest
-from server.service import ServedModel
+from server.api.completions import prompt_ids_of
+from server.api.errors import APIError
+from server.api.schemas import MAX_TRACE_TOKENS, TraceRequest
+from server.api.service import ServedModel
 
 SIGNIFICANT_DIGITS = 4  # of the attention weights, the biases and the positional vectors
 
@@ -146,7 +146,7 @@ async def create_trace(body: TraceRequest, served: ServedModel) -> bytes:
 
 
 class Traceable(Protocol):
-    """A model as the engine process holds it (``server.loader.LoadedModel``)."""
+    """A model as the engine process holds it (``server.engine.loader.LoadedModel``)."""
 
     name: str
     model: Transformer

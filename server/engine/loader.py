@@ -16,9 +16,9 @@ from tokenizers import Tokenizer
 
 from model.checkpoint import load_checkpoint, with_positional
 from model.transformer import Transformer
+from server.api.service import context_limit, load_failure, resolve_device, vocabulary_tables
+from server.api.settings import parse_rope_variant
 from server.messages import EngineConfig, ModelFailed, ModelInfo
-from server.service import context_limit, load_failure, resolve_device, vocabulary_tables
-from server.settings import parse_rope_variant
 
 
 @dataclass

@@ -18,12 +18,12 @@ from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from model.generate import encode_prompt
-from server.errors import APIError, error_event
-from server.job import Job
-from server.metrics import TIMEOUT
-from server.schemas import DEFAULT_MAX_TOKENS, MAX_CHOICES, CompletionRequest, Prompt
-from server.service import ServedModel, Service
-from server.writer import CompletionWriter, Piece, combine, total_usage
+from server.api.errors import APIError, error_event
+from server.api.job import Job
+from server.api.metrics import TIMEOUT
+from server.api.schemas import DEFAULT_MAX_TOKENS, MAX_CHOICES, CompletionRequest, Prompt
+from server.api.service import ServedModel, Service
+from server.api.writer import CompletionWriter, Piece, combine, total_usage
 
 logger = logging.getLogger("ordinal.server")
 

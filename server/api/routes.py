@@ -1,4 +1,5 @@
-"""The HTTP endpoints. Handlers stay thin: the work is in ``server.completions`` and the engine."""
+"""The HTTP endpoints. Handlers stay thin: the work is in ``server.api.completions`` and the
+engine."""
 
 from __future__ import annotations
 
@@ -10,17 +11,17 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.responses import PlainTextResponse, Response
 
 from model.generate import encode_prompt
-from server.chat import create_chat_completion
-from server.completions import create_completion
-from server.errors import APIError, busy, error_responses
-from server.schemas import (
+from server.api.chat import create_chat_completion
+from server.api.completions import create_completion
+from server.api.errors import APIError, busy, error_responses
+from server.api.schemas import (
     ChatRequest,
     CompletionRequest,
     DetokenizeRequest,
     HealthDocument,
     TokenizeRequest,
 )
-from server.service import Service
+from server.api.service import Service
 
 router = APIRouter()
 

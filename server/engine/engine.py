@@ -2,7 +2,7 @@
 
 :meth:`ModelEngine.step`:
 
-1. the scheduler (``server.scheduler``, pure) plans the step: which prompt chunks to prefill,
+1. the scheduler (``server.engine.scheduler``, pure) plans the step: which prompt chunks to prefill,
    which waiting jobs to admit;
 2. prompts that asked for their logprobs are scored (one full forward each);
 3. ``DecodeBatch.step`` runs the cached decode forward, the ragged prefill forward and one
@@ -10,7 +10,7 @@
 4. each sampled token goes to its job's ``SequenceState`` (text, stop strings, token budget);
    finished and failed jobs leave their rows at once.
 
-Events and metric changes go to an :class:`Outbox`, which the process loop (``server.core``)
+Events and metric changes go to an :class:`Outbox`, which the process loop (``server.engine.core``)
 sends to the API process. A row that cannot be sampled fails alone; a step that raises fails
 the jobs in it (500), never the engine.
 """
@@ -25,7 +25,9 @@ from model.decode import DecodeBatch, Row, Sampled, Tokens
 from model.generate import SequenceState, StopMatcher
 from model.sampling import FailureReason, RowSampler
 from model.tokenizer import IncrementalDecoder
-from server.loader import LoadedModel
+from server.api.metrics import MODEL_ERROR, SHUTDOWN
+from server.engine.loader import LoadedModel
+from server.engine.scheduler import Phase, Scheduler
 from server.messages import (
     Dropped,
     Event,
@@ -37,8 +39,6 @@ from server.messages import (
     Submit,
     Token,
 )
-from server.metrics import MODEL_ERROR, SHUTDOWN
-from server.scheduler import Phase, Scheduler
 
 logger = logging.getLogger("ordinal.engine")
 

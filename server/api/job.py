@@ -1,7 +1,7 @@
 """A request as the API process hands it to the engine, and the events that come back.
 
 A :class:`Job` is created on the event loop and submitted to its model's engine
-(``server.client.ModelClient``), which sends it to the engine process as a ``Submit`` and puts
+(``server.api.client.ModelClient``), which sends it to the engine process as a ``Submit`` and puts
 the events the engine sends back into ``job.events``: :class:`~server.messages.Token` per
 generated token, :class:`~server.messages.Scores` for the prompt's logprobs, or a
 :class:`Failure`, always the job's last event.
@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from model.sampling import SamplingParams
-from server.errors import APIError
+from server.api.errors import APIError
 from server.messages import Scores, Submit, Token
 
 

@@ -13,7 +13,7 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from server.errors import APIError
+from server.api.errors import APIError
 
 logger = logging.getLogger("ordinal.server")
 

@@ -2,7 +2,7 @@
 
 Routes raise :class:`APIError`; the handlers installed by :func:`install_error_handlers` turn it,
 FastAPI's validation errors (400, not FastAPI's 422) and Starlette's HTTP errors into that
-shape; any other exception is answered by ``server.middleware.CatchUnexpected`` as a 500 in the
+shape; any other exception is answered by ``server.api.middleware.CatchUnexpected`` as a 500 in the
 same shape. A stream that fails after its headers went out ends with :func:`error_event`.
 """
 

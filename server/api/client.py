@@ -1,9 +1,10 @@
 """The API process's side of the engine process: starting it, talking to it, restarting it.
 
-:class:`EngineClient` starts the engine process (``server.core``; multiprocessing's *spawn*, so
-the child shares nothing with this process but a socket), sends it the configuration, then
-jobs and cancellations, and reads its frames on the event loop: each job's events go to the
-job's queue, each model's stats to the Prometheus metrics served here (``/metrics``).
+:class:`EngineClient` starts the engine process (``server.engine.core``; multiprocessing's
+*spawn*, so the child shares nothing with this process but a socket), sends it the
+configuration, then jobs and cancellations, and reads its frames on the event loop: each job's
+events go to the job's queue, each model's stats to the Prometheus metrics served here
+(``/metrics``).
 
 **If the engine process dies** (its socket closes without a ``Shutdown``): every job in flight
 ends at once with a 503 error event, every model is marked loading (so requests get a 503 and
@@ -32,8 +33,9 @@ from typing import Any, Protocol
 
 import msgspec
 
-from server.errors import APIError, busy
-from server.job import Event, Failure, Job
+from server.api.errors import APIError, busy
+from server.api.job import Event, Failure, Job
+from server.api.metrics import ENGINE_LOST, Metrics, ModelMetrics
 from server.messages import (
     HEADER,
     Cancel,
@@ -50,7 +52,6 @@ from server.messages import (
     TraceDone,
     frame,
 )
-from server.metrics import ENGINE_LOST, Metrics, ModelMetrics
 
 logger = logging.getLogger("ordinal.server")
 
@@ -75,7 +76,7 @@ class Launcher:
     engine forks from it in milliseconds.
     """
 
-    target: str = "server.core:run_engine_process"
+    target: str = "server.engine.core:run_engine_process"
     args: tuple[Any, ...] = field(default_factory=tuple)
     method: str = "spawn"
     preload: tuple[str, ...] = ()

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from server.scheduler import Phase, Scheduler, StepPlan
+from server.engine.scheduler import Phase, Scheduler, StepPlan
 
 
 @dataclass(eq=False)

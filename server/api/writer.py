@@ -15,10 +15,10 @@ from typing import Any
 
 import orjson
 
-from server.job import Failure, Job
+from server.api.job import Failure, Job
+from server.api.schemas import CompletionRequest
+from server.api.service import ServedModel
 from server.messages import Scores, Token
-from server.schemas import CompletionRequest
-from server.service import ServedModel
 
 Logprobs = dict[str, list[Any]]
 Piece = tuple[str, Logprobs | None, str | None]  # text, logprobs, finish_reason

@@ -9,11 +9,11 @@ from typing import Any
 import pytest
 
 from model.sampling import SamplingParams
-from server.errors import APIError
-from server.job import Failure, Job
+from server.api.errors import APIError
+from server.api.job import Failure, Job
+from server.api.schemas import CompletionRequest
+from server.api.writer import CompletionWriter, Piece
 from server.messages import Token
-from server.schemas import CompletionRequest
-from server.writer import CompletionWriter, Piece
 
 
 def writer_and_job() -> tuple[CompletionWriter, Job]:

@@ -9,11 +9,11 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from model.chat import ChatTemplateError, Message
-from server.completions import build_job, choice_seed, respond
-from server.errors import APIError
-from server.schemas import ChatRequest, CompletionRequest, SamplingRequest
-from server.service import Service
-from server.writer import ChatWriter
+from server.api.completions import build_job, choice_seed, respond
+from server.api.errors import APIError
+from server.api.schemas import ChatRequest, CompletionRequest, SamplingRequest
+from server.api.service import Service
+from server.api.writer import ChatWriter
 
 
 async def create_chat_completion(body: ChatRequest, request: Request, service: Service) -> Response:

@@ -15,11 +15,11 @@ from typing import Any
 import httpx
 import pytest
 
-import server.client
+import server.api.client
 from model.sampling import SamplingParams
-from server.job import Failure, Job
+from server.api.job import Failure, Job
+from server.api.service import Service
 from server.messages import Token
-from server.service import Service
 from tests.server.conftest import (
     Running,
     running_server,
@@ -36,7 +36,7 @@ BODY = {"model": MODEL, "prompt": "To be", "max_tokens": 40, "seed": 5, "ignore_
 def lone_server(checkpoints: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Running]:
     """A server of its own (its engine gets killed); a restart delay long enough to see the
     server without an engine."""
-    monkeypatch.setattr(server.client, "RESTART_DELAY", 2.0)
+    monkeypatch.setattr(server.api.client, "RESTART_DELAY", 2.0)
     settings = test_settings(checkpoints, models=[MODEL], stream_interval=0)
     with running_server(settings) as running:
         yield running
