@@ -30,6 +30,7 @@ from model.interop.hf_export import (
     hf_chat_template,
     nemotron,
     nemotron_mismatch,
+    refuse_overwriting,
 )
 from model.positional.rope import RotaryPositions
 from model.tokenizer import SPECIAL_TOKENS, special_ids
@@ -79,6 +80,7 @@ def gguf_tensors(hf_tensors: dict[str, Any], n_layers: int) -> dict[str, np.ndar
 def export_gguf(checkpoint: str | Path, out: str | Path) -> None:
     """Write the rope checkpoint folder ``checkpoint`` as the GGUF file ``out`` (atomically)."""
     checkpoint = Path(checkpoint)
+    refuse_overwriting(checkpoint, out)
     model, tokenizer = load_checkpoint(checkpoint, device="cpu", dtype="float32")
     if not isinstance(model.positional, RotaryPositions):
         raise ExportError(

@@ -57,6 +57,7 @@ from model.tokenizer import BOS, EOS, PAD, special_ids
 from model.transformer import Block, Transformer
 
 TARGETS = ("auto", "native", "custom")
+FORMATS = ("hf", "gguf")  # a Hugging Face folder; a llama.cpp file (model.interop.gguf_export)
 REMOTE_CODE = Path(__file__).parent / "remote"
 REMOTE_FILES = ("configuration_ordinal.py", "modeling_ordinal.py")
 CUSTOM_ARCHITECTURE = "OrdinalForCausalLM"
@@ -437,9 +438,18 @@ def _contiguous_copies(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
     }
 
 
+def refuse_overwriting(checkpoint: Path, out: str | Path) -> None:
+    """An export written over its own checkpoint would replace it: refused."""
+    if Path(out).resolve() == checkpoint.resolve():
+        raise ExportError(
+            f"OUT is the checkpoint itself ({checkpoint}): write the export elsewhere"
+        )
+
+
 def export_folder(checkpoint: str | Path, out: str | Path, target: str = "auto") -> Exported:
     """Write the checkpoint folder ``checkpoint`` as a Hugging Face folder at ``out``."""
     checkpoint = Path(checkpoint)
+    refuse_overwriting(checkpoint, out)
     model, tokenizer = load_checkpoint(checkpoint, device="cpu", dtype="float32")
     exported = export_model(model, tokenizer, target)
     weights = serialise_tensors(_contiguous_copies(exported.tensors), metadata={"format": "pt"})

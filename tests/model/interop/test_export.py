@@ -31,7 +31,13 @@ from model.checkpoint import load_checkpoint, save_checkpoint
 from model.config import ModelConfig
 from model.generate import decode_tokens, encode_prompt
 from model.interop.gguf_export import export_gguf
-from model.interop.hf_export import CUSTOM_ARCHITECTURE, ExportError, export_folder
+from model.interop.hf_export import (
+    CUSTOM_ARCHITECTURE,
+    FORMATS,
+    TARGETS,
+    ExportError,
+    export_folder,
+)
 from model.positional import SCHEMES
 from model.transformer import Transformer
 from tests.model.conftest import random_model
@@ -243,6 +249,20 @@ def test_the_command_line_writes_the_folder_whole_or_not_at_all(
         "tokenizer_config.json",
     ]  # swapped in whole: nothing of the old folder is left
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no staging left
+
+
+def test_the_command_line_knows_the_exports_choices_and_refuses_to_overwrite_its_input(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert (ordinal.EXPORT_TARGETS, ordinal.EXPORT_FORMATS) == (TARGETS, FORMATS)
+    checkpoint = tmp_path / "rope"
+    save_checkpoint(checkpoint, *load_checkpoint(SHIPPED / "rope", device="cpu"))
+    before = sorted(p.name for p in checkpoint.iterdir())
+    for extra in ([], ["--format", "gguf"]):
+        assert ordinal.main(["export", str(checkpoint), str(checkpoint), *extra]) == 2
+        assert "OUT is the checkpoint itself" in capsys.readouterr().err
+    assert sorted(p.name for p in checkpoint.iterdir()) == before
+    assert load_checkpoint(checkpoint, device="cpu")  # still a checkpoint
 
 
 def gguf_field(reader: gguf.GGUFReader, key: str) -> Any:
