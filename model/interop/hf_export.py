@@ -279,7 +279,7 @@ def gpt2(model: Transformer, tokenizer: Tokenizer) -> Exported:
         "scale_attn_by_inverse_layer_idx": False,
         "reorder_and_upcast_attn": False,
     }
-    d, d_ff = config.d_model, config.d_ff
+    d = config.d_model
     tensors = {
         "transformer.wte.weight": model.token_embedding.weight,
         "transformer.wpe.weight": table,
@@ -301,7 +301,6 @@ def gpt2(model: Transformer, tokenizer: Tokenizer) -> Exported:
         norm(f"{layer}.ln_2", block.mlp_norm)
         conv1d(f"{layer}.mlp.c_fc", block.mlp.up)
         conv1d(f"{layer}.mlp.c_proj", block.mlp.down)
-        assert block.mlp.up.out_features == d_ff
     norm("transformer.ln_f", model.final_norm)
     tensors.update(_untied_output(model, "lm_head.weight"))
     what = "no positions" if vectors is None else f"a table of {n_positions} positions"
