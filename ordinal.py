@@ -1,4 +1,4 @@
-"""The ``ordinal`` command: serve, train, eval, geometry and tasks.
+"""The ``ordinal`` command: serve, train, eval, geometry, tasks and export.
 
 This module only dispatches. It sits outside both import packages because it reaches into both
 (``serve`` runs ``server.api.app``; ``train``, ``eval`` and ``geometry`` run ``model`` code), and
@@ -79,6 +79,9 @@ EVAL_MULTIPLES = (1, 2, 4)  # model.evaluate.MULTIPLES
 # model.tasks.TASKS, in its order, and model.tasks.suite's defaults.
 TASKS = ("recall", "copy", "counting", "flipflop")
 TASK_DEFAULTS: dict[str, Any] = {"seeds": 3, "jobs": 2, "out": Path("docs/tasks")}
+# model.interop.hf_export.TARGETS (the first is the default) and the export formats.
+EXPORT_TARGETS = ("auto", "native", "custom")
+EXPORT_FORMATS = ("hf", "gguf")
 
 
 class HelpFormatter(argparse.HelpFormatter):
@@ -332,6 +335,28 @@ def tasks_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def export_options(parser: argparse.ArgumentParser) -> None:
+    """Options of ``ordinal export`` (``model.interop.hf_export.run``)."""
+    parser.add_argument("checkpoint", type=Path, metavar="CHECKPOINT", help="checkpoint folder")
+    parser.add_argument(
+        "out", type=Path, metavar="OUT", help="folder to write (a .gguf file with --format gguf)"
+    )
+    parser.add_argument(
+        "--format",
+        choices=EXPORT_FORMATS,
+        default=EXPORT_FORMATS[0],
+        help="hf: a Hugging Face folder (transformers, vLLM); gguf: a llama.cpp file (rope only)",
+    )
+    parser.add_argument(
+        "--target",
+        choices=EXPORT_TARGETS,
+        default=EXPORT_TARGETS[0],
+        help="hf: auto = a native architecture where one is exact (rope: Nemotron; none and the "
+        "table schemes: GPT-2), else custom code (trust_remote_code); native refuses when none "
+        "is exact; custom always writes the port",
+    )
+
+
 @dataclass(frozen=True)
 class Command:
     """A subcommand: its one-line help, its options, and what runs it (imported on use)."""
@@ -366,6 +391,11 @@ COMMANDS: dict[str, Command] = {
         "train and test every scheme on synthetic tasks at 1x, 2x, 4x the trained length",
         tasks_options,
         "model.tasks.suite:run",
+    ),
+    "export": Command(
+        "write a checkpoint as a Hugging Face folder (transformers, vLLM) or a GGUF (llama.cpp)",
+        export_options,
+        "model.interop.hf_export:run",
     ),
 }
 

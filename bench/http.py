@@ -88,14 +88,19 @@ def free_port() -> int:
 
 
 def serve_command(
-    checkpoints: Path, port: int, models: list[str] | None, extra: tuple[str, ...] = ()
+    checkpoints: Path,
+    port: int,
+    models: list[str] | None,
+    extra: tuple[str, ...] = (),
+    dtype: str | None = None,
 ) -> list[str]:
-    """``ordinal serve`` for this benchmark: bfloat16 on a GPU, fp32 on CPU (the default)."""
+    """``ordinal serve`` for this benchmark: ``dtype``, by default bfloat16 on a GPU and fp32 on
+    CPU."""
     command = [sys.executable, "-m", "ordinal", "serve", "--port", str(port), *extra]
     command += ["--checkpoints", str(checkpoints)]
     if models:
         command += ["--models", ",".join(models)]
-    return [*command, "--dtype", served_dtype()]
+    return [*command, "--dtype", dtype or served_dtype()]
 
 
 def served_dtype() -> str:
@@ -114,15 +119,22 @@ def running_server(
     URL, process); stop it."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
+    command = serve_command(checkpoints, port, models, extra)
+    with running_process(command, f"{url}/health", "ordinal serve", ready_timeout) as process:
+        yield url, psutil.Process(process.pid)
+
+
+@contextlib.contextmanager
+def running_process(
+    command: list[str], ready_url: str, name: str, ready_timeout: float
+) -> Iterator[subprocess.Popen]:
+    """Run the server ``command`` until the block ends (SIGINT, then kill after 30 s), once
+    ``ready_url`` answers 200; its output goes to a temporary log, shown if it exits early."""
     with tempfile.TemporaryFile() as log:
-        process = subprocess.Popen(
-            serve_command(checkpoints, port, models, extra),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
         try:
-            wait_until_healthy(url, process, ready_timeout, log)
-            yield url, psutil.Process(process.pid)
+            wait_until_healthy(ready_url, process, ready_timeout, log, name)
+            yield process
         finally:
             process.send_signal(signal.SIGINT)  # uvicorn's graceful shutdown
             try:
@@ -132,19 +144,21 @@ def running_server(
                 process.wait()
 
 
-def wait_until_healthy(url: str, process: subprocess.Popen, timeout: float, log: IO[bytes]) -> None:
-    """Poll ``/health`` until 200; if the server exits first, raise with the end of its log."""
+def wait_until_healthy(
+    url: str, process: subprocess.Popen, timeout: float, log: IO[bytes], name: str
+) -> None:
+    """Poll ``url`` until 200; if the server exits first, raise with the end of its log."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:
             log.seek(0)
             tail = log.read().decode(errors="replace")[-2000:]
-            raise RuntimeError(f"ordinal serve exited with {process.returncode}:\n{tail}")
+            raise RuntimeError(f"{name} exited with {process.returncode}:\n{tail}")
         with contextlib.suppress(httpx.TransportError):
-            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+            if httpx.get(url, timeout=5).status_code == 200:
                 return
         time.sleep(0.5)
-    raise TimeoutError(f"ordinal serve at {url} was not healthy within {timeout:g} s")
+    raise TimeoutError(f"{name} at {url} was not ready within {timeout:g} s")
 
 
 async def stream_completion(

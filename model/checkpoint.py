@@ -61,7 +61,7 @@ import shutil
 import sys
 import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -143,7 +143,6 @@ def save_checkpoint(
     the name of each step of the save protocol once it is done (see the module docstring).
     """
     path = Path(path)
-    step = on_step or _no_hook
     config = model.config if dtype is None else model.config.replace(dtype=dtype)
     storage = resolve_dtype(config.dtype)
     tensors = {
@@ -151,6 +150,26 @@ def save_checkpoint(
         for name, tensor in stored_tensors(model).items()
     }
     weights = signed_safetensors(tensors)
+    with staged_folder(path, on_step) as staging:
+        config.save(staging / CONFIG_FILE)
+        _write_file(staging / WEIGHTS_FILE, weights)
+        tokenizer.save(str(staging / TOKENIZER_FILE))
+        if path.is_dir():
+            for extra in path.iterdir():
+                if extra.name not in CHECKPOINT_FILES and extra.is_file():
+                    shutil.copy2(extra, staging / extra.name)
+        if not (staging / TOKENIZER_CONFIG_FILE).exists():  # a checkpoint's own is kept
+            write_json_atomic(staging / TOKENIZER_CONFIG_FILE, {"chat_template": DEFAULT_TEMPLATE})
+
+
+@contextlib.contextmanager
+def staged_folder(path: str | Path, on_step: Callable[[str], None] | None = None) -> Iterator[Path]:
+    """An empty folder beside ``path`` to write a whole new folder into; when the block ends
+    without error it is fsynced and swapped in for ``path`` by the save protocol of the module
+    docstring (``on_step`` hears each step), and on error it is removed, ``path`` untouched.
+    Any folder written as a unit uses it: checkpoints, exported Hugging Face folders."""
+    path = Path(path)
+    step = on_step or _no_hook
     staging, retired = _temporary(path, "saving"), _temporary(path, "old")
     path.parent.mkdir(parents=True, exist_ok=True)
     with _SAVE_LOCK:
@@ -158,17 +177,7 @@ def save_checkpoint(
         _ACTIVE.update((staging, retired))
         try:
             staging.mkdir()
-            config.save(staging / CONFIG_FILE)
-            _write_file(staging / WEIGHTS_FILE, weights)
-            tokenizer.save(str(staging / TOKENIZER_FILE))
-            if path.is_dir():
-                for extra in path.iterdir():
-                    if extra.name not in CHECKPOINT_FILES and extra.is_file():
-                        shutil.copy2(extra, staging / extra.name)
-            if not (staging / TOKENIZER_CONFIG_FILE).exists():  # a checkpoint's own is kept
-                write_json_atomic(
-                    staging / TOKENIZER_CONFIG_FILE, {"chat_template": DEFAULT_TEMPLATE}
-                )
+            yield staging
             for file in staging.iterdir():
                 file.chmod(0o644)
             _fsync_folder(staging)

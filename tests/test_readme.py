@@ -26,6 +26,7 @@ import pytest
 import yaml
 
 import model.evaluate
+import model.interop.hf_export
 import ordinal
 from server.api.app import settings_from_args
 from tests.server.conftest import Running, running_server, test_settings
@@ -102,8 +103,20 @@ def test_the_readme_has_commands_of_every_kind() -> None:
     assert {"make", "ordinal", "curl", "docker", ".venv/bin/python", ".venv/bin/torchrun"} <= starts
 
 
-def check_ordinal(argv: list[str]) -> None:
-    """Parsed as written, then the first thing the command does with its arguments."""
+def exported_paths() -> dict[str, str]:
+    """The OUT of each README ``ordinal export`` command → its --format (hf or gguf)."""
+    paths = {}
+    for command in COMMANDS:
+        argv = argv_of(command)[1]
+        if argv[:2] == ["ordinal", "export"]:
+            args = ordinal.build_parser().parse_args(argv[1:])
+            paths[str(args.out)] = args.format
+    return paths
+
+
+def check_ordinal(argv: list[str], tmp_path: Path | None = None) -> None:
+    """Parsed as written, then the first thing the command does with its arguments (an export
+    runs, into ``tmp_path``)."""
     try:
         args = ordinal.build_parser().parse_args(argv)
     except SystemExit as exit_:
@@ -118,6 +131,11 @@ def check_ordinal(argv: list[str]) -> None:
         assert args.scheme in ordinal.SCHEMES
     elif args.command == "serve":
         settings_from_args(args)
+    elif args.command == "export":
+        assert tmp_path is not None
+        args.checkpoint, args.out = REPO / args.checkpoint, tmp_path / args.out.name
+        model.interop.hf_export.run(args)
+        assert args.out.exists()
 
 
 @pytest.mark.parametrize("command", COMMANDS)
@@ -136,7 +154,7 @@ def test_readme_command_works_as_written(
         for name in ordinal.COMMANDS:
             check_ordinal([name, *argv[2:]])
     elif program in ("ordinal", ".venv/bin/ordinal"):
-        check_ordinal(argv[1:])
+        check_ordinal(argv[1:], tmp_path)
     elif program == ".venv/bin/torchrun":
         assert (REPO / program).is_file() or shutil.which("torchrun")
         module_at = argv.index("-m")
@@ -162,8 +180,33 @@ def test_readme_command_works_as_written(
         assert result.returncode == 0 and '"choices"' in result.stdout, result.stdout
     elif program == "docker":
         check_compose(argv[2:], env)
+    elif program in ("vllm", "llama-server"):
+        check_peer(argv)
     else:
         pytest.fail(f"no rule for README command {command!r}: add one to tests/test_readme.py")
+
+
+def check_peer(argv: list[str]) -> None:
+    """vLLM or llama.cpp serving what a README export writes (a folder for vLLM, a GGUF file
+    for llama.cpp); where the engine is installed, it accepts every flag given."""
+    exports = exported_paths()
+    if argv[0] == "vllm":
+        assert argv[1] == "serve" and exports.get(argv[2]) == "hf", argv
+        flags = [word for word in argv[3:] if word.startswith("--")]
+        subcommand = ["serve"]
+    else:
+        assert exports.get(argv[argv.index("-m") + 1]) == "gguf", argv
+        flags = [word for word in argv[1:] if word.startswith("-")]
+        subcommand = []
+    tool = shutil.which(argv[0])
+    if tool:
+        help_text = subprocess.run(
+            [tool, *subcommand, "--help"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        ).stdout
+        assert all(flag in help_text for flag in flags), flags
 
 
 def check_compose(args: list[str], env: dict[str, str]) -> None:
