@@ -1,4 +1,4 @@
-"""The ``ordinal`` command: serve, train, eval, geometry and tasks.
+"""The ``ordinal`` command: serve, train, eval, geometry, tasks and import.
 
 This module only dispatches. It sits outside both import packages because it reaches into both
 (``serve`` runs ``server.api.app``; ``train``, ``eval`` and ``geometry`` run ``model`` code), and
@@ -332,6 +332,18 @@ def tasks_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def import_options(parser: argparse.ArgumentParser) -> None:
+    """Options of ``ordinal import`` (``model.interop.hf_import.run``)."""
+    parser.add_argument(
+        "source",
+        metavar="HF_FOLDER",
+        help="a Hugging Face model folder (GPT2LMHeadModel or LlamaForCausalLM, safetensors "
+        "weights, tokenizer.json); a hub name (owner/model) is downloaded only if no such "
+        "folder exists and the hub can be reached",
+    )
+    parser.add_argument("out", type=Path, metavar="OUT", help="checkpoint folder to write")
+
+
 @dataclass(frozen=True)
 class Command:
     """A subcommand: its one-line help, its options, and what runs it (imported on use)."""
@@ -366,6 +378,11 @@ COMMANDS: dict[str, Command] = {
         "train and test every scheme on synthetic tasks at 1x, 2x, 4x the trained length",
         tasks_options,
         "model.tasks.suite:run",
+    ),
+    "import": Command(
+        "convert a Hugging Face GPT-2 or Llama-family model into a checkpoint folder",
+        import_options,
+        "model.interop.hf_import:run",
     ),
 }
 

@@ -1,0 +1,1 @@
+"""Doors to other tools: Hugging Face model folders in (``hf_import``)."""
