@@ -235,3 +235,14 @@ def test_a_missing_folder_is_an_error_not_a_download(
 ) -> None:
     assert ordinal.main(["import", str(tmp_path / "nothing"), str(tmp_path / "out")]) == 2
     assert "is not a folder" in capsys.readouterr().err
+
+
+def test_imported_models_enter_the_geometry_report(
+    imported: dict[str, tuple[Path, Path]], tmp_path: Path
+) -> None:
+    folders = [str(imported[name][1]) for name in ("gpt2", "llama-gqa")]
+    assert ordinal.main(["geometry", "--checkpoints", *folders, "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "report.json").read_text())
+    measured = {entry["scheme"]: entry for entry in report["schemes"]}
+    assert set(measured) == {"learned", "rope"}  # GPT-2's table of positions, Llama's rotation
+    assert all("error" not in entry for entry in measured.values())
