@@ -44,7 +44,13 @@ def hf_tokenizer(bos: str, eos: str, add_bos: bool) -> Any:
 
 def gpt2(folder: Path) -> Path:
     config = transformers.GPT2Config(
-        vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64, bos_token_id=0
+        vocab_size=VOCAB,
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        n_positions=64,
+        bos_token_id=0,  # <|endoftext|>, the tokenizer's first token
+        eos_token_id=0,
     )
     return save(folder, transformers.GPT2LMHeadModel(config), "<|endoftext|>", "<|endoftext|>")
 

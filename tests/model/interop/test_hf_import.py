@@ -246,3 +246,16 @@ def test_imported_models_enter_the_geometry_report(
     measured = {entry["scheme"]: entry for entry in report["schemes"]}
     assert set(measured) == {"learned", "rope"}  # GPT-2's table of positions, Llama's rotation
     assert all("error" not in entry for entry in measured.values())
+
+
+def test_without_named_specials_the_config_ids_name_them(
+    imported: dict[str, tuple[Path, Path]], tmp_path: Path
+) -> None:
+    """The hub's GPT-2 names no bos or eos in tokenizer_config.json: config.json's ids do."""
+    source = tmp_path / "hf"
+    shutil.copytree(imported["gpt2"][0], source)
+    (source / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 64}))
+    assert ordinal.main(["import", str(source), str(tmp_path / "out")]) == 0
+    tokenizer = load_checkpoint(tmp_path / "out", device="cpu").tokenizer
+    ids = special_ids(tokenizer)
+    assert ids.bos == ids.eos == ids.pad == tokenizer.token_to_id("<|endoftext|>") == 0
