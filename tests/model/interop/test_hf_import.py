@@ -149,6 +149,9 @@ def test_imported_models_serve_stream_and_trace(
             assert events[-1] == "[DONE]"
             streamed = "".join(event["choices"][0]["text"] for event in events[:-1])  # type: ignore[index]
             assert streamed == batch.json()["choices"][0]["text"]
+            chat = {"model": name, "messages": [{"role": "user", "content": "To be?"}]}
+            answer = client.post("/v1/chat/completions", json={**chat, "max_tokens": 4})
+            assert answer.status_code == 200, answer.text
             trace = client.post("/v1/trace", json={"model": name, "prompt": "To be, or not"})
             assert trace.status_code == 200, trace.text
             assert len(trace.json()["attention"]) == 2  # one entry per layer
