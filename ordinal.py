@@ -1,4 +1,4 @@
-"""The ``ordinal`` command: serve, train, eval, geometry, tasks and export.
+"""The ``ordinal`` command: serve, train, eval, geometry, tasks, import and export.
 
 This module only dispatches. It sits outside both import packages because it reaches into both
 (``serve`` runs ``server.api.app``; ``train``, ``eval`` and ``geometry`` run ``model`` code), and
@@ -40,6 +40,8 @@ SCHEMES = (
     "lowrank",
 )
 CORPORA = ("synthetic", "shakespeare")
+# What --data (and geometry's --corpus PATH) reads: model.text_corpus.
+DATA_FORMS = "a text file, a folder of .txt files, or .jsonl with a text field"
 # model.config.PRESETS, in its order (the first is the default); tests/model/test_train.py checks.
 PRESETS = ("shipped", "v1", "tiny")
 # model.config.TrainConfig's fields and defaults (the shipped preset's recipe), and the shipped
@@ -147,10 +149,16 @@ def train_options(parser: argparse.ArgumentParser) -> None:
         help='JSON file: {"model": {...}, "train": {...}}, over the preset',
     )
     parser.add_argument(
+        "--data",
+        type=Path,
+        metavar="PATH",
+        help="train on your own text instead of Shakespeare: " + DATA_FORMS,
+    )
+    parser.add_argument(
         "--tokenizer",
         type=Path,
-        default=Path("runs/tokenizer.json"),
-        help="tokenizer.json to use; trained on the training split if missing",
+        help="tokenizer.json to use; trained on the training split if missing (default "
+        "runs/tokenizer.json; with --data, one trained on that text, kept in the checkpoint)",
     )
     parser.add_argument(
         "--state-dir", type=Path, help="where resumable training state goes (default runs/OUT)"
@@ -269,12 +277,24 @@ def eval_options(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--device", choices=DEVICES, default="cpu", help="auto = cuda if present")
     parser.add_argument("--batch-size", type=int, default=16, metavar="N", help="windows per pass")
+    parser.add_argument(
+        "--data",
+        type=Path,
+        metavar="PATH",
+        help="score on the validation split of your own text (as `ordinal train --data` held "
+        "it out) instead of Shakespeare's validation plays",
+    )
 
 
 def geometry_options(parser: argparse.ArgumentParser) -> None:
     """Options of ``ordinal geometry`` (``model.geometry.report.run``)."""
     parser.add_argument("--out", required=True, type=Path, help="folder for report.json and PNGs")
-    parser.add_argument("--corpus", choices=CORPORA, default="synthetic", help="corpus measured")
+    parser.add_argument(
+        "--corpus",
+        default=CORPORA[0],
+        metavar="{" + ",".join(CORPORA) + "} or PATH",
+        help="corpus measured: a named one, or your own text's training split (" + DATA_FORMS + ")",
+    )
     parser.add_argument(
         "--checkpoints",
         "--checkpoint",
@@ -335,6 +355,18 @@ def tasks_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def import_options(parser: argparse.ArgumentParser) -> None:
+    """Options of ``ordinal import`` (``model.interop.hf_import.run``)."""
+    parser.add_argument(
+        "source",
+        metavar="HF_FOLDER",
+        help="a Hugging Face model folder (GPT2LMHeadModel or LlamaForCausalLM, safetensors "
+        "weights, tokenizer.json); a hub name (owner/model) is downloaded only if no such "
+        "folder exists and the hub can be reached",
+    )
+    parser.add_argument("out", type=Path, metavar="OUT", help="checkpoint folder to write")
+
+
 def export_options(parser: argparse.ArgumentParser) -> None:
     """Options of ``ordinal export`` (``model.interop.hf_export.run``)."""
     parser.add_argument("checkpoint", type=Path, metavar="CHECKPOINT", help="checkpoint folder")
@@ -373,7 +405,7 @@ class Command:
 COMMANDS: dict[str, Command] = {
     "serve": Command("serve the checkpoints over HTTP", serve_options, "server.api.app:run"),
     "train": Command(
-        "train one checkpoint on the Shakespeare corpus (also under torchrun)",
+        "train one checkpoint on the Shakespeare corpus or your own text (also under torchrun)",
         train_options,
         "model.train:run",
     ),
@@ -391,6 +423,11 @@ COMMANDS: dict[str, Command] = {
         "train and test every scheme on synthetic tasks at 1x, 2x, 4x the trained length",
         tasks_options,
         "model.tasks.suite:run",
+    ),
+    "import": Command(
+        "convert a Hugging Face GPT-2 or Llama-family model into a checkpoint folder",
+        import_options,
+        "model.interop.hf_import:run",
     ),
     "export": Command(
         "write a checkpoint as a Hugging Face folder (transformers, vLLM) or a GGUF (llama.cpp)",

@@ -24,7 +24,7 @@ class CacheFull(ValueError):
 
 
 class KVCache:
-    """Keys and values for ``n_layers`` layers: each [rows, n_heads, length, head_dim].
+    """Keys and values for ``n_layers`` layers: each [rows, n_kv_heads, length, head_dim].
 
     ``rows`` × ``max_length`` is the most it holds. With ``reserve`` = (rows, length) only that
     much is allocated at first, and the cache grows (doubling, up to the most) when a sequence
@@ -44,7 +44,7 @@ class KVCache:
         reserve: tuple[int, int] | None = None,
     ) -> None:
         self.max_rows, self.max_length = rows, max_length
-        self._layout = (config.n_layers, config.n_heads, config.head_dim, device, dtype)
+        self._layout = (config.n_layers, config.key_value_heads, config.head_dim, device, dtype)
         self._reserve = (rows, max_length) if reserve is None else reserve
         # Lengths live on the host: they decide slicing, and reading them must never sync a GPU.
         self.lengths = torch.zeros(rows, dtype=torch.long)

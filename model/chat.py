@@ -25,9 +25,8 @@ from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-from model.tokenizer import special_ids
+from model.tokenizer import TOKENIZER_CONFIG_FILE, special_ids
 
-TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 ROLES = ("system", "user", "assistant")
 # Who speaks each role's lines when a message has no name: the chorus sets the scene.
 DEFAULT_SPEAKERS = {"system": "CHORUS", "user": "ROMEO", "assistant": "JULIET"}

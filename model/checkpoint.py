@@ -74,7 +74,7 @@ from tokenizers import Tokenizer
 from model.chat import DEFAULT_TEMPLATE, TOKENIZER_CONFIG_FILE
 from model.config import ConfigError, ModelConfig, write_json_atomic
 from model.positional import build_scheme
-from model.tokenizer import load_tokenizer
+from model.tokenizer import load_tokenizer, special_token_config
 from model.transformer import Transformer
 
 CONFIG_FILE = "config.json"
@@ -134,13 +134,16 @@ def save_checkpoint(
     tokenizer: Tokenizer,
     dtype: str | None = None,
     *,
+    tokenizer_config: dict[str, Any] | None = None,
     on_step: Callable[[str], None] | None = None,
 ) -> None:
     """Write ``model`` and ``tokenizer`` to the folder ``path``, replacing it atomically.
 
     ``dtype`` is the storage dtype (default: the config's). Other files already in the folder
-    (metrics.json, eval.json, …) are carried over into the new one. ``on_step`` is called with
-    the name of each step of the save protocol once it is done (see the module docstring).
+    (metrics.json, eval.json, …) are carried over into the new one. ``tokenizer_config``, if
+    given, is the new tokenizer_config.json (else the folder's own is kept, or the default chat
+    template written). ``on_step`` is called with the name of each step of the save protocol
+    once it is done (see the module docstring).
     """
     path = Path(path)
     config = model.config if dtype is None else model.config.replace(dtype=dtype)
@@ -158,8 +161,11 @@ def save_checkpoint(
             for extra in path.iterdir():
                 if extra.name not in CHECKPOINT_FILES and extra.is_file():
                     shutil.copy2(extra, staging / extra.name)
-        if not (staging / TOKENIZER_CONFIG_FILE).exists():  # a checkpoint's own is kept
-            write_json_atomic(staging / TOKENIZER_CONFIG_FILE, {"chat_template": DEFAULT_TEMPLATE})
+        if tokenizer_config is not None:
+            write_json_atomic(staging / TOKENIZER_CONFIG_FILE, tokenizer_config)
+        elif not (staging / TOKENIZER_CONFIG_FILE).exists():  # a checkpoint's own is kept
+            default = {**special_token_config(tokenizer), "chat_template": DEFAULT_TEMPLATE}
+            write_json_atomic(staging / TOKENIZER_CONFIG_FILE, default)
 
 
 @contextlib.contextmanager

@@ -53,18 +53,24 @@ class ModelConfig:
     for schemes that keep a table of positions (``PositionalScheme.is_table``). ``dtype`` is the
     dtype the weights are stored in on disk (the run dtype is chosen at load time). ``qk_norm``
     RMS-normalises each head's queries and keys (with a learned gain per dimension) before the
-    positional rotation and the dot product.
+    positional rotation and the dot product. ``n_kv_heads`` below ``n_heads`` is grouped-query
+    attention (Llama-family models): each key/value head serves ``n_heads / n_kv_heads`` query
+    heads, and the cache stores only the key/value heads; None means one per query head.
+    ``norm_eps`` is the norms' epsilon; None keeps torch's default (LayerNorm 1e-5, RMSNorm the
+    run dtype's machine epsilon), which every checkpoint trained here uses.
     """
 
     vocab_size: int = 2048
     d_model: int = 128
     n_layers: int = 4
     n_heads: int = 4
+    n_kv_heads: int | None = None
     d_ff: int = 512
     context_length: int = 128
     max_positions: int = 512
     dropout: float = 0.0
     norm: str = "layernorm"
+    norm_eps: float | None = None
     mlp: str = "gelu"
     bias: bool = False
     tie_embeddings: bool = True
@@ -81,6 +87,21 @@ class ModelConfig:
             raise ConfigError(
                 f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})"
             )
+        kv_heads = self.n_kv_heads
+        if kv_heads is not None and (
+            not isinstance(kv_heads, int)
+            or isinstance(kv_heads, bool)
+            or kv_heads < 1
+            or self.n_heads % kv_heads
+        ):
+            raise ConfigError(
+                f"n_kv_heads must be a positive integer dividing n_heads ({self.n_heads}), "
+                f"got {kv_heads!r}"
+            )
+        if self.norm_eps is not None and not (
+            isinstance(self.norm_eps, int | float) and 0 < self.norm_eps < 1
+        ):
+            raise ConfigError(f"norm_eps must be a number in (0, 1), got {self.norm_eps!r}")
         if self.max_positions < self.context_length:
             raise ConfigError(
                 f"max_positions ({self.max_positions}) must be ≥ context_length "
@@ -101,6 +122,11 @@ class ModelConfig:
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
+
+    @property
+    def key_value_heads(self) -> int:
+        """How many key/value heads attention has (and the cache stores)."""
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
 
     @property
     def scheme(self) -> str:

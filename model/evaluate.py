@@ -42,6 +42,7 @@ from model.checkpoint import WEIGHTS_FILE, data_section, load_checkpoint
 from model.config import write_figure_atomic, write_json_atomic, write_text_atomic
 from model.corpus import load_corpus
 from model.data import IGNORE_INDEX, ValidationStream, validation_stream
+from model.text_corpus import load_text_corpus
 from model.transformer import Transformer
 
 EVAL_FILE = "eval.json"
@@ -154,18 +155,21 @@ def evaluate_checkpoint(
     device: str = "cpu",
     batch_size: int = 16,
     variant: RopeVariant | None = None,
+    data: Path | None = None,
 ) -> dict[str, Any]:
     """Score one checkpoint on the validation plays (a progress bar on stderr) → its report.
 
     ``variant`` (name, scaling, factor) scores a rope checkpoint under that context extension,
-    on the same weights; the report's scheme is then ``rope+NAME``.
+    on the same weights; the report's scheme is then ``rope+NAME``. ``data`` scores on the
+    validation split of that text instead (``--data``, as training held it out).
     """
     digest = weights_digest(path) if (path / WEIGHTS_FILE).is_file() else None
     overrides = None
     if variant is not None:
         overrides = {"scaling": variant[1], "scaling_factor": variant[2]}
     model, tokenizer = load_checkpoint(path, device=_device(device), positional_overrides=overrides)
-    stream = validation_stream(tokenizer, load_corpus().validation)
+    documents = load_corpus().validation if data is None else load_text_corpus(data).validation
+    stream = validation_stream(tokenizer, documents)
     context = model.config.context_length
     limit = model.positional.max_positions
     windows = sum(
@@ -180,6 +184,7 @@ def evaluate_checkpoint(
         }
     return {
         "checkpoint": str(path),
+        **({} if data is None else {"data": str(data)}),
         "scheme": model.config.scheme + (f"+{variant[0]}" if variant else ""),
         "weights_sha256": digest,
         "parameters": model.num_parameters(),
@@ -221,9 +226,11 @@ def _close(old: Any, new: Any) -> bool:
     return old == new
 
 
-def saved_report(path: Path, multiples: list[int]) -> dict[str, Any] | None:
-    """``path``'s eval.json when it was made from these very weights and has every multiple,
-    restricted to ``multiples``; None otherwise."""
+def saved_report(
+    path: Path, multiples: list[int], data: Path | None = None
+) -> dict[str, Any] | None:
+    """``path``'s eval.json when it was made from these very weights, on the same text, and has
+    every multiple, restricted to ``multiples``; None otherwise."""
     saved = path / EVAL_FILE
     if not saved.is_file():
         return None
@@ -232,6 +239,8 @@ def saved_report(path: Path, multiples: list[int]) -> dict[str, Any] | None:
     except json.JSONDecodeError:
         return None
     wanted = [f"{m}x" for m in multiples]
+    if report.get("data") != (None if data is None else str(data)):
+        return None
     if report.get("weights_sha256") != weights_digest(path) or not set(wanted) <= set(
         report.get("results", {})
     ):
@@ -354,10 +363,13 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     checkpoint, then write what was asked: eval.json files, the plot, the table."""
     reports = []
     for path in checkpoint_folders(args.checkpoints):
-        report = saved_report(path, args.multiples) if args.reuse else None
+        data = getattr(args, "data", None)
+        report = saved_report(path, args.multiples, data) if args.reuse else None
         reused = report is not None
         if report is None:
-            report = evaluate_checkpoint(path, args.multiples, args.device, args.batch_size)
+            report = evaluate_checkpoint(
+                path, args.multiples, args.device, args.batch_size, None, data
+            )
         note = ""
         if args.save and not reused:
             note = f"  (wrote {path / EVAL_FILE})" if save_report(path, report) else "  (unchanged)"
@@ -368,7 +380,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         if report["scheme"] == "rope":
             for variant in getattr(args, "rope_variants", []):
                 scored = evaluate_checkpoint(
-                    path, args.multiples, args.device, args.batch_size, variant
+                    path, args.multiples, args.device, args.batch_size, variant, data
                 )
                 print(_summary(scored))
                 reports.append(scored)

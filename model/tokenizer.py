@@ -7,16 +7,20 @@ multi-byte character; :class:`IncrementalDecoder` deals with that when streaming
 Special tokens (ids 0, 1, 2 in a tokenizer trained here):
 ``<|bos|>`` begins every sequence, ``<|eos|>`` ends every document (speech), ``<|pad|>`` fills
 batches. Text that happens to contain the string ``"<|eos|>"`` encodes as ordinary bytes, so user
-input can never inject a control token.
+input can never inject a control token. A tokenizer brought from elsewhere (``ordinal import``)
+names its own: the ``bos_token``, ``eos_token`` and ``pad_token`` of the ``tokenizer_config.json``
+beside its tokenizer.json (Hugging Face's file and keys; no pad token: the eos token pads), which
+:func:`load_tokenizer` reads into the tokenizer's ``special_tokens``.
 """
 
 from __future__ import annotations
 
 import codecs
+import json
 import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -25,6 +29,8 @@ from model.config import write_text_atomic
 
 SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|pad|>")
 BOS, EOS, PAD = SPECIAL_TOKENS
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"  # beside tokenizer.json: chat template, specials
+SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "pad_token")  # its keys naming the specials
 
 # The specials plus all 256 bytes must fit; anything above that is learned merges.
 MIN_VOCAB_SIZE = len(SPECIAL_TOKENS) + 256
@@ -67,13 +73,40 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 2048) -> Tokenizer:
 
 
 def special_ids(tokenizer: Tokenizer) -> SpecialIds:
-    """The ids of ``<|bos|>``, ``<|eos|>`` and ``<|pad|>``."""
-    ids = [tokenizer.token_to_id(token) for token in SPECIAL_TOKENS]
+    """The ids of the begin, end and padding tokens: ``<|bos|>``, ``<|eos|>`` and ``<|pad|>``,
+    or those named by the tokenizer's ``special_tokens`` (see :func:`load_tokenizer`)."""
+    names = getattr(tokenizer, "special_tokens", SPECIAL_TOKENS)
+    ids = [tokenizer.token_to_id(token) for token in names]
     found = [id_ for id_ in ids if id_ is not None]
     if len(found) < len(ids):
-        missing = [token for token, id_ in zip(SPECIAL_TOKENS, ids, strict=True) if id_ is None]
+        missing = [token for token, id_ in zip(names, ids, strict=True) if id_ is None]
         raise TokenizerError(f"tokenizer lacks the special tokens {missing}")
     return SpecialIds(*found)
+
+
+def name_special_tokens(tokenizer: Tokenizer, names: tuple[str, str, str]) -> None:
+    """Make ``names`` (bos, eos, pad) the tokenizer's specials, in place of ordinal's own."""
+    setattr(tokenizer, "special_tokens", names)  # noqa: B010 (no such attribute in the stubs)
+
+
+def special_token_config(tokenizer: Tokenizer) -> dict[str, str]:
+    """The tokenizer_config.json keys that name the tokenizer's specials where they are not
+    ordinal's own ({} otherwise), so that :func:`load_tokenizer` finds them again."""
+    names = getattr(tokenizer, "special_tokens", None)
+    return {} if names is None else dict(zip(SPECIAL_TOKEN_KEYS, names, strict=True))
+
+
+def special_token_names(tokenizer_config: dict[str, Any]) -> tuple[str, str, str] | None:
+    """(bos, eos, pad) as a ``tokenizer_config.json`` names them, or None if it names no bos
+    and eos. A token is a string or an object with its ``content`` (Hugging Face's forms)."""
+    names = []
+    for key in SPECIAL_TOKEN_KEYS:
+        value = tokenizer_config.get(key)
+        names.append(value.get("content") if isinstance(value, dict) else value)
+    bos, eos, pad = names
+    if not isinstance(bos, str) or not isinstance(eos, str):
+        return None
+    return bos, eos, pad if isinstance(pad, str) else eos
 
 
 def _byte_of_char() -> dict[str, int]:
@@ -98,11 +131,21 @@ def token_bytes(tokenizer: Tokenizer) -> list[bytes]:
 
     Joining the bytes of a sequence of ids and decoding them as UTF-8 gives the decoded text.
     """
-    specials = set(special_ids(tokenizer))
+    added = tokenizer.get_added_tokens_decoder()
+    specials = set(special_ids(tokenizer)) | {id_ for id_, token in added.items() if token.special}
     table = [b""] * tokenizer.get_vocab_size()
     for token, id_ in tokenizer.get_vocab().items():
-        if id_ not in specials:
+        if id_ in specials:
+            continue
+        if id_ in added:  # an added token matches its text as written, not byte-level
+            table[id_] = token.encode("utf-8")
+        elif all(char in _BYTE_OF_CHAR for char in token):
             table[id_] = bytes(_BYTE_OF_CHAR[char] for char in token)
+        else:
+            raise TokenizerError(
+                f"token {token!r} (id {id_}) is not byte-level BPE: ordinal decodes byte-level "
+                f"vocabularies only (GPT-2's kind, not SentencePiece's)"
+            )
     return table
 
 
@@ -155,14 +198,31 @@ def save_tokenizer(tokenizer: Tokenizer, path: str | os.PathLike[str]) -> None:
 
 
 def load_tokenizer(path: str | os.PathLike[str]) -> Tokenizer:
-    """Read a tokenizer saved by :func:`save_tokenizer`; checks that the specials are there."""
+    """Read a tokenizer saved by :func:`save_tokenizer`; checks that the specials are there.
+
+    Where the ``tokenizer_config.json`` beside it names a bos and an eos token, those are the
+    specials (``special_tokens``; an imported model's), else ordinal's own.
+    """
     path = Path(path)
     text = path.read_text(encoding="utf-8")
     try:
         tokenizer = Tokenizer.from_str(text)
     except Exception as error:  # tokenizers raises a bare Exception on malformed JSON
         raise TokenizerError(f"{path} is not a valid tokenizer file: {error}") from error
+    names = special_token_names(_read_json_object(path.with_name(TOKENIZER_CONFIG_FILE)))
+    if names is not None:
+        name_special_tokens(tokenizer, names)
     special_ids(tokenizer)
     # Not part of the saved JSON, so restore it here.
     tokenizer.encode_special_tokens = True
     return tokenizer
+
+
+def _read_json_object(path: Path) -> dict[str, Any]:
+    """The JSON object in ``path``; {} when there is none. A malformed file is the chat
+    template's to report (``model.chat``, where the API process reads it), not the tokenizer's."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        return {}
+    return data if isinstance(data, dict) else {}

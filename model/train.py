@@ -1,4 +1,5 @@
-"""``ordinal train``: train one checkpoint on the Shakespeare corpus, the same way for every scheme.
+"""``ordinal train``: train one checkpoint on the Shakespeare corpus (or, with ``--data``, on your
+own text: ``model.text_corpus``), the same way for every scheme.
 
 Every scheme gets the same model size, tokenizer, data order, token budget and seed, so the
 shipped checkpoints compare fairly: only ``positional`` differs. The recipe is a named preset
@@ -23,6 +24,7 @@ import dataclasses
 import functools
 import json
 import os
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -48,7 +50,7 @@ from model.config import (
     write_atomic,
     write_json_atomic,
 )
-from model.corpus import load_corpus
+from model.corpus import Corpus, load_corpus
 from model.data import (
     IGNORE_INDEX,
     TrainingSequences,
@@ -60,6 +62,7 @@ from model.data import (
 from model.geometry.corpus import measure_corpus
 from model.geometry.metrics import classical_mds
 from model.positional import MdsPositions
+from model.text_corpus import TextCorpus, load_text_corpus
 from model.tokenizer import (
     SpecialIds,
     load_tokenizer,
@@ -76,6 +79,7 @@ __all__ = ["TrainConfig", "TrainingRun", "configs_from_args", "run"]
 LossSum = Callable[[Tensor, Tensor], Tensor]
 
 METRICS_FILE = "metrics.json"
+DEFAULT_TOKENIZER = Path("runs/tokenizer.json")  # shared by the Shakespeare runs
 STATE_FILE = "state.pt"
 
 # The shipped architecture and per-scheme parameters (the `shipped` preset), by their old names.
@@ -144,13 +148,22 @@ def configs_from_args(args: argparse.Namespace) -> tuple[ModelConfig, TrainConfi
     return ModelConfig.from_dict(model_fields), TrainConfig.from_dict(train_fields)
 
 
-def prepare_tokenizer(path: Path, vocab_size: int):
-    """Load the shared tokenizer, training it on the training split the first time."""
-    if path.exists():
+def training_corpus(data: Path | None) -> Corpus:
+    """The Shakespeare corpus, or with ``data`` (``--data``) the user's own text."""
+    return load_corpus() if data is None else load_text_corpus(data)
+
+
+def prepare_tokenizer(path: Path | None, vocab_size: int, corpus: Corpus | None = None):
+    """Load the shared tokenizer at ``path``, training it on the training split the first time
+    (the Shakespeare corpus's unless ``corpus``). Without a path the tokenizer is trained on
+    ``corpus`` afresh and kept only in the checkpoint (BPE training is deterministic, so runs
+    on the same text share it)."""
+    if path is not None and path.exists():
         return load_tokenizer(path)
-    tokenizer = train_tokenizer(load_corpus().train, vocab_size)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    save_tokenizer(tokenizer, path)
+    tokenizer = train_tokenizer((corpus or load_corpus()).train, vocab_size)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_tokenizer(tokenizer, path)
     return tokenizer
 
 
@@ -237,7 +250,8 @@ def _global_sum(value: torch.Tensor, world: int) -> torch.Tensor:
 @dataclass(frozen=True)
 class TrainingData:
     """What a run trains and validates on: the shared tokenizer, the encoded training documents,
-    the training sampler and the first ``eval_windows`` validation windows."""
+    the training sampler and the first ``eval_windows`` validation windows; ``source`` is what
+    metrics.json records of the corpus."""
 
     tokenizer: Tokenizer
     documents: list[list[int]]
@@ -245,18 +259,26 @@ class TrainingData:
     sequences: TrainingSequences
     val_inputs: torch.Tensor
     val_targets: torch.Tensor
+    source: dict[str, Any]
 
 
 def load_training_data(
-    tokenizer_path: Path, model_config: ModelConfig, train_config: TrainConfig
+    tokenizer_path: Path | None,
+    model_config: ModelConfig,
+    train_config: TrainConfig,
+    data: Path | None = None,
 ) -> TrainingData:
-    """Tokenizer (trained the first time), training sampler and validation windows.
+    """Tokenizer (trained the first time), training sampler and validation windows, of the
+    Shakespeare corpus or of the text at ``data``.
 
-    The sampler sees the training plays only; ``sequence_starts="line"`` lets its sequences
-    start at any line of a speech as well as at a speech.
+    The sampler sees the training documents only; ``sequence_starts="line"`` lets its
+    sequences start at any line of a document (speech) as well as at its start. No tokenizer
+    path: ``runs/tokenizer.json`` for Shakespeare, one trained on ``data`` for that.
     """
-    tokenizer = prepare_tokenizer(tokenizer_path, model_config.vocab_size)
-    corpus = load_corpus()
+    corpus = training_corpus(data)
+    if tokenizer_path is None and data is None:
+        tokenizer_path = DEFAULT_TOKENIZER
+    tokenizer = prepare_tokenizer(tokenizer_path, model_config.vocab_size, corpus)
     documents = encode_documents(tokenizer, corpus.train)
     special = special_ids(tokenizer)
     line_breaks = line_break_ids(tokenizer) if train_config.sequence_starts == "line" else None
@@ -274,6 +296,7 @@ def load_training_data(
         sequences,
         val_inputs[:window_count],
         val_targets[:window_count],
+        corpus.metadata() if isinstance(corpus, TextCorpus) else {"corpus": "shakespeare"},
     )
 
 
@@ -415,7 +438,8 @@ class _Progress:
                 session.state_path, session.model, session.optimizers, session.device
             )
             return cls(metrics, first_step, session)
-        return cls(_fresh_metrics(session.model.config, session.train_config), 0, session)
+        metrics = _fresh_metrics(session.model.config, session.train_config)
+        return cls({**metrics, "data": session.data.source}, 0, session)
 
     def record_step(self, step: int, loss: float) -> None:
         """Step ``step`` (counted from 1) is done with mean training loss ``loss``."""
@@ -462,7 +486,11 @@ class TrainingRun:
         """Set up process ``rank`` of ``world`` (threads, seed), then its data, model and
         optimisers: everything ``optimise`` needs."""
         _prepare_process(train_config, world)
-        data = load_training_data(args.tokenizer, model_config, train_config)
+        data = load_training_data(
+            args.tokenizer, model_config, train_config, getattr(args, "data", None)
+        )
+        if rank == 0 and "split" in data.source:
+            print(f"{data.source['path']}: {data.source['split']}", file=sys.stderr)
         model = Transformer(model_config)
         install_corpus_geometry(model, data.documents, data.special, train_config.seed)
         model.to(device).train()

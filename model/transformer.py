@@ -41,7 +41,9 @@ class AttentionRecorder:
         self.weights: list[Tensor] = []
 
     def record(self, queries: Tensor, keys: Tensor, mask: AttentionMask) -> None:
-        """queries [B, H, Tq, hd], keys [B, H, Tk, hd]: softmax(q·kᵀ/√hd + mask), as SDPA."""
+        """queries [B, H, Tq, hd], keys [B, Hkv, Tk, hd]: softmax(q·kᵀ/√hd + mask), as SDPA
+        (each key head shared by H / Hkv consecutive query heads)."""
+        keys = keys.repeat_interleave(queries.shape[1] // keys.shape[1], dim=1)
         scores = queries.float() @ keys.float().transpose(-2, -1) / math.sqrt(queries.shape[-1])
         if mask.is_causal:  # SDPA's built-in mask: query i sees keys 0..i
             length, key_length = scores.shape[-2:]
@@ -68,18 +70,23 @@ def _store_column_major(linear: nn.Linear) -> None:
 
 def make_norm(config: ModelConfig) -> nn.Module:
     if config.norm == "rmsnorm":
-        return nn.RMSNorm(config.d_model)
-    return nn.LayerNorm(config.d_model, bias=config.bias)
+        return nn.RMSNorm(config.d_model, eps=config.norm_eps)
+    eps = 1e-5 if config.norm_eps is None else config.norm_eps  # 1e-5: torch's default
+    return nn.LayerNorm(config.d_model, eps=eps, bias=config.bias)
 
 
 class Attention(nn.Module):
-    """Multi-head causal self-attention with a fused QKV projection; with ``config.qk_norm``,
-    queries and keys are RMS-normalised per head (a learned gain each) before rotation."""
+    """Multi-head causal self-attention with a fused QKV projection (queries of every head,
+    then keys, then values); with fewer key/value heads than query heads it is grouped-query
+    attention. With ``config.qk_norm``, queries and keys are RMS-normalised per head (a
+    learned gain each) before rotation."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.n_heads, self.head_dim = config.n_heads, config.head_dim
-        self.qkv = nn.Linear(config.d_model, 3 * config.d_model, bias=config.bias)
+        self.n_kv_heads = config.key_value_heads
+        qkv_width = (config.n_heads + 2 * self.n_kv_heads) * config.head_dim
+        self.qkv = nn.Linear(config.d_model, qkv_width, bias=config.bias)
         self.proj = nn.Linear(config.d_model, config.d_model, bias=config.bias)
         self.dropout = config.dropout
         # [2, 1, 1, 1, hd]: the query gain and the key gain, broadcast over [2, B, H, T, hd].
@@ -99,16 +106,19 @@ class Attention(nn.Module):
     ) -> Tensor:
         """``x`` [B, T, d_model] → [B, T, d_model]; ``recorder`` keeps the weights if given."""
         batch, length, width = x.shape
-        qkv = self.qkv(x).view(batch, length, 3, self.n_heads, self.head_dim)
-        qkv = qkv.permute(2, 0, 3, 1, 4)  # [3, B, H, T, hd]
-        if self.qk_norm is not None:  # queries and keys [2, B, H, T, hd] normalised, values kept
-            qkv = torch.cat([F.rms_norm(qkv[:2], (self.head_dim,)) * self.qk_norm, qkv[2:]])
-        queries, keys, values = qkv
+        heads, kv_heads = self.n_heads, self.n_kv_heads
+        qkv = self.qkv(x).view(batch, length, heads + 2 * kv_heads, self.head_dim)
+        qkv = qkv.transpose(1, 2)  # [B, H + 2·Hkv, T, hd]
+        queries_keys, values = qkv.split([heads + kv_heads, kv_heads], dim=1)
+        if self.qk_norm is not None:  # queries and keys normalised, each with its own gain
+            queries, keys = F.rms_norm(queries_keys, (self.head_dim,)).split([heads, kv_heads], 1)
+            queries_keys = torch.cat([queries * self.qk_norm[0], keys * self.qk_norm[1]], dim=1)
         if rotation is not None:  # queries and keys in one call: half the small ops
-            queries, keys = apply_rotation(qkv[:2], *rotation)
+            queries_keys = apply_rotation(queries_keys, *rotation)
+        queries, keys = queries_keys.split([heads, kv_heads], dim=1)  # [B, H|Hkv, T, hd]
         if cache is not None:
             assert plan is not None  # the model plans the write of every cached pass
-            keys, values = cache.write(layer, plan, keys, values)  # [B, H, key_length, hd]
+            keys, values = cache.write(layer, plan, keys, values)  # [B, Hkv, key_length, hd]
         if recorder is not None:
             recorder.record(queries, keys, mask)
         out = F.scaled_dot_product_attention(
@@ -118,6 +128,7 @@ class Attention(nn.Module):
             attn_mask=mask.mask,
             is_causal=mask.is_causal,
             dropout_p=self.dropout if self.training else 0.0,
+            enable_gqa=kv_heads != heads,
         )
         out = self.proj(out.transpose(1, 2).reshape(batch, length, width))
         return F.dropout(out, self.dropout) if self.training else out

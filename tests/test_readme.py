@@ -6,14 +6,20 @@ The commands are the lines of its ``sh`` blocks, the Commands table, and inline 
 filled in) and then checked the way the command starts (eval's folders, serve's settings), the
 client and ``curl`` sent to a live server of tiny checkpoints, ``docker compose`` by the compose
 tool when there is one (else its services and profiles), and any other module by its ``--help``.
-A command of a new kind fails here until it gets a rule.
+A command of a new kind fails here until it gets a rule. The commands of the sections "Your own
+text" and "Bring a model" run for real instead, in order, in a folder holding what they name: a
+corpus of the user's (notes.jsonl) and tiny Hugging Face folders built locally (gpt2,
+SmolLM2-135M).
 """
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import itertools
+import json
 import os
+import random
 import re
 import shlex
 import shutil
@@ -57,10 +63,25 @@ def shell_lines(text: str) -> Iterator[str]:
         pending = ""
 
 
+def sh_commands(text: str) -> list[str]:
+    """The commands of the ``sh`` blocks of ``text``."""
+    return [
+        line
+        for block in re.findall(r"```sh\n(.*?)```", text, flags=re.S)
+        for line in shell_lines(block)
+    ]
+
+
+def section(title: str) -> str:
+    return README.split(f"\n## {title}\n", 1)[1].split("\n## ", 1)[0]
+
+
+# Sections whose commands run for real (test_readme_section_runs_as_written).
+RUN_SECTIONS = {title: sh_commands(section(title)) for title in ("Your own text", "Bring a model")}
+
+
 def readme_commands() -> list[str]:
-    commands = []
-    for block in re.findall(r"```sh\n(.*?)```", README, flags=re.S):
-        commands += list(shell_lines(block))
+    commands = sh_commands(README)
     table = README.split("## Commands", 1)[1].split("\n## ", 1)[0]
     commands += re.findall(r"^\| `([^`]+)` \|", table, flags=re.M)
     for span in re.findall(r"`([^`\n]+)`", README):
@@ -69,7 +90,8 @@ def readme_commands() -> list[str]:
     return list(dict.fromkeys(commands))
 
 
-COMMANDS = readme_commands()
+RUN_COMMANDS = set(itertools.chain.from_iterable(RUN_SECTIONS.values()))
+COMMANDS = [command for command in readme_commands() if command not in RUN_COMMANDS]
 
 
 def argv_of(command: str) -> tuple[dict[str, str], list[str]]:
@@ -207,6 +229,48 @@ def check_peer(argv: list[str]) -> None:
             timeout=300,
         ).stdout
         assert all(flag in help_text for flag in flags), flags
+
+
+def build_workplace(folder: Path) -> None:
+    """What the run sections name: a user's corpus of 200 short documents (not Shakespeare) and
+    tiny Hugging Face folders in place of the downloaded ones."""
+    from tests.model.interop.hf_models import gpt2, llama
+
+    words = ["the", "cat", "sat", "on", "a", "mat", "and", "saw", "two", "birds", "fly", "high"]
+    rng = random.Random(0)
+    texts = ["\n".join(" ".join(rng.choices(words, k=9)) for _ in range(3)) for _ in range(200)]
+    lines = [json.dumps({"text": text}) for text in texts]
+    (folder / "notes.jsonl").write_text("\n".join(lines) + "\n")
+    gpt2(folder / "gpt2")
+    llama(folder / "SmolLM2-135M", tie=True)
+
+
+@pytest.mark.parametrize("title", RUN_SECTIONS)
+def test_readme_section_runs_as_written(
+    title: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each command of the section, as written, in a folder of tiny stand-ins: ``ordinal``
+    commands run (``serve`` as a live server of the folder it names), ``curl`` is sent to it."""
+    build_workplace(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    assert RUN_SECTIONS[title]
+    with contextlib.ExitStack() as stack:
+        live: Running | None = None
+        for command in RUN_SECTIONS[title]:
+            _, argv = argv_of(command)
+            if argv[:2] == ["ordinal", "serve"]:
+                settings = settings_from_args(ordinal.build_parser().parse_args(argv[1:]))
+                folder = tmp_path / settings.checkpoints
+                live = stack.enter_context(running_server(test_settings(folder)))
+            elif argv[0] == "ordinal":
+                assert ordinal.main(argv[1:]) == 0, command
+            elif argv[0] == "curl":
+                assert live is not None, f"{command!r} comes before the section's serve"
+                argv = [re.sub(r"^http://127\.0\.0\.1:8000", live.url, word) for word in argv]
+                result = subprocess.run(argv, capture_output=True, timeout=60, text=True)
+                assert result.returncode == 0 and '"choices"' in result.stdout, result.stdout
+            else:
+                pytest.fail(f"no rule for {command!r} in the section {title!r}")
 
 
 def check_compose(args: list[str], env: dict[str, str]) -> None:

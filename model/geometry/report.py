@@ -53,31 +53,42 @@ from model.positional import MdsPositions, PositionalScheme, PositionOutOfRange
 CORPORA = ("synthetic", "shakespeare")
 REPORT_FILE = "report.json"
 DEFAULT_N_POSITIONS = {"synthetic": 32, "shakespeare": 128}
+TEXT_N_POSITIONS = 128  # the default for a corpus of your own
 REQUIREMENTS = ("bounded", "unique", "length_independent", "smooth", "relative_recoverable")
 
 
 def load_corpus_geometry(
     corpus: str, n_positions: int, seed: int = 0, tokenizer_path: str | Path | None = None
 ) -> CorpusGeometry:
-    """The synthetic corpus (seeded), or the Shakespeare training split tokenised with the
-    tokenizer at `tokenizer_path` and cut into one training sequence per speech, exactly as
-    training sees it (``<|bos|>`` first, running on past the speech's end)."""
+    """The synthetic corpus (seeded), or the training split of the Shakespeare corpus or of
+    the text at the path `corpus` (``model.text_corpus``), tokenised with the tokenizer at
+    `tokenizer_path` and cut into one training sequence per document (speech), exactly as
+    training sees it (``<|bos|>`` first, running on past the document's end)."""
     if corpus == "synthetic":
         generated = synthetic_corpus(seed=seed, n_positions=n_positions)
         tokens = torch.from_numpy(generated.tokens)
         return measure_corpus(corpus, tokens, generated.vocab_size, None, seed)
-    if corpus != "shakespeare":
-        raise GeometryInputError(f"corpus must be one of {list(CORPORA)}, got {corpus!r}")
+    check_corpus(corpus)
     if tokenizer_path is None:
-        raise GeometryInputError("the shakespeare corpus needs a tokenizer (tokenizer_path)")
+        raise GeometryInputError(f"the {corpus} corpus needs a tokenizer (tokenizer_path)")
     from model.corpus import load_corpus
+    from model.text_corpus import load_text_corpus
     from model.tokenizer import load_tokenizer, special_ids
 
     tokenizer = load_tokenizer(tokenizer_path)
     special = special_ids(tokenizer)
-    documents = encode_documents(tokenizer, load_corpus().train)
+    texts = load_corpus().train if corpus == "shakespeare" else load_text_corpus(corpus).train
+    documents = encode_documents(tokenizer, texts)
     inputs = boundary_sequences(documents, n_positions, special)
     return measure_corpus(corpus, inputs, tokenizer.get_vocab_size(), special.pad, seed)
+
+
+def check_corpus(corpus: str) -> None:
+    """A GeometryInputError unless ``corpus`` is a named corpus or an existing path."""
+    if corpus not in CORPORA and not Path(corpus).exists():
+        raise GeometryInputError(
+            f"corpus must be one of {list(CORPORA)} or the path of your text, got {corpus!r}"
+        )
 
 
 def untrained_schemes(
@@ -304,16 +315,15 @@ def write_report(
 ) -> dict[str, Any]:
     """Measure `corpus` and the schemes, write report.json and the PNGs into `out_dir`.
 
-    corpus: "synthetic" or "shakespeare" (which needs `tokenizer_path`, or takes the tokenizer
-        of the first checkpoint).
+    corpus: "synthetic", "shakespeare" or the path of a text (``--data``'s forms); the last two
+        need `tokenizer_path`, or take the tokenizer of the first checkpoint.
     checkpoints: checkpoint folders whose trained schemes are measured; when empty, every scheme
         is measured untrained at `d_model` (see untrained_schemes).
     n_positions: positions analysed (default 32 for synthetic, 128 for shakespeare, and never
         past the smallest context_length of the checkpoints).
     Returns the report (the content of report.json).
     """
-    if corpus not in CORPORA:
-        raise GeometryInputError(f"corpus must be one of {list(CORPORA)}, got {corpus!r}")
+    check_corpus(corpus)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     # One bar over the stages (on stderr); the corpus and the schemes take most of the time.
@@ -322,10 +332,10 @@ def write_report(
     trained = checkpoint_schemes(checkpoints)
     # Trained tables end at their context; analyse no further than every checkpoint reaches.
     reach = [scheme.config.context_length for _, scheme in trained]
-    n = n_positions or min([DEFAULT_N_POSITIONS[corpus], *reach])
+    n = n_positions or min([DEFAULT_N_POSITIONS.get(corpus, TEXT_N_POSITIONS), *reach])
     if n < 3:
         raise GeometryInputError(f"n_positions must be at least 3, got {n}")
-    if corpus == "shakespeare" and tokenizer_path is None and checkpoints:
+    if corpus != "synthetic" and tokenizer_path is None and checkpoints:
         tokenizer_path = Path(checkpoints[0]) / "tokenizer.json"
     geometry = load_corpus_geometry(corpus, n, seed, tokenizer_path)
     _advance(progress)
@@ -477,7 +487,7 @@ def report_markdown(report: dict[str, Any]) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``ordinal geometry``."""
     parser.add_argument("--out", required=True, type=Path, help="folder for report.json and PNGs")
-    parser.add_argument("--corpus", choices=CORPORA, default="synthetic")
+    parser.add_argument("--corpus", default="synthetic", help=f"{CORPORA} or a text's path")
     parser.add_argument(
         "--checkpoint",
         dest="checkpoints",
@@ -489,7 +499,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--n-positions", type=int, help="positions analysed")
     parser.add_argument("--d-model", type=int, default=128, help="width of untrained schemes")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--tokenizer", type=Path, help="tokenizer.json for the shakespeare corpus")
+    parser.add_argument("--tokenizer", type=Path, help="tokenizer.json for a text corpus")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

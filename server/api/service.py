@@ -19,7 +19,7 @@ from tokenizers import Tokenizer
 
 from model.chat import ChatTemplate
 from model.checkpoint import CONFIG_FILE, TOKENIZER_FILE
-from model.tokenizer import SPECIAL_TOKENS, load_tokenizer, special_ids, token_bytes
+from model.tokenizer import load_tokenizer, special_ids, token_bytes
 from model.transformer import Transformer
 from server.api.client import EngineClient, Launcher, ModelClient
 from server.api.errors import APIError, busy
@@ -101,8 +101,8 @@ def vocabulary_tables(tokenizer: Tokenizer) -> VocabularyTables:
     table = token_bytes(tokenizer)
     strings = [piece.decode("utf-8", errors="backslashreplace") for piece in table]
     specials = special_ids(tokenizer)
-    for name, special in zip(SPECIAL_TOKENS, specials, strict=True):
-        strings[special] = name
+    for special in specials:
+        strings[special] = tokenizer.id_to_token(special) or ""
     return VocabularyTables(table, strings, specials.bos, specials.eos)
 
 

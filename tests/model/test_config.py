@@ -264,3 +264,18 @@ def test_qk_norm_and_relu2_decode_incrementally_as_a_full_forward(scheme: str) -
     tokens = random_tokens(4, SEQUENCE_LENGTH, seed=2)
     with torch.no_grad():
         decode_and_compare(model, tokens, model(tokens), seed=3)
+
+
+def test_key_value_heads_and_norm_eps_are_checked() -> None:
+    assert tiny_config().key_value_heads == 4  # None: one key/value head per query head
+    assert tiny_config(n_kv_heads=2).key_value_heads == 2
+    for bad in (3, 0, True, 2.0):
+        with pytest.raises(ConfigError, match="n_kv_heads must be a positive integer dividing"):
+            tiny_config(n_kv_heads=bad)
+    with pytest.raises(ConfigError, match="norm_eps"):
+        tiny_config(norm_eps=0)
+    layer_norm = Transformer(tiny_config(norm_eps=1e-3)).final_norm
+    rms_norm = Transformer(tiny_config(norm="rmsnorm", norm_eps=1e-6)).final_norm
+    assert isinstance(layer_norm, torch.nn.LayerNorm) and layer_norm.eps == 1e-3
+    assert isinstance(rms_norm, torch.nn.RMSNorm) and rms_norm.eps == 1e-6
+    assert Transformer(tiny_config()).final_norm.eps == 1e-5  # torch's default, as before

@@ -248,3 +248,36 @@ def test_gelu_tanh_is_gpt2s_approximation() -> None:
     exact = random_model("learned", mlp="gelu")
     exact.load_state_dict(model.state_dict())
     assert not torch.allclose(exact.blocks[0].mlp(x), mlp(x), atol=1e-7, rtol=0)
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2])
+@pytest.mark.parametrize("scheme", ["rope", "alibi", "learned"])
+def test_grouped_query_attention_decodes_as_the_full_forward(scheme: str, kv_heads: int) -> None:
+    """Fewer key/value heads than query heads (1: multi-query), qk_norm on: the cache holds
+    only the key/value heads, and every cached path still equals the full forward."""
+    model = random_model(scheme, seed=6, n_kv_heads=kv_heads, qk_norm=True)
+    assert model.blocks[0].attention.qkv.out_features == (4 + 2 * kv_heads) * 8
+    tokens = random_tokens(3, SEQUENCE_LENGTH, seed=7)
+    with torch.no_grad():
+        decode_and_compare(model, tokens, model(tokens), seed=8)
+    assert KVCache(model.config, 3, 8).keys.shape == (2, 3, kv_heads, 8, 8)
+
+
+def test_grouped_query_attention_shares_each_key_head_between_its_query_heads() -> None:
+    """With one key/value head per two query heads, the model equals the multi-head model whose
+    key and value heads are those heads repeated (Hugging Face's repeat_kv)."""
+    grouped = random_model("rope", seed=9, n_kv_heads=2)
+    multi_head = Transformer(grouped.config.replace(n_kv_heads=None)).eval()
+    state = grouped.state_dict()
+    for layer in range(grouped.config.n_layers):
+        name = f"blocks.{layer}.attention.qkv.weight"
+        queries, keys, values = state[name].split([32, 16, 16])
+        heads = [
+            part.view(2, 8, 32).repeat_interleave(2, dim=0).reshape(32, 32)
+            for part in (keys, values)
+        ]
+        state[name] = torch.cat([queries, *heads])
+    multi_head.load_state_dict(state)
+    tokens = random_tokens(2, 10, seed=10)
+    with torch.no_grad():
+        torch.testing.assert_close(grouped(tokens), multi_head(tokens), atol=1e-5, rtol=0)
