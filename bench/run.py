@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 import torch
 
 from bench import bound, decode, http
-from model.config import write_json_atomic, write_text_atomic
+from model.files import write_json_atomic, write_text_atomic
 from model.positional import SCHEMES
 
 STAGES = ("decode", "http", "bound")

@@ -25,8 +25,9 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import ordinal
-from model.config import write_json_atomic
-from model.train import TrainingRun, configs_from_args, keep_freed_memory, resolve_device
+from model.device import resolve_device
+from model.files import write_json_atomic
+from model.train import TrainingRun, configs_from_args, keep_freed_memory
 
 # record_function labels in model.train, and the profiler's own for optimiser steps.
 PHASES = ("batch", "forward", "backward", "clip", "Optimizer.step#AdamW.step")

@@ -72,16 +72,14 @@ from safetensors.torch import save as serialise_tensors
 from tokenizers import Tokenizer
 
 from model.chat import DEFAULT_TEMPLATE, TOKENIZER_CONFIG_FILE
-from model.config import ConfigError, ModelConfig, write_json_atomic
+from model.config import ConfigError, ModelConfig
+from model.device import resolve_device, resolve_dtype
+from model.files import CONFIG_FILE, TOKENIZER_FILE, WEIGHTS_FILE, write_json_atomic
 from model.positional import build_scheme
 from model.tokenizer import load_tokenizer
 from model.transformer import Transformer
 
-CONFIG_FILE = "config.json"
-WEIGHTS_FILE = "model.safetensors"
-TOKENIZER_FILE = "tokenizer.json"
 CHECKPOINT_FILES = (CONFIG_FILE, WEIGHTS_FILE, TOKENIZER_FILE)
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
 CHECKSUM_KEY = "sha256"  # in the safetensors metadata: hex SHA-256 of the data section
 
@@ -103,17 +101,6 @@ class UnverifiedWeightsWarning(UserWarning):
 class LoadedCheckpoint(NamedTuple):
     model: Transformer
     tokenizer: Tokenizer
-
-
-def default_device() -> torch.device:
-    """cuda when available, else cpu."""
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-def resolve_dtype(name: str) -> torch.dtype:
-    if name not in DTYPES:
-        raise ConfigError(f"dtype must be one of {list(DTYPES)}, got {name!r}")
-    return DTYPES[name]
 
 
 def stored_tensors(model: Transformer) -> dict[str, torch.Tensor]:
@@ -370,7 +357,7 @@ def load_checkpoint(
 
     model = Transformer(config)
     model.load_state_dict(tensors)
-    model.to(device=device or default_device(), dtype=resolve_dtype(dtype))
+    model.to(device=device or resolve_device("auto"), dtype=resolve_dtype(dtype))
     return LoadedCheckpoint(model.eval(), tokenizer)
 
 

@@ -30,7 +30,8 @@ import torch
 from torch import Tensor
 
 from model.cache import KVCache
-from model.sampling import FailureReason, RowSampler, SamplingBatch, token_logprobs
+from model.sampling import RowSampler, SamplingBatch, token_logprobs
+from model.sampling_params import FailureReason
 from model.transformer import Transformer
 
 GROW_FROM = (4, 64)  # (rows, positions) a growing cache starts with

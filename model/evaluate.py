@@ -39,9 +39,10 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from model.checkpoint import WEIGHTS_FILE, data_section, load_checkpoint
-from model.config import write_figure_atomic, write_json_atomic, write_text_atomic
 from model.corpus import load_corpus
 from model.data import IGNORE_INDEX, ValidationStream, validation_stream
+from model.device import resolve_device
+from model.files import write_figure_atomic, write_json_atomic, write_text_atomic
 from model.transformer import Transformer
 
 EVAL_FILE = "eval.json"
@@ -164,7 +165,9 @@ def evaluate_checkpoint(
     overrides = None
     if variant is not None:
         overrides = {"scaling": variant[1], "scaling_factor": variant[2]}
-    model, tokenizer = load_checkpoint(path, device=_device(device), positional_overrides=overrides)
+    model, tokenizer = load_checkpoint(
+        path, device=resolve_device(device), positional_overrides=overrides
+    )
     stream = validation_stream(tokenizer, load_corpus().validation)
     context = model.config.context_length
     limit = model.positional.max_positions
@@ -190,12 +193,6 @@ def evaluate_checkpoint(
         "bpc": results.get("1x", {}).get("bpc"),
         "results": results,
     }
-
-
-def _device(name: str) -> str:
-    if name == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return name
 
 
 def same_results(old: dict[str, Any], new: dict[str, Any]) -> bool:

@@ -25,8 +25,9 @@ import torch
 from matplotlib.figure import Figure
 from tqdm import tqdm
 
-from model.config import ModelConfig, write_figure_atomic, write_json_atomic, write_text_atomic
+from model.config import ModelConfig
 from model.data import boundary_sequences, encode_documents
+from model.files import write_figure_atomic, write_json_atomic, write_text_atomic
 from model.geometry.corpus import CorpusGeometry, measure_corpus
 from model.geometry.metrics import (
     GeometryInputError,

@@ -16,7 +16,7 @@ from typing import Any
 
 from matplotlib.figure import Figure
 
-from model.config import write_figure_atomic, write_text_atomic
+from model.files import write_figure_atomic, write_text_atomic
 from model.tasks import TASKS, TaskError
 from model.tasks.claims import CLAIMS, FAILS, HOLDS, LEARNED, overall, past_l_retention
 from model.tasks.results import Summary, format_mean, load_results

@@ -17,7 +17,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from model.generate import encode_prompt
+from model.tokenizer import encode_prompt
 from server.api.errors import APIError, error_event
 from server.api.job import Job
 from server.api.metrics import TIMEOUT

@@ -23,12 +23,14 @@ from dataclasses import dataclass
 
 from model.decode import DecodeBatch, Row, Sampled, Tokens
 from model.generate import SequenceState, StopMatcher
-from model.sampling import FailureReason, RowSampler
+from model.sampling import RowSampler
+from model.sampling_params import FailureReason
 from model.tokenizer import IncrementalDecoder
-from server.api.metrics import MODEL_ERROR, SHUTDOWN
 from server.engine.loader import LoadedModel
 from server.engine.scheduler import Phase, Scheduler
 from server.messages import (
+    MODEL_ERROR,
+    SHUTDOWN,
     Dropped,
     Event,
     Failed,

@@ -12,8 +12,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from model.checkpoint import WEIGHTS_FILE, load_checkpoint
-from model.generate import encode_prompt
 from model.positional import TABLE_SCHEMES
+from model.tokenizer import encode_prompt
 from ordinal import build_parser, main
 from server.api.app import add_arguments, settings_from_args
 from server.api.metrics import FAILURE_REASONS
