@@ -43,6 +43,7 @@ from model.corpus import load_corpus
 from model.data import IGNORE_INDEX, ValidationStream, validation_stream
 from model.device import resolve_device
 from model.files import write_figure_atomic, write_json_atomic, write_text_atomic
+from model.markdown import markdown_table
 from model.transformer import Transformer
 
 EVAL_FILE = "eval.json"
@@ -304,7 +305,7 @@ def results_table(reports: list[dict[str, Any]]) -> str:
     multiples = list(reports[0]["results"])
     header = ["scheme", "parameters", "training tokens", "train wall time"]
     header += [f"bpc at {m} ({reports[0]['results'][m]['window']} tokens)" for m in multiples]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    rows = []
     for report in reports:
         folder = Path(report["checkpoint"])
         metrics_path = folder / "metrics.json"
@@ -317,8 +318,8 @@ def results_table(reports: list[dict[str, Any]]) -> str:
         ]
         for result in report["results"].values():
             cells.append(f"{result['bpc']:.3f}" if result["supported"] else "past its table")
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+        rows.append(cells)
+    return "\n".join(markdown_table(header, rows)) + "\n"
 
 
 def checkpoint_folders(paths: list[Path]) -> list[Path]:

@@ -49,6 +49,7 @@ from model.geometry.synthetic import (
     synthetic_corpus,
     synthetic_figures,
 )
+from model.markdown import markdown_table
 from model.positional import MdsPositions, PositionalScheme, PositionOutOfRange
 
 CORPORA = ("synthetic", "shakespeare")
@@ -389,14 +390,8 @@ def _number(value: Any, digits: int = 3) -> str:
 
 
 def _table(header: list[str], rows: list[list[Any]]) -> list[str]:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += [
-        "| "
-        + " | ".join(_number(cell) if not isinstance(cell, str) else cell for cell in row)
-        + " |"
-        for row in rows
-    ]
-    return [*lines, ""]
+    cells = [[cell if isinstance(cell, str) else _number(cell) for cell in row] for row in rows]
+    return [*markdown_table(header, cells), ""]
 
 
 def report_markdown(report: dict[str, Any]) -> str:

@@ -23,11 +23,11 @@ from server.api.job import Job
 from server.api.metrics import TIMEOUT
 from server.api.schemas import DEFAULT_MAX_TOKENS, MAX_CHOICES, CompletionRequest, Prompt
 from server.api.service import ServedModel, Service
+from server.api.sse import DONE
 from server.api.writer import CompletionWriter, Piece, combine, total_usage
 
 logger = logging.getLogger("ordinal.server")
 
-DONE = b"data: [DONE]\n\n"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
