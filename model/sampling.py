@@ -28,6 +28,7 @@ draw raised, and the other rows' tokens are exactly what they would have been wi
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -41,6 +42,8 @@ from model.sampling_params import MIN_TEMPERATURE, FailureReason, SamplingParams
 # Float32 cumulative sums are off by about this much; mass within it of p counts as reaching p,
 # so that e.g. p = 0.85 over probabilities [0.5, 0.2, 0.15, ...] keeps exactly three tokens.
 _MASS_TOLERANCE = 1e-6
+
+logger = logging.getLogger("ordinal.sampling")
 
 _NO_UNIFORM = torch.zeros(1)  # the stand-in uniform of a row whose generator failed
 
@@ -206,6 +209,7 @@ class SamplingBatch:
         try:
             tokens = self._draw(logits, history, uniforms)
         except Exception:  # find the rows at fault: each draws alone, with its own uniform
+            logger.exception("the batch's draw raised: drawing its %d rows one by one", batch)
             tokens = self._draw_each(logits, history, uniforms, failures)
         outside = (tokens < 0) | (tokens >= vocab)
         if outside.any():
@@ -222,6 +226,7 @@ class SamplingBatch:
             try:
                 drawn.append(row.next_uniform())
             except Exception:
+                logger.exception("row %d: its generator raised", index)
                 failures[index] = FailureReason.SAMPLING_ERROR
                 drawn.append(_NO_UNIFORM)
         return torch.cat(drawn).to(device)
@@ -283,6 +288,7 @@ class SamplingBatch:
                     None if uniforms is None or row.params.greedy else uniforms[alone],
                 )
             except Exception:
+                logger.exception("row %d could not be sampled", index)
                 failures[index] = FailureReason.SAMPLING_ERROR
         return tokens
 

@@ -470,26 +470,8 @@ def report_markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of ``ordinal geometry``."""
-    parser.add_argument("--out", required=True, type=Path, help="folder for report.json and PNGs")
-    parser.add_argument("--corpus", choices=CORPORA, default="synthetic")
-    parser.add_argument(
-        "--checkpoint",
-        dest="checkpoints",
-        action="append",
-        type=Path,
-        default=[],
-        help="checkpoint folder whose scheme to measure (repeatable); default: all schemes",
-    )
-    parser.add_argument("--n-positions", type=int, help="positions analysed")
-    parser.add_argument("--d-model", type=int, default=128, help="width of untrained schemes")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--tokenizer", type=Path, help="tokenizer.json for the shakespeare corpus")
-
-
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Write the report per ``args`` (see add_arguments) and print where it went."""
+    """Write the report per ``args`` (``ordinal geometry``'s options) and print where it went."""
     report = write_report(
         args.out,
         args.corpus,
