@@ -344,7 +344,8 @@ def load_checkpoint(
     except ConfigError as error:
         raise CheckpointError(f"{path / CONFIG_FILE}: {error}") from None
 
-    tensors = read_weights(path / WEIGHTS_FILE, config)
+    model = Transformer(config)  # its own tensors' shapes are what the file must hold
+    tensors = read_weights(path / WEIGHTS_FILE, model)
     if config.tie_embeddings:
         tensors["lm_head.weight"] = tensors["token_embedding.weight"]
 
@@ -355,15 +356,14 @@ def load_checkpoint(
             f"vocab_size is {config.vocab_size}"
         )
 
-    model = Transformer(config)
     model.load_state_dict(tensors)
     model.to(device=device or resolve_device("auto"), dtype=resolve_dtype(dtype))
     return LoadedCheckpoint(model.eval(), tokenizer)
 
 
-def read_weights(weights_path: Path, config: ModelConfig) -> dict[str, torch.Tensor]:
-    """The tensors in ``weights_path`` (CPU), once they match ``config`` and their checksum."""
-    expected_digest = check_weights(weights_path, config)
+def read_weights(weights_path: Path, model: Transformer) -> dict[str, torch.Tensor]:
+    """The tensors in ``weights_path`` (CPU), once they match ``model`` and their checksum."""
+    expected_digest = check_weights(weights_path, model)
     raw = weights_path.read_bytes()
     if expected_digest is None:
         warnings.warn(
@@ -400,8 +400,9 @@ def with_positional(model: Transformer, overrides: dict[str, Any]) -> Transforme
     return variant
 
 
-def check_weights(weights_path: Path, config: ModelConfig) -> str | None:
-    """Check names, shapes and dtypes in ``weights_path`` against ``config``.
+def check_weights(weights_path: Path, model: Transformer) -> str | None:
+    """Check names, shapes and dtypes in ``weights_path`` against ``model`` (the shapes of its
+    stored tensors, the dtype its config says they are stored in).
 
     Returns the SHA-256 recorded in its metadata (None when it has none).
     """
@@ -414,8 +415,8 @@ def check_weights(weights_path: Path, config: ModelConfig) -> str | None:
                 stored[name] = (tuple(tensor.get_shape()), tensor.get_dtype())
     except SafetensorError as error:
         raise _unreadable(weights_path, error) from None
-    with torch.device("meta"):
-        expected = {name: tuple(t.shape) for name, t in stored_tensors(Transformer(config)).items()}
+    config = model.config
+    expected = {name: tuple(tensor.shape) for name, tensor in stored_tensors(model).items()}
     missing = sorted(set(expected) - set(stored))
     if missing:
         raise CheckpointError(f"{weights_path}: tensor {missing[0]!r} is missing")

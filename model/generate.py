@@ -133,7 +133,7 @@ def _start(
     """A batch holding ``rows``, their prompts prefilled in one ragged pass, and its first draw."""
     longest = max(len(row.tokens.prompt_ids) for row in rows)
     _check_room(model, longest, max_new_tokens)
-    batch = DecodeBatch(model, len(rows), longest + max_new_tokens, vocab, pad_id)
+    batch: DecodeBatch[Row] = DecodeBatch(model, len(rows), longest + max_new_tokens, vocab, pad_id)
     return batch, batch.step([(row, len(row.tokens.prompt_ids)) for row in rows])
 
 

@@ -113,7 +113,7 @@ class ModelEngine:
     ) -> None:
         self.loaded = loaded
         self.name = loaded.name
-        self.batch = DecodeBatch(
+        self.batch: DecodeBatch[Request] = DecodeBatch(
             loaded.model, max_rows, loaded.max_context, loaded.vocab, loaded.bos, grow=True
         )
         self.scheduler: Scheduler[Request] = Scheduler(max_rows, prefill_chunk)
@@ -229,7 +229,7 @@ class ModelEngine:
         leaving: list[Request] = []
         urgent = False
         for position, (row, token) in enumerate(zip(sampled.rows, sampled.tokens, strict=True)):
-            assert isinstance(row, Request) and row.state is not None
+            assert row.state is not None  # rows that only score never sample
             if position in sampled.failures:
                 events.append(None)
                 leaving.append(row)
@@ -252,7 +252,6 @@ class ModelEngine:
                 stats.generation_tokens += 1
         for position, reason in sampled.failures.items():
             row = sampled.rows[position]
-            assert isinstance(row, Request)
             logger.error("model '%s': request failed alone: %s", self.name, reason)
             stats.failures[reason] = stats.failures.get(reason, 0) + 1
             failure = Failed(row.id, 500, SAMPLING_FAILURES[reason], "sampling_failed")
