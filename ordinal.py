@@ -5,9 +5,10 @@ This module only dispatches. It sits outside both import packages because it rea
 ``model`` must never import ``server``. Each subcommand is its options and the
 ``module:function`` that runs it; that module is imported only when the command runs, so
 ``ordinal --help`` and every ``ordinal COMMAND --help`` load no torch, FastAPI or matplotlib
-(importing ``model`` alone takes torch's ~2 s). ``serve``'s flags come from the settings model
-(``server.api.settings``, pydantic only); the other commands' options are written out below, and
-``tests/server/test_cli.py`` checks their defaults against the code they configure.
+(importing torch alone takes ~2 s). ``serve``'s flags come from the settings model
+(``server.api.settings``, pydantic only); ``train``'s recipe defaults, devices and dtypes come
+from the torch-free ``model.config`` and ``model.device``. The lists that live beside torch code
+(schemes, corpora, tasks) are written out below, and ``tests/server/test_cli.py`` checks them.
 
 Bad input of any command is a one-line ``ordinal COMMAND: error: ...`` and exit status 2.
 """
@@ -15,6 +16,7 @@ Bad input of any command is a one-line ``ordinal COMMAND: error: ...`` and exit 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import typing
@@ -24,8 +26,16 @@ from importlib import import_module
 from pathlib import Path
 from typing import Any
 
-DEVICES = ("auto", "cpu", "cuda")  # auto = cuda when available
-DTYPES = ("float32", "bfloat16", "float16")
+from model.config import (
+    DEFAULT_PRESET,
+    MODEL_SIZE_FLAGS,
+    OPTIMIZERS,
+    PRESETS,
+    SEQUENCE_STARTS,
+    TrainConfig,
+)
+from model.device import DEVICES, DTYPES
+
 # model.positional.SCHEMES and model.geometry.report.CORPORA, in their order.
 SCHEMES = (
     "none",
@@ -42,41 +52,11 @@ SCHEMES = (
 CORPORA = ("synthetic", "shakespeare")
 # What --data (and geometry's --corpus PATH) reads: model.text_corpus.
 DATA_FORMS = "a text file, a folder of .txt files, or .jsonl with a text field"
-# model.config.PRESETS, in its order (the first is the default); tests/model/test_train.py checks.
-PRESETS = ("shipped", "v1", "tiny")
-# model.config.TrainConfig's fields and defaults (the shipped preset's recipe), and the shipped
-# preset's model sizes (model.train.DEFAULT_MODEL) that `ordinal train` takes as flags.
-TRAIN_DEFAULTS: dict[str, int | float | str | bool] = {
-    "steps": 2000,
-    "batch_size": 32,
-    "grad_accum": 1,
-    "lr": 3e-3,
-    "min_lr": 3e-4,
-    "warmup_steps": 100,
-    "weight_decay": 0.1,
-    "grad_clip": 1.0,
-    "optimizer": "muon",
-    "muon_lr": 0.02,
-    "muon_momentum": 0.95,
-    "sequence_starts": "line",
-    "eval_every": 500,
-    "eval_windows": 64,
-    "save_every": 500,
-    "seed": 1337,
-    "threads": 0,
-    "compile": False,
-}
-MODEL_SIZE_DEFAULTS: dict[str, int] = {
-    "d_model": 128,
-    "n_layers": 4,
-    "n_heads": 4,
-    "d_ff": 512,
-    "context_length": 128,
-    "max_positions": 128,
-    "vocab_size": 2048,
-}
-# The choices of TrainConfig's string fields (model.config.OPTIMIZERS, SEQUENCE_STARTS).
-TRAIN_CHOICES = {"optimizer": ("adamw", "muon"), "sequence_starts": ("speech", "line")}
+# The recipe's defaults and choices, and the shipped preset's sizes that `ordinal train` takes
+# as flags, read from model.config (torch-free: the schemes load only when a config is built).
+TRAIN_DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+TRAIN_CHOICES = {"optimizer": OPTIMIZERS, "sequence_starts": SEQUENCE_STARTS}
+MODEL_SIZE_DEFAULTS = {name: PRESETS[DEFAULT_PRESET].model[name] for name in MODEL_SIZE_FLAGS}
 EVAL_MULTIPLES = (1, 2, 4)  # model.evaluate.MULTIPLES
 # model.tasks.TASKS, in its order, and model.tasks.suite's defaults.
 TASKS = ("recall", "copy", "counting", "flipflop")
@@ -139,8 +119,8 @@ def train_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, type=Path, help="checkpoint folder to write")
     parser.add_argument(
         "--preset",
-        choices=PRESETS,
-        default=PRESETS[0],
+        choices=list(PRESETS),
+        default=DEFAULT_PRESET,
         help="named recipe: architecture and training settings (model.config.PRESETS)",
     )
     parser.add_argument(
@@ -223,7 +203,7 @@ def _comma_ints(text: str) -> list[int]:
 
 def _rope_variants(text: str) -> list[tuple[str, str, float]]:
     """ "yarn4,ntk2" → [("yarn4", "yarn", 4.0), ("ntk2", "ntk", 2.0)] (pydantic only, no torch)."""
-    from server.api.settings import parse_rope_variant
+    from server.messages import parse_rope_variant
 
     variants = [part.strip() for part in text.split(",") if part.strip()]
     try:

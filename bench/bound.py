@@ -23,7 +23,8 @@ from torch import nn
 from torch.utils.benchmark import Timer
 
 from bench.decode import BATCHES, NEW_TOKENS, PROMPT_TOKENS, model_sizes
-from model.config import ModelConfig, write_json_atomic
+from model.config import ModelConfig
+from model.files import write_json_atomic
 from model.transformer import Transformer
 
 CONTEXT = PROMPT_TOKENS + NEW_TOKENS // 2  # the decode benchmark's mean context

@@ -21,10 +21,11 @@ from typing import Any
 
 import torch
 
-from model.config import ModelConfig, write_json_atomic
+from model.config import ModelConfig
+from model.files import write_json_atomic
 from model.generate import decode_tokens
 from model.positional import SCHEMES
-from model.sampling import SamplingParams
+from model.sampling_params import SamplingParams
 from model.transformer import Transformer
 
 PROMPT_TOKENS = 32

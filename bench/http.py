@@ -37,7 +37,7 @@ import orjson
 import psutil
 
 from bench.decode import bench_device
-from model.config import write_json_atomic
+from model.files import write_json_atomic
 from server.api.settings import Settings
 
 PROMPT = (

@@ -26,7 +26,8 @@ import torch.nn.functional as F
 
 from bench.decode import NEW_TOKENS, PROMPT_TOKENS
 from bench.run import rate, ratio, table
-from model.sampling import RowSampler, SamplingBatch, SamplingParams
+from model.sampling import RowSampler, SamplingBatch
+from model.sampling_params import SamplingParams
 from server.api.job import Job
 from server.api.service import Service
 from server.api.settings import Settings

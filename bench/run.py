@@ -24,7 +24,8 @@ from typing import Any, NamedTuple
 import torch
 
 from bench import bound, decode, http
-from model.config import write_json_atomic, write_text_atomic
+from model.files import write_json_atomic, write_text_atomic
+from model.markdown import markdown_table
 from model.positional import SCHEMES
 
 STAGES = ("decode", "http", "bound")
@@ -68,8 +69,7 @@ def run_stage(stage: str, args: argparse.Namespace) -> Results:
 
 
 def table(header: list[str], rows: list[list[str]]) -> str:
-    lines = [header, ["---"] * len(header), *rows]
-    return "\n".join("| " + " | ".join(line) + " |" for line in lines) + "\n"
+    return "\n".join(markdown_table(header, rows)) + "\n"
 
 
 def rate(value: float | None) -> str:

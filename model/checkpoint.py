@@ -72,16 +72,14 @@ from safetensors.torch import save as serialise_tensors
 from tokenizers import Tokenizer
 
 from model.chat import DEFAULT_TEMPLATE, TOKENIZER_CONFIG_FILE
-from model.config import ConfigError, ModelConfig, write_json_atomic
+from model.config import ConfigError, ModelConfig
+from model.device import resolve_device, resolve_dtype
+from model.files import CONFIG_FILE, TOKENIZER_FILE, WEIGHTS_FILE, write_json_atomic
 from model.positional import build_scheme
 from model.tokenizer import load_tokenizer, special_token_config
 from model.transformer import Transformer
 
-CONFIG_FILE = "config.json"
-WEIGHTS_FILE = "model.safetensors"
-TOKENIZER_FILE = "tokenizer.json"
 CHECKPOINT_FILES = (CONFIG_FILE, WEIGHTS_FILE, TOKENIZER_FILE)
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
 CHECKSUM_KEY = "sha256"  # in the safetensors metadata: hex SHA-256 of the data section
 
@@ -103,17 +101,6 @@ class UnverifiedWeightsWarning(UserWarning):
 class LoadedCheckpoint(NamedTuple):
     model: Transformer
     tokenizer: Tokenizer
-
-
-def default_device() -> torch.device:
-    """cuda when available, else cpu."""
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-def resolve_dtype(name: str) -> torch.dtype:
-    if name not in DTYPES:
-        raise ConfigError(f"dtype must be one of {list(DTYPES)}, got {name!r}")
-    return DTYPES[name]
 
 
 def stored_tensors(model: Transformer) -> dict[str, torch.Tensor]:
@@ -372,7 +359,8 @@ def load_checkpoint(
     except ConfigError as error:
         raise CheckpointError(f"{path / CONFIG_FILE}: {error}") from None
 
-    tensors = read_weights(path / WEIGHTS_FILE, config)
+    model = Transformer(config)  # its own tensors' shapes are what the file must hold
+    tensors = read_weights(path / WEIGHTS_FILE, model)
     if config.tie_embeddings:
         tensors["lm_head.weight"] = tensors["token_embedding.weight"]
 
@@ -383,15 +371,14 @@ def load_checkpoint(
             f"vocab_size is {config.vocab_size}"
         )
 
-    model = Transformer(config)
     model.load_state_dict(tensors)
-    model.to(device=device or default_device(), dtype=resolve_dtype(dtype))
+    model.to(device=device or resolve_device("auto"), dtype=resolve_dtype(dtype))
     return LoadedCheckpoint(model.eval(), tokenizer)
 
 
-def read_weights(weights_path: Path, config: ModelConfig) -> dict[str, torch.Tensor]:
-    """The tensors in ``weights_path`` (CPU), once they match ``config`` and their checksum."""
-    expected_digest = check_weights(weights_path, config)
+def read_weights(weights_path: Path, model: Transformer) -> dict[str, torch.Tensor]:
+    """The tensors in ``weights_path`` (CPU), once they match ``model`` and their checksum."""
+    expected_digest = check_weights(weights_path, model)
     raw = weights_path.read_bytes()
     if expected_digest is None:
         warnings.warn(
@@ -428,8 +415,9 @@ def with_positional(model: Transformer, overrides: dict[str, Any]) -> Transforme
     return variant
 
 
-def check_weights(weights_path: Path, config: ModelConfig) -> str | None:
-    """Check names, shapes and dtypes in ``weights_path`` against ``config``.
+def check_weights(weights_path: Path, model: Transformer) -> str | None:
+    """Check names, shapes and dtypes in ``weights_path`` against ``model`` (the shapes of its
+    stored tensors, the dtype its config says they are stored in).
 
     Returns the SHA-256 recorded in its metadata (None when it has none).
     """
@@ -442,8 +430,8 @@ def check_weights(weights_path: Path, config: ModelConfig) -> str | None:
                 stored[name] = (tuple(tensor.get_shape()), tensor.get_dtype())
     except SafetensorError as error:
         raise _unreadable(weights_path, error) from None
-    with torch.device("meta"):
-        expected = {name: tuple(t.shape) for name, t in stored_tensors(Transformer(config)).items()}
+    config = model.config
+    expected = {name: tuple(tensor.shape) for name, tensor in stored_tensors(model).items()}
     missing = sorted(set(expected) - set(stored))
     if missing:
         raise CheckpointError(f"{weights_path}: tensor {missing[0]!r} is missing")

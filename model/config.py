@@ -15,23 +15,20 @@ import dataclasses
 import functools
 import json
 import math
-import os
-import tempfile
 import typing
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from model.device import DTYPES
 from model.errors import ConfigError
-from model.positional import scheme_params
+from model.files import write_json_atomic
 
 NORMS = ("layernorm", "rmsnorm")
 # gelu_tanh is GPT-2's tanh approximation of GELU (also several times faster on CPU); relu2 is
 # ReLU squared (Primer; modded-nanogpt).
 MLPS = ("gelu", "gelu_tanh", "swiglu", "relu2")
-DTYPES = ("float32", "bfloat16", "float16")
 # adamw: AdamW for every parameter. muon: Muon (torch.optim.Muon) for the blocks' matrices,
 # AdamW for the embeddings, gains, biases and positional parameters.
 OPTIMIZERS = ("adamw", "muon")
@@ -117,7 +114,7 @@ class ModelConfig:
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if not isinstance(self.positional, dict) or "scheme" not in self.positional:
             raise ConfigError('positional must be a dict with a "scheme" key')
-        scheme_params(self)  # validates the scheme name and its parameters
+        _ = self.scheme_params  # validates the scheme name and its parameters (resolved once)
 
     @property
     def head_dim(self) -> int:
@@ -131,6 +128,15 @@ class ModelConfig:
     @property
     def scheme(self) -> str:
         return self.positional["scheme"]
+
+    @functools.cached_property
+    def scheme_params(self) -> Any:
+        """The scheme's parameter dataclass, checked once per config. The schemes (and torch)
+        are imported here, not with this module: reading a config, a preset or a default needs
+        no torch (litgpt's config resolves its classes lazily too)."""
+        from model.positional import scheme_params
+
+        return scheme_params(self)
 
     def replace(self, **changes: Any) -> ModelConfig:
         """A copy with some fields changed (validated again)."""
@@ -172,8 +178,8 @@ _TRAIN_CHOICES = {"optimizer": OPTIMIZERS, "sequence_starts": SEQUENCE_STARTS}
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """The training recipe. Its defaults are the ``shipped`` preset's (ordinal.py restates them
-    for ``--help``; tests/server/test_cli.py checks they agree).
+    """The training recipe. Its defaults are the ``shipped`` preset's (``ordinal train --help``
+    shows them, read from here).
 
     ``lr`` is AdamW's peak learning rate; under ``optimizer="muon"`` the blocks' matrices take
     ``muon_lr`` instead (Muon's updates are orthogonalised, so its scale is its own), on the
@@ -328,6 +334,16 @@ PRESETS: dict[str, Preset] = {
     ),
 }
 DEFAULT_PRESET = "shipped"
+# ModelConfig fields that `ordinal train` also takes as flags (--d-model 192, ...).
+MODEL_SIZE_FLAGS = (
+    "d_model",
+    "n_layers",
+    "n_heads",
+    "d_ff",
+    "context_length",
+    "max_positions",
+    "vocab_size",
+)
 
 
 def preset(name: str) -> Preset:
@@ -335,45 +351,3 @@ def preset(name: str) -> Preset:
     if name not in PRESETS:
         raise ConfigError(f"unknown preset {name!r}; valid: {sorted(PRESETS)}")
     return PRESETS[name]
-
-
-def write_json_atomic(path: str | os.PathLike[str], data: Any) -> None:
-    """Write JSON to ``path`` via a temp file in the same folder and os.replace."""
-    write_text_atomic(path, json.dumps(data, indent=2) + "\n")
-
-
-def write_text_atomic(path: str | os.PathLike[str], text: str) -> None:
-    """Write ``text`` to ``path`` via a temp file in the same folder and os.replace."""
-    write_atomic(path, lambda staging: staging.write_text(text))
-
-
-def write_figure_atomic(path: str | os.PathLike[str], figure: Any, dpi: int = 100) -> None:
-    """Save a matplotlib figure as PNG at ``path``, atomically (the staging name ends in
-    ``.tmp``, so the format is given rather than guessed from it)."""
-    write_atomic(path, lambda staging: figure.savefig(staging, format="png", dpi=dpi))
-
-
-def write_atomic(path: str | os.PathLike[str], write: Callable[[Path], object]) -> None:
-    """``write(staging)`` writes the file's content to ``staging`` (a temp file beside ``path``),
-    which then replaces ``path`` at once: readers see the old file or the new one, never a part.
-    Any writer that takes a path fits (``torch.save``, ``Figure.savefig``, ...)."""
-    with atomic_path(path) as staging:
-        write(staging)
-
-
-@contextmanager
-def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
-    """A temp path in ``path``'s folder; when the block ends without error it replaces ``path``
-    (readable by all: checkpoints are shared read-only); on error it is removed."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    staging = Path(name)
-    try:
-        yield staging
-        os.chmod(staging, 0o644)  # mkstemp makes it private
-        os.replace(staging, path)
-    except BaseException:
-        staging.unlink(missing_ok=True)
-        raise

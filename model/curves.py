@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from model.config import write_figure_atomic
+from model.files import write_figure_atomic
 
 METRICS_FILE = "metrics.json"
 SMOOTHING_STEPS = 50  # the train loss of one batch is noisy: a moving average over this many

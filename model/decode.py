@@ -24,13 +24,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Generic, Protocol, TypeVar
 
 import torch
 from torch import Tensor
 
 from model.cache import KVCache
-from model.sampling import FailureReason, RowSampler, SamplingBatch, token_logprobs
+from model.sampling import RowSampler, SamplingBatch, token_logprobs
+from model.sampling_params import FailureReason
 from model.transformer import Transformer
 
 GROW_FROM = (4, 64)  # (rows, positions) a growing cache starts with
@@ -69,18 +70,21 @@ class Row:
     index: int | None = None
 
 
+R = TypeVar("R", bound=Row)  # the caller's row type (the engine's Request is a Row)
+
+
 @dataclass(frozen=True)
-class Sampled:
+class Sampled(Generic[R]):
     """One step's draw: a token for each of ``rows`` (in row order), and the rows that failed
     (position in ``rows`` → why; their token is meaningless and they should leave)."""
 
-    rows: list[Row]
+    rows: list[R]
     tokens: list[int]
     failures: dict[int, FailureReason]
     logprobs: StepLogprobs | None
 
 
-class DecodeBatch:
+class DecodeBatch(Generic[R]):
     """Up to ``max_rows`` sequences of ``model``, each at most ``max_length`` tokens long.
 
     ``vocab`` is the tokenizer's vocabulary: logits past it (padding rows of the embedding) are
@@ -109,7 +113,7 @@ class DecodeBatch:
         self.cache = KVCache(
             model.config, max_rows, max_length, self.device, weights.dtype, reserve=reserve
         )
-        self.members: list[Row] = []  # members[i] is in cache row i
+        self.members: list[R] = []  # members[i] is in cache row i
         self.decoding = 0  # members[:decoding] decode; the rest are still prefilling
         self.inputs = torch.zeros(max_rows, dtype=torch.long, device=self.device)  # next token fed
         self.seen: Tensor | None = None  # [max_rows, vocab] bool, only while a penalty is in use
@@ -126,7 +130,7 @@ class DecodeBatch:
     def free(self) -> int:
         return self.cache.rows - len(self.members)
 
-    def step(self, chunks: Sequence[tuple[Row, int]] = ()) -> Sampled | None:
+    def step(self, chunks: Sequence[tuple[R, int]] = ()) -> Sampled[R] | None:
         """One decode step; ``chunks`` = (row, how many of its next prompt tokens to prefill).
 
         A chunk's row is either new (it joins at the next free row) or the row still
@@ -147,7 +151,7 @@ class DecodeBatch:
         tokens = self.inputs[:n].unsqueeze(1)
         return self.model(tokens, self.cache, rows=slice(0, n), last_only=True)[:, : self.vocab]
 
-    def _prefill(self, chunks: Sequence[tuple[Row, int]]) -> Tensor:
+    def _prefill(self, chunks: Sequence[tuple[R, int]]) -> Tensor:
         """Feed each chunk's prompt tokens in one ragged pass → logits [c, V] of the c rows
         whose prompt this completes (a prefix of ``chunks``)."""
         begins = self._check(chunks)
@@ -175,7 +179,7 @@ class DecodeBatch:
         self._start_decoding([row for row, _ in chunks[:complete]])
         return logits[:complete, : self.vocab]
 
-    def _check(self, chunks: Sequence[tuple[Row, int]]) -> list[int]:
+    def _check(self, chunks: Sequence[tuple[R, int]]) -> list[int]:
         """Where each chunk starts in its prompt; ValueError (and nothing changed) unless the
         chunks are the prefilling rows in order, then new rows that fit, and only the last
         leaves its prompt unfinished."""
@@ -195,7 +199,7 @@ class DecodeBatch:
                 raise ValueError("only the last chunk may leave its prompt unfinished")
         return begins
 
-    def _start_decoding(self, rows: list[Row]) -> None:
+    def _start_decoding(self, rows: list[R]) -> None:
         """``rows`` (the next after the decoding rows) have their whole prompt in the cache."""
         if not rows:
             return
@@ -210,7 +214,7 @@ class DecodeBatch:
             self.counts[span] = 0
         self._changed = True
 
-    def _sample(self, logits: Tensor) -> Sampled:
+    def _sample(self, logits: Tensor) -> Sampled[R]:
         """Draw every decoding row's next token from ``logits`` [d, V]; it is fed next step.
 
         A row that cannot be sampled is reported in ``failures`` (its token becomes
@@ -250,7 +254,7 @@ class DecodeBatch:
         logits = self.model(ids.unsqueeze(0))[0, :-1, : self.vocab]
         return token_logprobs(logits, ids[1:], top_n)
 
-    def remove(self, leaving: Sequence[Row]) -> None:
+    def remove(self, leaving: Sequence[R]) -> None:
         """Drop ``leaving``: the last decoding row fills each freed decoding slot, and the rows
         still prefilling shift down behind it, so both groups stay contiguous."""
         if not leaving:  # nothing changes: keep the sampler built for these rows
@@ -284,7 +288,7 @@ class DecodeBatch:
             self.counts[target] = self.counts[source]
         self.members[target], moved.index = moved, target
 
-    def clear(self) -> list[Row]:
+    def clear(self) -> list[R]:
         """Forget every row (after a failed step); returns the rows that were in the batch."""
         rows, self.members, self.decoding = self.members, [], 0
         self.cache.lengths.zero_()
@@ -314,7 +318,7 @@ class DecodeBatch:
         elif self.counts is None:
             self.counts = self._counts_of(sampled)
 
-    def _seen_of(self, rows: list[Row]) -> Tensor:
+    def _seen_of(self, rows: Sequence[Row]) -> Tensor:
         """The seen mask [max_rows, vocab] rebuilt from each row's prompt and generated tokens."""
         seen = torch.zeros(self.cache.rows, self.vocab, dtype=torch.bool, device=self.device)
         for row in rows:
@@ -322,7 +326,7 @@ class DecodeBatch:
             seen[row.index, torch.tensor(ids, device=self.device)] = True
         return seen
 
-    def _counts_of(self, rows: list[Row]) -> Tensor:
+    def _counts_of(self, rows: Sequence[Row]) -> Tensor:
         """The generated-token counts [max_rows, vocab] rebuilt from each row's tokens."""
         counts = torch.zeros(self.cache.rows, self.vocab, device=self.device)
         for row in rows:

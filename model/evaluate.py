@@ -39,9 +39,11 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from model.checkpoint import WEIGHTS_FILE, data_section, load_checkpoint
-from model.config import write_figure_atomic, write_json_atomic, write_text_atomic
 from model.corpus import load_corpus
 from model.data import IGNORE_INDEX, ValidationStream, validation_stream
+from model.device import resolve_device
+from model.files import write_figure_atomic, write_json_atomic, write_text_atomic
+from model.markdown import markdown_table
 from model.text_corpus import load_text_corpus
 from model.transformer import Transformer
 
@@ -167,7 +169,9 @@ def evaluate_checkpoint(
     overrides = None
     if variant is not None:
         overrides = {"scaling": variant[1], "scaling_factor": variant[2]}
-    model, tokenizer = load_checkpoint(path, device=_device(device), positional_overrides=overrides)
+    model, tokenizer = load_checkpoint(
+        path, device=resolve_device(device), positional_overrides=overrides
+    )
     documents = load_corpus().validation if data is None else load_text_corpus(data).validation
     stream = validation_stream(tokenizer, documents)
     context = model.config.context_length
@@ -195,12 +199,6 @@ def evaluate_checkpoint(
         "bpc": results.get("1x", {}).get("bpc"),
         "results": results,
     }
-
-
-def _device(name: str) -> str:
-    if name == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return name
 
 
 def same_results(old: dict[str, Any], new: dict[str, Any]) -> bool:
@@ -316,7 +314,7 @@ def results_table(reports: list[dict[str, Any]]) -> str:
     multiples = list(reports[0]["results"])
     header = ["scheme", "parameters", "training tokens", "train wall time"]
     header += [f"bpc at {m} ({reports[0]['results'][m]['window']} tokens)" for m in multiples]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    rows = []
     for report in reports:
         folder = Path(report["checkpoint"])
         metrics_path = folder / "metrics.json"
@@ -329,8 +327,8 @@ def results_table(reports: list[dict[str, Any]]) -> str:
         ]
         for result in report["results"].values():
             cells.append(f"{result['bpc']:.3f}" if result["supported"] else "past its table")
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+        rows.append(cells)
+    return "\n".join(markdown_table(header, rows)) + "\n"
 
 
 def checkpoint_folders(paths: list[Path]) -> list[Path]:

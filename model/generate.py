@@ -16,8 +16,9 @@ import torch
 from tokenizers import Tokenizer
 
 from model.decode import DecodeBatch, Row, Sampled, Tokens
-from model.sampling import RowSampler, SamplingParams, raise_if_failed
-from model.tokenizer import IncrementalDecoder, special_ids
+from model.sampling import RowSampler, raise_if_failed
+from model.sampling_params import SamplingParams
+from model.tokenizer import IncrementalDecoder, encode_prompt, special_ids
 from model.transformer import Transformer
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -117,13 +118,6 @@ class Completion:
     finish_reason: str
 
 
-def encode_prompt(tokenizer: Tokenizer, prompt: str | Sequence[int]) -> list[int]:
-    """Token ids for a prompt, starting with <|bos|> as every training sequence does."""
-    bos = special_ids(tokenizer).bos
-    ids = tokenizer.encode(prompt).ids if isinstance(prompt, str) else list(prompt)
-    return ids if ids[:1] == [bos] else [bos, *ids]
-
-
 def _check_room(model: Transformer, longest: int, max_new_tokens: int) -> None:
     limit = model.positional.max_positions
     if limit is not None and longest + max_new_tokens > limit:
@@ -139,7 +133,7 @@ def _start(
     """A batch holding ``rows``, their prompts prefilled in one ragged pass, and its first draw."""
     longest = max(len(row.tokens.prompt_ids) for row in rows)
     _check_room(model, longest, max_new_tokens)
-    batch = DecodeBatch(model, len(rows), longest + max_new_tokens, vocab, pad_id)
+    batch: DecodeBatch[Row] = DecodeBatch(model, len(rows), longest + max_new_tokens, vocab, pad_id)
     return batch, batch.step([(row, len(row.tokens.prompt_ids)) for row in rows])
 
 

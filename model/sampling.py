@@ -27,36 +27,25 @@ draw raised, and the other rows' tokens are exactly what they would have been wi
 
 from __future__ import annotations
 
-import math
+import dataclasses
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from enum import StrEnum
 from functools import partial
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
+from model.sampling_params import MIN_TEMPERATURE, FailureReason, SamplingParams
+
 # Float32 cumulative sums are off by about this much; mass within it of p counts as reaching p,
 # so that e.g. p = 0.85 over probabilities [0.5, 0.2, 0.15, ...] keeps exactly three tokens.
 _MASS_TOLERANCE = 1e-6
 
-# Below this a temperature is greedy (vLLM's _SAMPLING_EPS): logits / 1e-5 stay finite in
-# float32 for any logit under 3e33, and the argmax is what such a temperature converges to.
-MIN_TEMPERATURE = 1e-5
-# The CTRL penalty divides or multiplies logits by this; outside [0.01, 100] a float32 logit
-# can reach inf (and 0 × inf = NaN): no useful penalty lies there.
-MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
+logger = logging.getLogger("ordinal.sampling")
+
 _NO_UNIFORM = torch.zeros(1)  # the stand-in uniform of a row whose generator failed
-MAX_OPENAI_PENALTY = 2.0  # frequency and presence penalties lie in [-2, 2], as OpenAI's
-MAX_TOP_K = 2**63 - 1  # int64; callers cap top_k at their vocabulary first
-
-
-class FailureReason(StrEnum):
-    """Why one row of a batch could not be sampled (the metrics' ``reason`` label)."""
-
-    NON_FINITE_LOGITS = "non_finite_logits"
-    SAMPLING_ERROR = "sampling_error"
 
 
 class Draw(NamedTuple):
@@ -67,67 +56,53 @@ class Draw(NamedTuple):
 
 
 @dataclass(frozen=True)
-class SamplingParams:
-    """How one request turns logits into tokens. Defaults sample from the raw distribution."""
+class SamplingMetadata:
+    """Every row's stateless sampling parameters, one [B] column each, on the logits' device:
+    the one object the filters read (vLLM's ``SamplingMetadata``). A column is named after its
+    :class:`SamplingParams` field and takes that field's values (long for an int field, else
+    float32); a new stateless parameter is a field there, a column here and its filter."""
 
-    temperature: float = 1.0  # below MIN_TEMPERATURE (0 included) = greedy
-    top_k: int = 0  # 0 = off
-    top_p: float = 1.0  # 1 = off
-    min_p: float = 0.0  # 0 = off
-    repetition_penalty: float = 1.0  # 1 = off
-    frequency_penalty: float = 0.0  # OpenAI's, in [-2, 2]: 0 = off
-    presence_penalty: float = 0.0  # OpenAI's, in [-2, 2]: 0 = off
-    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit in [-100, 100])
-    seed: int | None = None  # None = nondeterministic
+    temperature: Tensor
+    top_k: Tensor
+    top_p: Tensor
+    min_p: Tensor
+    repetition_penalty: Tensor
+    frequency_penalty: Tensor
+    presence_penalty: Tensor
 
-    def __post_init__(self) -> None:
-        def require(ok: bool, field: str, valid: str) -> None:
-            if not ok:
-                raise ValueError(f"{field} must be {valid}, got {getattr(self, field)!r}")
-
-        def is_int(value: object) -> bool:
-            return isinstance(value, int) and not isinstance(value, bool)
-
-        require(
-            0 <= self.temperature < math.inf,
-            "temperature",
-            f"a finite number >= 0 (below {MIN_TEMPERATURE} = greedy)",
-        )
-        require(
-            is_int(self.top_k) and 0 <= self.top_k <= MAX_TOP_K,
-            "top_k",
-            "an integer in [0, 2**63) (0 = off)",
-        )
-        require(0 < self.top_p <= 1, "top_p", "in (0, 1] (1 = off)")
-        require(0 <= self.min_p <= 1, "min_p", "in [0, 1] (0 = off)")
-        require(
-            MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY,
-            "repetition_penalty",
-            f"in [{MIN_REPETITION_PENALTY}, {MAX_REPETITION_PENALTY:g}] (1 = off)",
-        )
-        for field in ("frequency_penalty", "presence_penalty"):
-            require(
-                -MAX_OPENAI_PENALTY <= getattr(self, field) <= MAX_OPENAI_PENALTY,
-                field,
-                "in [-2, 2]",
-            )
-        require(
-            all(
-                is_int(token) and token >= 0 and -100 <= bias <= 100
-                for token, bias in self.logit_bias
-            ),
-            "logit_bias",
-            "pairs of a token id >= 0 and a bias in [-100, 100]",
-        )
-        require(
-            self.seed is None or (is_int(self.seed) and 0 <= self.seed < 2**64),
-            "seed",
-            "None or an integer in [0, 2**64)",
+    @classmethod
+    def of(cls, params: Sequence[SamplingParams], device: torch.device | str) -> SamplingMetadata:
+        """The columns of ``params``, row i from ``params[i]``."""
+        return cls.filled(
+            len(params),
+            device,
+            **{name: [getattr(p, name) for p in params] for name in cls.names()},
         )
 
-    @property
-    def greedy(self) -> bool:
-        return self.temperature < MIN_TEMPERATURE
+    @classmethod
+    def filled(
+        cls, batch: int, device: torch.device | str, **given: Tensor | Sequence[float]
+    ) -> SamplingMetadata:
+        """``batch`` rows with the ``given`` columns and every other column at its default."""
+        defaults = SamplingParams()
+
+        def column(name: str) -> Tensor:
+            default = getattr(defaults, name)
+            dtype = torch.long if isinstance(default, int) else torch.float32
+            values = given.get(name, [default] * batch)
+            return torch.as_tensor(values, dtype=dtype, device=device)
+
+        return cls(**{name: column(name) for name in cls.names()})
+
+    @classmethod
+    def names(cls) -> list[str]:
+        return [field.name for field in dataclasses.fields(cls)]
+
+    def rows(self, index: Tensor | None) -> SamplingMetadata:
+        """The columns of the rows at ``index`` [b] (None: every row)."""
+        if index is None:
+            return self
+        return SamplingMetadata(**{name: getattr(self, name)[index] for name in self.names()})
 
 
 class RowSampler:
@@ -174,17 +149,7 @@ class SamplingBatch:
             raise ValueError("rows must hold at least one RowSampler")
         self.rows = tuple(rows)
         params = [row.params for row in self.rows]
-
-        def column(field: str, dtype: torch.dtype) -> Tensor:
-            return torch.tensor([getattr(p, field) for p in params], dtype=dtype, device=device)
-
-        self.temperature = column("temperature", torch.float32)
-        self.top_k = column("top_k", torch.long)
-        self.top_p = column("top_p", torch.float32)
-        self.min_p = column("min_p", torch.float32)
-        self.repetition_penalty = column("repetition_penalty", torch.float32)
-        self.frequency_penalty = column("frequency_penalty", torch.float32)
-        self.presence_penalty = column("presence_penalty", torch.float32)
+        self.metadata = SamplingMetadata.of(params, device)
         self.all_greedy = all(p.greedy for p in params)
         self.uses_penalty = any(p.repetition_penalty != 1.0 for p in params)
         self.uses_counts = any(p.frequency_penalty or p.presence_penalty for p in params)
@@ -200,18 +165,10 @@ class SamplingBatch:
     def _group(self, indices: list[int], kind: str, device: torch.device | str) -> _RowGroup:
         everyone = len(indices) == len(self.rows)
         index = None if everyone else torch.tensor(indices, device=device)
-
-        def rows_of(column: Tensor) -> Tensor:
-            return column if index is None else column[index]
-
         if kind == "greedy":
-            draw = _draw_greedy
-        elif kind == "vocabulary order":
-            draw = partial(_draw_unsorted, rows_of(self.temperature), rows_of(self.min_p))
-        else:
-            columns = (self.temperature, self.top_k, self.top_p, self.min_p)
-            draw = partial(_draw_sorted, *map(rows_of, columns))
-        return _RowGroup(index, draw)
+            return _RowGroup(index, _draw_greedy)
+        draw = _draw_unsorted if kind == "vocabulary order" else _draw_sorted
+        return _RowGroup(index, partial(draw, self.metadata.rows(index)))
 
     def sample(
         self, logits: Tensor, seen: Tensor | None = None, counts: Tensor | None = None
@@ -252,6 +209,7 @@ class SamplingBatch:
         try:
             tokens = self._draw(logits, history, uniforms)
         except Exception:  # find the rows at fault: each draws alone, with its own uniform
+            logger.exception("the batch's draw raised: drawing its %d rows one by one", batch)
             tokens = self._draw_each(logits, history, uniforms, failures)
         outside = (tokens < 0) | (tokens >= vocab)
         if outside.any():
@@ -268,6 +226,7 @@ class SamplingBatch:
             try:
                 drawn.append(row.next_uniform())
             except Exception:
+                logger.exception("row %d: its generator raised", index)
                 failures[index] = FailureReason.SAMPLING_ERROR
                 drawn.append(_NO_UNIFORM)
         return torch.cat(drawn).to(device)
@@ -288,11 +247,12 @@ class SamplingBatch:
         """Steps 0-1 of the module docstring: logit bias, then the penalties. [B, V] float32."""
         if self.uses_bias:
             logits = logits + self._bias_table(logits)
+        meta = self.metadata
         if history.seen is not None and self.uses_penalty:
-            logits = apply_repetition_penalty(logits, history.seen, self.repetition_penalty)
+            logits = apply_repetition_penalty(logits, history.seen, meta.repetition_penalty)
         if history.counts is not None and self.uses_counts:
             logits = apply_frequency_presence_penalties(
-                logits, history.counts, self.frequency_penalty, self.presence_penalty
+                logits, history.counts, meta.frequency_penalty, meta.presence_penalty
             )
         return logits
 
@@ -328,6 +288,7 @@ class SamplingBatch:
                     None if uniforms is None or row.params.greedy else uniforms[alone],
                 )
             except Exception:
+                logger.exception("row %d could not be sampled", index)
                 failures[index] = FailureReason.SAMPLING_ERROR
         return tokens
 
@@ -355,30 +316,21 @@ def _draw_greedy(logits: Tensor, uniforms: Tensor | None) -> Tensor:
     return logits.argmax(dim=-1)
 
 
-def _draw_unsorted(
-    temperature: Tensor, min_p: Tensor, logits: Tensor, uniforms: Tensor | None
-) -> Tensor:
+def _draw_unsorted(meta: SamplingMetadata, logits: Tensor, uniforms: Tensor | None) -> Tensor:
     """Temperature and min-p only: both keep the distribution's order, so no sort is needed.
 
-    temperature, min_p [b]; logits [b, V]; uniforms [b]. Returns [b] long.
+    meta: b rows; logits [b, V]; uniforms [b]. Returns [b] long.
     """
     assert uniforms is not None
-    probs = _unsorted_stages(logits, temperature, min_p)[-1].probs
+    probs = _unsorted_stages(logits, meta)[-1].probs
     return _draw_inverse_cdf(probs, None, uniforms)
 
 
-def _draw_sorted(
-    temperature: Tensor,
-    top_k: Tensor,
-    top_p: Tensor,
-    min_p: Tensor,
-    logits: Tensor,
-    uniforms: Tensor | None,
-) -> Tensor:
+def _draw_sorted(meta: SamplingMetadata, logits: Tensor, uniforms: Tensor | None) -> Tensor:
     """Any filters, in the sorted order top-k and top-p need. Shapes as in _draw_unsorted."""
     assert uniforms is not None
-    sorted_probs, sorted_ids = _sorted_filtered_probs(logits, temperature, top_k, top_p, min_p)
-    return _draw_inverse_cdf(sorted_probs, sorted_ids, uniforms)
+    stages, sorted_ids = _sorted_stages(logits, meta)
+    return _draw_inverse_cdf(stages[-1].probs, sorted_ids, uniforms)
 
 
 def apply_repetition_penalty(logits: Tensor, seen: Tensor, penalty: Tensor) -> Tensor:
@@ -431,16 +383,16 @@ def _check_seen(seen: Tensor, logits: Tensor) -> None:
         )
 
 
-def filtered_probs(
-    logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor
-) -> Tensor:
+def filtered_probs(logits: Tensor, **columns: Tensor) -> Tensor:
     """The distribution each row samples from, after steps 2-5 of the module docstring.
 
-    logits [B, V]; temperature, top_p, min_p [B] float; top_k [B] long. Returns [B, V] float32
-    in vocabulary order, each row summing to 1 (one-hot at the argmax where temperature is 0).
+    logits [B, V]; ``columns``: any of :class:`SamplingMetadata`'s [B] columns (``temperature``,
+    ``top_k``, ...), the others off. Returns [B, V] float32 in vocabulary order, each row summing
+    to 1 (one-hot at the argmax where temperature is 0).
     """
-    sorted_probs, sorted_ids = _sorted_filtered_probs(logits, temperature, top_k, top_p, min_p)
-    return torch.zeros_like(sorted_probs).scatter(-1, sorted_ids, sorted_probs)
+    meta = SamplingMetadata.filled(logits.shape[0], logits.device, **columns)
+    stages, sorted_ids = _sorted_stages(logits, meta)
+    return torch.zeros_like(stages[-1].probs).scatter(-1, sorted_ids, stages[-1].probs)
 
 
 def token_logprobs(logits: Tensor, tokens: Tensor, top_n: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -458,18 +410,6 @@ def token_logprobs(logits: Tensor, tokens: Tensor, top_n: int) -> tuple[Tensor, 
     return chosen, top_values, top_ids
 
 
-def _sorted_filtered_probs(
-    logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor
-) -> tuple[Tensor, Tensor]:
-    """Filtered, renormalised probabilities sorted descending, with their token ids.
-
-    Shapes as in :func:`filtered_probs`; returns (probs [B, V] float32, ids [B, V] long).
-    Every filter keeps a prefix of the sorted order, which is why sorting once is enough.
-    """
-    stages, sorted_ids = _sorted_stages(logits, temperature, top_k, top_p, min_p)
-    return stages[-1].probs, sorted_ids
-
-
 class Stage(NamedTuple):
     """The distribution after one sampling stage: ``probs`` [B, V] (or [V] for one row)."""
 
@@ -477,15 +417,15 @@ class Stage(NamedTuple):
     probs: Tensor
 
 
-def _sorted_stages(
-    logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor
-) -> tuple[list[Stage], Tensor]:
+def _sorted_stages(logits: Tensor, meta: SamplingMetadata) -> tuple[list[Stage], Tensor]:
     """Steps 2-5 of the module docstring in sorted order, keeping the result of each step.
 
-    Shapes as in :func:`filtered_probs`. Returns the stages temperature, top_k, top_p, min_p
-    (each probs [B, V] float32, sorted descending, rows summing to 1) and the token id of each
-    sorted column [B, V] long. The sampler draws from the last stage.
+    logits [B, V]; meta: B rows. Returns the stages temperature, top_k, top_p, min_p (each
+    probs [B, V] float32, sorted descending, rows summing to 1) and the token id of each sorted
+    column [B, V] long. The sampler draws from the last stage. Every filter keeps a prefix of
+    the sorted order, which is why sorting once is enough.
     """
+    temperature = meta.temperature
     greedy = temperature < MIN_TEMPERATURE
     safe_temperature = torch.where(greedy, torch.ones_like(temperature), temperature)
     scaled = logits.float() / safe_temperature.unsqueeze(-1)
@@ -498,28 +438,28 @@ def _sorted_stages(
     stages = [Stage("temperature", probs)]
 
     # k = 0 (off) keeps the whole vocabulary.
-    k = torch.where(top_k > 0, top_k, probs.shape[-1])
+    k = torch.where(meta.top_k > 0, meta.top_k, probs.shape[-1])
     probs = _renormalise(probs * (rank < k.unsqueeze(-1)))
     stages.append(Stage("top_k", probs))
 
     mass_before = probs.cumsum(dim=-1) - probs
-    top_p = top_p.unsqueeze(-1)
+    top_p = meta.top_p.unsqueeze(-1)
     reached = mass_before >= top_p - _MASS_TOLERANCE
     probs = _renormalise(probs * ((rank == 0) | (top_p >= 1) | ~reached))
     stages.append(Stage("top_p", probs))
 
-    stages.append(Stage("min_p", _min_p_filter(probs, min_p)))
+    stages.append(Stage("min_p", _min_p_filter(probs, meta.min_p)))
     return stages, sorted_ids
 
 
-def _unsorted_stages(logits: Tensor, temperature: Tensor, min_p: Tensor) -> list[Stage]:
+def _unsorted_stages(logits: Tensor, meta: SamplingMetadata) -> list[Stage]:
     """Temperature then min-p in vocabulary order (both keep the order, so no sort is needed).
 
-    logits [B, V]; temperature (every row ≥ MIN_TEMPERATURE), min_p [B]. Returns the stages
+    logits [B, V]; meta: B rows, every temperature ≥ MIN_TEMPERATURE. Returns the stages
     temperature and min_p, each probs [B, V] float32 in vocabulary order.
     """
-    probs = (logits / temperature.unsqueeze(-1)).softmax(dim=-1)
-    return [Stage("temperature", probs), Stage("min_p", _min_p_filter(probs, min_p))]
+    probs = (logits / meta.temperature.unsqueeze(-1)).softmax(dim=-1)
+    return [Stage("temperature", probs), Stage("min_p", _min_p_filter(probs, meta.min_p))]
 
 
 def _min_p_filter(probs: Tensor, min_p: Tensor) -> Tensor:
@@ -549,25 +489,24 @@ def sampling_stages(
     along the same path (sorted, or vocabulary order without top-k and top-p).
     """
     logits = logits.float().unsqueeze(0)
-    columns = SamplingBatch([RowSampler(params)], logits.device)
+    batch = SamplingBatch([RowSampler(params)], logits.device)
+    meta = batch.metadata
     stages = [Stage("logits", logits.softmax(dim=-1))]
     if params.logit_bias:
-        logits = logits + columns._bias_table(logits)
+        logits = logits + batch._bias_table(logits)
         stages.append(Stage("logit_bias", logits.softmax(dim=-1)))
     if seen is not None and params.repetition_penalty != 1.0:
-        logits = apply_repetition_penalty(logits, seen.unsqueeze(0), columns.repetition_penalty)
+        logits = apply_repetition_penalty(logits, seen.unsqueeze(0), meta.repetition_penalty)
         stages.append(Stage("repetition_penalty", logits.softmax(dim=-1)))
-    if counts is not None and columns.uses_counts:
+    if counts is not None and batch.uses_counts:
         logits = apply_frequency_presence_penalties(
-            logits, counts.unsqueeze(0), columns.frequency_penalty, columns.presence_penalty
+            logits, counts.unsqueeze(0), meta.frequency_penalty, meta.presence_penalty
         )
         stages.append(Stage("frequency_presence_penalty", logits.softmax(dim=-1)))
     if _path(params) == "vocabulary order":
-        filtered = _unsorted_stages(logits, columns.temperature, columns.min_p)
+        filtered = _unsorted_stages(logits, meta)
     else:  # greedy rows take the argmax, which is the first sorted token
-        sorted_stages, ids = _sorted_stages(
-            logits, columns.temperature, columns.top_k, columns.top_p, columns.min_p
-        )
+        sorted_stages, ids = _sorted_stages(logits, meta)
         filtered = [
             Stage(stage.name, torch.zeros_like(stage.probs).scatter(-1, ids, stage.probs))
             for stage in sorted_stages

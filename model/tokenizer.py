@@ -20,12 +20,14 @@ import json
 import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from model.config import write_text_atomic
+from model.files import write_text_atomic
+
+if TYPE_CHECKING:  # torch only for the annotation: the API process tokenizes without it
+    from torch import Tensor
 
 SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|pad|>")
 BOS, EOS, PAD = SPECIAL_TOKENS
@@ -176,7 +178,7 @@ class IncrementalDecoder:
         return self._utf8.decode(b"", final=True)
 
 
-def count_characters(tokenizer: Tokenizer, ids: Sequence[int] | torch.Tensor) -> int:
+def count_characters(tokenizer: Tokenizer, ids: Sequence[int] | Tensor) -> int:
     """How many characters ``ids`` stand for, the denominator of bits-per-character.
 
     Ordinary ids count the characters (code points) they decode to. Each ``<|eos|>`` counts as
@@ -184,12 +186,39 @@ def count_characters(tokenizer: Tokenizer, ids: Sequence[int] | torch.Tensor) ->
     model would also have to predict. ``<|bos|>`` and ``<|pad|>`` count zero: nothing predicts
     them. ``ids``: a list of ints or a 1-D integer tensor.
     """
-    if isinstance(ids, torch.Tensor):
+    if not isinstance(ids, Sequence):  # a tensor
         ids = ids.tolist()
     table = token_bytes(tokenizer)
     text = b"".join(table[id_] for id_ in ids).decode("utf-8", errors="replace")
     eos = special_ids(tokenizer).eos
     return len(text) + sum(1 for id_ in ids if id_ == eos)
+
+
+def encode_prompt(tokenizer: Tokenizer, prompt: str | Sequence[int]) -> list[int]:
+    """Token ids for a prompt, starting with <|bos|> as every training sequence does."""
+    bos = special_ids(tokenizer).bos
+    ids = tokenizer.encode(prompt).ids if isinstance(prompt, str) else list(prompt)
+    return ids if ids[:1] == [bos] else [bos, *ids]
+
+
+class VocabularyTables(NamedTuple):
+    """What both server processes compute once per tokenizer: the API to write responses, the
+    engine to decode and trace."""
+
+    token_bytes: list[bytes]  # id → raw bytes (specials: b"")
+    token_strings: list[str]  # id → the token as logprobs name it (specials by name)
+    bos: int
+    eos: int
+
+
+def vocabulary_tables(tokenizer: Tokenizer) -> VocabularyTables:
+    """The tables of ``tokenizer``; invalid UTF-8 in a token's text is backslash-escaped."""
+    table = token_bytes(tokenizer)
+    strings = [piece.decode("utf-8", errors="backslashreplace") for piece in table]
+    specials = special_ids(tokenizer)
+    for special in specials:
+        strings[special] = tokenizer.id_to_token(special) or ""
+    return VocabularyTables(table, strings, specials.bos, specials.eos)
 
 
 def save_tokenizer(tokenizer: Tokenizer, path: str | os.PathLike[str]) -> None:

@@ -42,13 +42,12 @@ from tqdm import tqdm
 from model.checkpoint import save_checkpoint
 from model.config import (
     DEFAULT_PRESET,
+    MODEL_SIZE_FLAGS,
     PRESETS,
     ConfigError,
     ModelConfig,
     TrainConfig,
     preset,
-    write_atomic,
-    write_json_atomic,
 )
 from model.corpus import Corpus, load_corpus
 from model.data import (
@@ -59,6 +58,8 @@ from model.data import (
     line_break_ids,
     validation_stream,
 )
+from model.device import resolve_device
+from model.files import write_atomic, write_json_atomic
 from model.geometry.corpus import measure_corpus
 from model.geometry.metrics import classical_mds
 from model.positional import MdsPositions
@@ -87,17 +88,6 @@ DEFAULT_MODEL: dict[str, Any] = dict(PRESETS[DEFAULT_PRESET].model)
 DEFAULT_POSITIONAL: dict[str, dict[str, Any]] = {
     scheme: dict(params) for scheme, params in PRESETS[DEFAULT_PRESET].positional.items()
 }
-
-# ModelConfig fields that `ordinal train` also takes as flags (--d-model 192, ...).
-MODEL_SIZE_FLAGS = (
-    "d_model",
-    "n_layers",
-    "n_heads",
-    "d_ff",
-    "context_length",
-    "max_positions",
-    "vocab_size",
-)
 
 
 def read_config_file(path: Path) -> dict[str, dict[str, Any]]:
@@ -231,13 +221,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         )
     finally:
         dist.destroy_process_group()
-
-
-def resolve_device(name: str) -> torch.device:
-    """``auto`` → cuda when available, else cpu; any other name as given."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
 
 
 def _global_sum(value: torch.Tensor, world: int) -> torch.Tensor:

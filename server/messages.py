@@ -9,21 +9,47 @@ API → engine: :class:`EngineConfig` (once, first), then :data:`ToEngine` messa
 Engine → API: :data:`FromEngine` messages. A job (one ``Submit``) ends with exactly one
 terminal event: its last :class:`Token` (``finish_reason`` set), :class:`Failed`,
 :class:`Dropped` (the answer to a ``Cancel``), or :class:`Scores` when it only scores its
-prompt. Times are ``time.monotonic()``, one clock for every process on the machine.
+prompt. A :class:`Call` (work that generates nothing, such as a trace) ends with its
+:class:`Returned` or a :class:`Failed`. Times are ``time.monotonic()``, one clock for every
+process on the machine.
+
+Both processes import this module, and it imports nothing of either: only msgspec and the
+torch-free ``model.sampling_params``.
 """
 
 from __future__ import annotations
 
+import re
 import select
 import socket
 import struct
+from pathlib import Path
 from typing import Any
 
 import msgspec
 
-from model.sampling import SamplingParams
+from model.sampling_params import SamplingParams
+
+# The metrics' failure reasons the engine reports itself (beside model.sampling_params'
+# FailureReason, a row's own failure); the API process adds its own (server.api.metrics).
+MODEL_ERROR = "model_error"  # the batch's forward pass raised: every row in it failed
+SHUTDOWN = "shutdown"  # the server stopped while the request was running or queued
 
 HEADER = struct.Struct("!I")  # the payload's length in bytes
+
+# A rope model's context-extension variant, as EngineConfig.rope_variants names it.
+ROPE_VARIANT = re.compile(r"^(linear|ntk|dynamic|yarn)([0-9]+(?:\.[0-9]+)?)$")
+
+
+def parse_rope_variant(variant: str) -> tuple[str, float]:
+    """ "yarn4" → ("yarn", 4.0): a rope scaling of model.positional.rope and its factor ≥ 1."""
+    match = ROPE_VARIANT.match(variant)
+    if match is None or float(match[2]) < 1:
+        raise ValueError(
+            f"rope variant {variant!r} is not SCALING+FACTOR with SCALING one of linear, ntk, "
+            "dynamic, yarn and FACTOR ≥ 1 (e.g. yarn4)"
+        )
+    return match[1], float(match[2])
 
 
 class EngineConfig(msgspec.Struct, tag=True):
@@ -38,7 +64,7 @@ class EngineConfig(msgspec.Struct, tag=True):
     max_context: int | None
     prefill_chunk: int
     stream_interval: float
-    rope_variants: list[str]
+    rope_variants: list[str]  # "yarn4": parse_rope_variant
 
 
 class Submit(msgspec.Struct, tag=True, array_like=True):
@@ -60,13 +86,15 @@ class Cancel(msgspec.Struct, tag=True, array_like=True):
     id: int
 
 
-class Trace(msgspec.Struct, tag=True, array_like=True):
-    """Trace one prompt (``POST /v1/trace``); ``request`` is the validated TraceRequest's JSON."""
+class Call(msgspec.Struct, tag=True, array_like=True):
+    """Run the engine function ``method`` (``server.engine.calls.CALLS``) on one model, with
+    ``args`` as its keyword arguments (already checked by the API process): one message for
+    every endpoint that computes with the weights but generates nothing (``POST /v1/trace``)."""
 
     id: int
     model: str
-    prompt_ids: list[int]
-    request: bytes
+    method: str
+    args: dict[str, Any]
 
 
 class Shutdown(msgspec.Struct, tag=True, array_like=True):
@@ -93,7 +121,16 @@ class ModelLoaded(msgspec.Struct, tag=True, array_like=True):
 
 class ModelFailed(msgspec.Struct, tag=True, array_like=True):
     name: str
-    message: str  # paths relative to the checkpoints folder
+    message: str  # paths relative to the checkpoints folder (failure_message)
+
+
+def failure_message(error: Exception, root: Path) -> str:
+    """What went wrong loading a model, with paths relative to the checkpoints folder (a
+    client has no business knowing where the server keeps its files)."""
+    message = str(error) if isinstance(error, ValueError) else f"{type(error).__name__}: {error}"
+    for prefix in {str(root.resolve()), str(root)}:
+        message = message.replace(prefix.rstrip("/") + "/", "")
+    return message
 
 
 class Token(msgspec.Struct, tag=True, array_like=True):
@@ -118,7 +155,7 @@ class Scores(msgspec.Struct, tag=True, array_like=True):
 
 
 class Failed(msgspec.Struct, tag=True, array_like=True):
-    """The job (or trace) ended with an error, answered to its client as this status."""
+    """The job (or call) ended with an error, answered to its client as this status."""
 
     id: int
     status: int
@@ -166,13 +203,15 @@ class Outputs(msgspec.Struct, tag=True, array_like=True):
     stats: list[ModelStats]
 
 
-class TraceDone(msgspec.Struct, tag=True, array_like=True):
+class Returned(msgspec.Struct, tag=True, array_like=True):
+    """What a :class:`Call` returned, as the JSON its endpoint answers."""
+
     id: int
-    body: bytes  # the trace's JSON
+    body: bytes
 
 
-ToEngine = Submit | Cancel | Trace | Shutdown
-FromEngine = ModelLoaded | ModelFailed | Outputs | TraceDone
+ToEngine = Submit | Cancel | Call | Shutdown
+FromEngine = ModelLoaded | ModelFailed | Outputs | Returned
 
 _encoder = msgspec.msgpack.Encoder()
 

@@ -19,8 +19,9 @@ import torch
 from safetensors import safe_open
 
 from model.checkpoint import WEIGHTS_FILE, load_checkpoint
-from model.generate import encode_prompt, generate
+from model.generate import generate
 from model.positional import SCHEMES
+from model.tokenizer import encode_prompt
 
 SHIPPED = Path(__file__).resolve().parent.parent / "checkpoints"
 SHIPPED_SCHEMES = (

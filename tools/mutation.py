@@ -221,7 +221,7 @@ def main(argv: list[str] | None = None) -> None:
     # Imported here, never at the top: the --run-mutmut child runs this module, and a `model`
     # imported before mutmut puts mutants/ first on sys.path would be the unmutated one, so the
     # tests would never reach a mutant (mutmut: "could not find any test case for any mutant").
-    from model.config import write_text_atomic
+    from model.files import write_text_atomic
 
     write_text_atomic(REPORT, report)
     print(f"\n{report}", end="")

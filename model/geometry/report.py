@@ -25,8 +25,9 @@ import torch
 from matplotlib.figure import Figure
 from tqdm import tqdm
 
-from model.config import ModelConfig, write_figure_atomic, write_json_atomic, write_text_atomic
+from model.config import ModelConfig
 from model.data import boundary_sequences, encode_documents
+from model.files import write_figure_atomic, write_json_atomic, write_text_atomic
 from model.geometry.corpus import CorpusGeometry, measure_corpus
 from model.geometry.metrics import (
     GeometryInputError,
@@ -48,6 +49,7 @@ from model.geometry.synthetic import (
     synthetic_corpus,
     synthetic_figures,
 )
+from model.markdown import markdown_table
 from model.positional import MdsPositions, PositionalScheme, PositionOutOfRange
 
 CORPORA = ("synthetic", "shakespeare")
@@ -398,14 +400,8 @@ def _number(value: Any, digits: int = 3) -> str:
 
 
 def _table(header: list[str], rows: list[list[Any]]) -> list[str]:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += [
-        "| "
-        + " | ".join(_number(cell) if not isinstance(cell, str) else cell for cell in row)
-        + " |"
-        for row in rows
-    ]
-    return [*lines, ""]
+    cells = [[cell if isinstance(cell, str) else _number(cell) for cell in row] for row in rows]
+    return [*markdown_table(header, cells), ""]
 
 
 def report_markdown(report: dict[str, Any]) -> str:
@@ -484,26 +480,8 @@ def report_markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of ``ordinal geometry``."""
-    parser.add_argument("--out", required=True, type=Path, help="folder for report.json and PNGs")
-    parser.add_argument("--corpus", default="synthetic", help=f"{CORPORA} or a text's path")
-    parser.add_argument(
-        "--checkpoint",
-        dest="checkpoints",
-        action="append",
-        type=Path,
-        default=[],
-        help="checkpoint folder whose scheme to measure (repeatable); default: all schemes",
-    )
-    parser.add_argument("--n-positions", type=int, help="positions analysed")
-    parser.add_argument("--d-model", type=int, default=128, help="width of untrained schemes")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--tokenizer", type=Path, help="tokenizer.json for a text corpus")
-
-
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Write the report per ``args`` (see add_arguments) and print where it went."""
+    """Write the report per ``args`` (``ordinal geometry``'s options) and print where it went."""
     report = write_report(
         args.out,
         args.corpus,

@@ -24,7 +24,7 @@ from tokenizers import Tokenizer
 
 from model.chat import ChatTemplate
 from model.checkpoint import load_checkpoint
-from model.config import write_atomic
+from model.files import write_atomic
 from model.interop.hf_export import (
     ExportError,
     hf_chat_template,

@@ -82,7 +82,7 @@ EXPORTED_FIELDS = {
     "positional",
     "dtype",  # the stored dtype; an export is float32
 }
-# How far a formula scheme is served by default (server.api.service.context_limit: 4 × the
+# How far a formula scheme is served by default (server.engine.loader.context_limit: 4 × the
 # trained context), which is what an export declares as its reach.
 SERVED_CONTEXT_MULTIPLE = 4
 

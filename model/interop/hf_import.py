@@ -36,8 +36,9 @@ from tokenizers import Tokenizer
 from torch import Tensor
 
 from model.chat import DEFAULT_TEMPLATE
-from model.checkpoint import DTYPES, TOKENIZER_FILE, save_checkpoint
+from model.checkpoint import TOKENIZER_FILE, save_checkpoint
 from model.config import ModelConfig
+from model.device import DTYPES
 from model.tokenizer import (
     name_special_tokens,
     special_ids,

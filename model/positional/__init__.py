@@ -68,7 +68,7 @@ def scheme_params(config: ModelConfig) -> Any:
 def build_scheme(config: ModelConfig) -> PositionalScheme:
     """The positional module for ``config``."""
     try:
-        return SCHEMES[config.scheme](config, scheme_params(config))
+        return SCHEMES[config.scheme](config, config.scheme_params)
     except ValueError as error:
         if isinstance(error, ConfigError):
             raise

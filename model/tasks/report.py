@@ -16,7 +16,8 @@ from typing import Any
 
 from matplotlib.figure import Figure
 
-from model.config import write_figure_atomic, write_text_atomic
+from model.files import write_figure_atomic, write_text_atomic
+from model.markdown import markdown_table
 from model.tasks import TASKS, TaskError
 from model.tasks.claims import CLAIMS, FAILS, HOLDS, LEARNED, overall, past_l_retention
 from model.tasks.results import Summary, format_mean, load_results
@@ -217,36 +218,32 @@ def _plural(count: int, noun: str) -> str:
 
 
 def _task_table(found: list[Summary]) -> str:
-    rows = [
-        "## The tasks",
-        "",
-        "| task | what is asked | vocabulary | answers per sequence at L | chance at L |",
-        "|---|---|---|---|---|",
-    ]
+    header = ["task", "what is asked", "vocabulary", "answers per sequence at L", "chance at L"]
+    cells = []
     for name in _tasks(found):
         first = next(s for s in found if s.task == name)
         answers = sum(first.result["answers"][str(first.length)])
         per_sequence = answers / first.result["settings"]["test_sequences"]
         task = TASKS[name]
         summary = task.summary.replace("|", "\\|")  # a bare | would end the table cell
-        rows.append(
-            f"| {name} | {summary} | {task.vocab_size} | {per_sequence:.1f} | {first.chance:.2f} |"
+        cells.append(
+            [name, summary, str(task.vocab_size), f"{per_sequence:.1f}", f"{first.chance:.2f}"]
         )
-    return "\n".join(rows)
+    return "\n".join(["## The tasks", "", *markdown_table(header, cells)])
 
 
 def _accuracy_table(found: list[Summary]) -> str:
     names, tests = _tasks(found), sorted(found[0].accuracy)
     length = found[0].length
     header = ["scheme", *(f"{name} {t // length}L" for name in names for t in tests)]
-    rows = ["## Accuracy", "", "| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
+    rows = []
     for scheme in _schemes(found):
         cells = [scheme]
         for name in names:
             summary = _find(found, scheme, name)
             cells += [format_mean(summary, t) if summary else "–" for t in tests]
-        rows.append("| " + " | ".join(cells) + " |")
-    return "\n".join(rows)
+        rows.append(cells)
+    return "\n".join(["## Accuracy", "", *markdown_table(header, rows)])
 
 
 def _find(found: list[Summary], scheme: str, name: str) -> Summary | None:
@@ -264,7 +261,7 @@ def _past_l_table(found: list[Summary]) -> str:
     if not names or 2 * length not in found[0].accuracy:
         return "## Before and past L\n\nNo stationary task was tested at 2L."
     header = ["scheme", *(f"{name} {part}" for name in names for part in ("< L", "≥ L", "kept"))]
-    rows = [
+    intro = [
         "## Before and past L",
         "",
         f"{' and '.join(names)} are stationary (the first n tokens of a longer sequence are "
@@ -273,9 +270,8 @@ def _past_l_table(found: list[Summary]) -> str:
         "positions differ: accuracy on each side, and the share of the margin above chance "
         "kept past L (means over seeds).",
         "",
-        "| " + " | ".join(header) + " |",
-        "|---" * len(header) + "|",
     ]
+    rows = []
     for scheme in _schemes(found):
         cells = [scheme]
         for name in names:
@@ -286,8 +282,8 @@ def _past_l_table(found: list[Summary]) -> str:
             before = summary.window(2 * length, 0, length)
             past = summary.window(2 * length, length, 2 * length)
             cells += [_figure(value) for value in (before, past, past_l_retention(summary))]
-        rows.append("| " + " | ".join(cells) + " |")
-    return "\n".join(rows)
+        rows.append(cells)
+    return "\n".join([*intro, *markdown_table(header, rows)])
 
 
 def _figure(value: float | None) -> str:
@@ -296,7 +292,7 @@ def _figure(value: float | None) -> str:
 
 def _claims_table(found: list[Summary]) -> str:
     names = _tasks(found)
-    rows = [
+    intro = [
         "## The seeds' claims, measured",
         "",
         "Each claim of the seeds, what it predicts these tasks would show, and whether they show "
@@ -307,16 +303,12 @@ def _claims_table(found: list[Summary]) -> str:
         f"(the table above); ≥ {HOLDS:g} counts as kept, below {FAILS:g} as lost, between as "
         "partly. Computed by model/tasks/claims.py from the results.",
         "",
-        "| scheme | claim | what would show it | " + " | ".join(names) + " | overall |",
-        "|---" * (len(names) + 4) + "|",
     ]
+    header = ["scheme", "claim", "what would show it", *names, "overall"]
+    rows = []
     for claim in (claim for claim in CLAIMS if claim.scheme in _schemes(found)):
         summaries_of = [_find(found, claim.scheme, name) for name in names]
         verdicts = [claim.judge(s) for s in summaries_of if s is not None]
         cells = ["–" if s is None else claim.judge(s).cell() for s in summaries_of]
-        rows.append(
-            f"| {claim.scheme} | {claim.claim} | {claim.prediction} | "
-            + " | ".join(cells)
-            + f" | {overall(verdicts)} |"
-        )
-    return "\n".join(rows)
+        rows.append([claim.scheme, claim.claim, claim.prediction, *cells, overall(verdicts)])
+    return "\n".join([*intro, *markdown_table(header, rows)])

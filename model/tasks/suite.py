@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from model.config import write_json_atomic
+from model.files import write_json_atomic
 from model.positional import SCHEMES
 from model.tasks import TASKS, TaskError, task
 from model.tasks.report import DEFAULT_OUT, DEFAULT_SEEDS, write_report

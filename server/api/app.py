@@ -1,4 +1,4 @@
-"""The FastAPI app (``create_app``) and ``ordinal serve`` (``add_arguments``, ``run``)."""
+"""The FastAPI app (``create_app``) and ``ordinal serve`` (``run``; its flags: ``ordinal.py``)."""
 
 from __future__ import annotations
 
@@ -62,20 +62,6 @@ def create_app(settings: Settings | None = None, launcher: Launcher | None = Non
     app.add_middleware(CatchUnexpected)  # inside CountRequests, so its 500s are counted
     app.add_middleware(CountRequests, counter=service.metrics.requests)
     return app
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """One flag per setting (``--max-batch-size``); an unset flag leaves the env var or default."""
-    for name, field in Settings.model_fields.items():
-        default = field.get_default(call_default_factory=True)
-        shown = f"; default {default}" if default not in (None, []) else ""
-        parser.add_argument(
-            f"--{name.replace('_', '-')}",
-            dest=name,
-            default=argparse.SUPPRESS,
-            metavar=name.upper(),
-            help=f"{field.description} [env ORDINAL_{name.upper()}{shown}]",
-        )
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:

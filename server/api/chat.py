@@ -9,7 +9,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from model.chat import ChatTemplateError, Message
-from server.api.completions import build_job, choice_seed, respond
+from server.api.completions import Names, build_job, choice_seed, respond
 from server.api.errors import APIError
 from server.api.schemas import ChatRequest, CompletionRequest, SamplingRequest
 from server.api.service import Service
@@ -46,18 +46,12 @@ async def create_chat_completion(body: ChatRequest, request: Request, service: S
         return_tokens_as_token_ids=False,
         ignore_eos=body.ignore_eos,
     )
-    try:
-        built = [
-            build_job(completion, served, scene.prompt_ids, choice_seed(body.seed, j))
-            for j in range(body.n)
-        ]
-    except APIError as error:
-        if error.param == "prompt":  # the client sent messages, not a prompt
-            error.param = "messages"
-            error.message = "messages: " + error.message.replace("the prompt is", "the scene is")
-        elif error.param == "max_tokens" and body.max_completion_tokens is not None:
-            error.param = "max_completion_tokens"
-            error.message = error.message.replace("max_tokens", "max_completion_tokens", 1)
-        raise
+    # The client sent messages, not a prompt, and maybe max_completion_tokens: 400s name those.
+    budget = "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"
+    names = Names("messages", "messages: the scene", budget)
+    built = [
+        build_job(completion, served, scene.prompt_ids, choice_seed(body.seed, j), names)
+        for j in range(body.n)
+    ]
     writers = [ChatWriter(completion, served, ids, index) for index, (ids, _) in enumerate(built)]
     return await respond([job for _, job in built], writers, served, request, service)

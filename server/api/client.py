@@ -38,6 +38,7 @@ from server.api.job import Event, Failure, Job
 from server.api.metrics import ENGINE_LOST, Metrics, ModelMetrics
 from server.messages import (
     HEADER,
+    Call,
     Cancel,
     Dropped,
     EngineConfig,
@@ -47,9 +48,8 @@ from server.messages import (
     ModelInfo,
     ModelLoaded,
     Outputs,
+    Returned,
     Shutdown,
-    Trace,
-    TraceDone,
     frame,
 )
 
@@ -93,7 +93,7 @@ class Listener(Protocol):
 
 
 class ModelClient:
-    """One model's engine as the routes see it (``ServedModel.engine``): submit, cancel, trace."""
+    """One model's engine as the routes see it (``ServedModel.engine``): submit, cancel, call."""
 
     def __init__(self, name: str, client: EngineClient, capacity: int) -> None:
         self.name = name
@@ -123,9 +123,10 @@ class ModelClient:
         if job.id is not None and self.client.cancel(job.id):
             self.closing += 1
 
-    async def trace(self, prompt_ids: list[int], request: bytes) -> bytes:
-        """The JSON of a trace of ``prompt_ids`` (``request``: the TraceRequest's JSON)."""
-        return await self.client.trace(self.name, prompt_ids, request)
+    async def call(self, method: str, args: dict[str, Any]) -> bytes:
+        """The JSON the engine function ``method`` (``server.engine.calls``) returns for
+        ``args``, its keyword arguments (MessagePack-encodable)."""
+        return await self.client.call(self.name, method, args)
 
 
 class EngineClient:
@@ -150,7 +151,7 @@ class EngineClient:
         self.exitcode: int | None = None  # the last engine process's, once it has exited
         self._jobs: dict[int, tuple[ModelClient, Job]] = {}  # jobs in flight, by id
         self._cancelled: set[int] = set()  # of those, the ones whose Cancel was sent
-        self._traces: dict[int, asyncio.Future[bytes]] = {}
+        self._calls: dict[int, asyncio.Future[bytes]] = {}
         self._ids = 0
         self._writer: asyncio.StreamWriter | None = None
         self._supervisor: asyncio.Task[None] | None = None
@@ -184,11 +185,11 @@ class EngineClient:
         self._cancelled.add(job_id)
         return True
 
-    async def trace(self, model: str, prompt_ids: list[int], request: bytes) -> bytes:
+    async def call(self, model: str, method: str, args: dict[str, Any]) -> bytes:
         self.check_up()
-        trace_id = self._next_id()
-        future = self._traces[trace_id] = asyncio.get_running_loop().create_future()
-        self._send(Trace(trace_id, model, prompt_ids, request))
+        call_id = self._next_id()
+        future = self._calls[call_id] = asyncio.get_running_loop().create_future()
+        self._send(Call(call_id, model, method, args))
         return await future
 
     def _next_id(self) -> int:
@@ -283,7 +284,7 @@ class EngineClient:
         self.process = None
 
     def _lost(self) -> None:
-        """The engine died: every job and trace in flight fails (503), every model is down."""
+        """The engine died: every job and call in flight fails (503), every model is down."""
         error = APIError(503, ENGINE_DIED, code="engine_restarting")
         for model, job in self._jobs.values():
             model.metrics.failures[ENGINE_LOST].inc()
@@ -291,10 +292,10 @@ class EngineClient:
             job.events.put_nowait(Failure(error))
         self._jobs.clear()
         self._cancelled.clear()
-        for future in self._traces.values():
+        for future in self._calls.values():
             if not future.done():
                 future.set_exception(error)
-        self._traces.clear()
+        self._calls.clear()
         self.models.clear()
         self.listener.lost()
 
@@ -309,17 +310,17 @@ class EngineClient:
             self.listener.loaded(message.info, engine)
         elif isinstance(message, ModelFailed):
             self.listener.failed(message.name, message.message)
-        elif isinstance(message, TraceDone):
-            self._answer_trace(message.id, message.body)
+        elif isinstance(message, Returned):
+            self._answer_call(message.id, message.body)
 
     def _outputs(self, outputs: Outputs) -> None:
         for stats in outputs.stats:
             self.metrics.for_model(stats.model).record(stats)
         for event in outputs.events:
             entry = self._jobs.get(event.id)
-            if entry is None:  # not a job: a trace that failed
+            if entry is None:  # not a job: a call that failed
                 if isinstance(event, Failed):
-                    self._answer_trace(event.id, APIError(event.status, event.message))
+                    self._answer_call(event.id, APIError(event.status, event.message))
                 continue
             model, job = entry
             if isinstance(event, Dropped):
@@ -339,8 +340,8 @@ class EngineClient:
                     self._cancelled.discard(event.id)
                     model.closing -= 1
 
-    def _answer_trace(self, trace_id: int, result: bytes | APIError) -> None:
-        future = self._traces.pop(trace_id, None)
+    def _answer_call(self, call_id: int, result: bytes | APIError) -> None:
+        future = self._calls.pop(call_id, None)
         if future is None or future.done():
             return
         if isinstance(result, APIError):

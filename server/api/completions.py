@@ -10,24 +10,24 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import orjson
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from model.generate import encode_prompt
+from model.tokenizer import encode_prompt
 from server.api.errors import APIError, error_event
 from server.api.job import Job
 from server.api.metrics import TIMEOUT
 from server.api.schemas import DEFAULT_MAX_TOKENS, MAX_CHOICES, CompletionRequest, Prompt
 from server.api.service import ServedModel, Service
+from server.api.sse import DONE
 from server.api.writer import CompletionWriter, Piece, combine, total_usage
 
 logger = logging.getLogger("ordinal.server")
 
-DONE = b"data: [DONE]\n\n"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -113,19 +113,30 @@ def _submit(job: Job, served: ServedModel, timeout: float) -> Callable[[], None]
     return close
 
 
-def _nothing() -> None:
-    pass
+class Names(NamedTuple):
+    """How a request names its prompt and its token budget, in the 400s that point at them."""
+
+    prompt: str = "prompt"  # the field
+    prompt_text: str = "the prompt"  # how a message starts that says the prompt is too long
+    max_tokens: str = "max_tokens"
+
+
+COMPLETION_NAMES = Names()
 
 
 def build_job(
-    body: CompletionRequest, served: ServedModel, prompt: Prompt, seed: int | None
+    body: CompletionRequest,
+    served: ServedModel,
+    prompt: Prompt,
+    seed: int | None,
+    names: Names = COMPLETION_NAMES,
 ) -> tuple[list[int], Job | None]:
     """``prompt``'s token ids and the job to run (None when there is nothing to compute).
 
     Raises a 400 APIError when the prompt or max_tokens does not fit the model.
     """
     prompt_ids = prompt_ids_of(prompt, served)
-    max_tokens = _max_tokens(body, served, len(prompt_ids))
+    max_tokens = _max_tokens(body, served, len(prompt_ids), names)
     if max_tokens == 0 and body.logprobs is None:
         return prompt_ids, None
     job = Job(
@@ -154,17 +165,19 @@ def prompt_ids_of(prompt: Prompt, served: ServedModel) -> list[int]:
     return encode_prompt(served.tokenizer, prompt)
 
 
-def _max_tokens(body: CompletionRequest, served: ServedModel, prompt_length: int) -> int:
+def _max_tokens(
+    body: CompletionRequest, served: ServedModel, prompt_length: int, names: Names
+) -> int:
     """The number of tokens to generate, checked against the room left in the context."""
     limit, scoring = served.max_context, body.max_tokens == 0
     allowed = limit if scoring else limit - 1  # generating needs room for one token at least
     if prompt_length > allowed:
         raise APIError(
             400,
-            f"the prompt is {prompt_length} tokens long (counting <|bos|>) but model "
+            f"{names.prompt_text} is {prompt_length} tokens long (counting <|bos|>) but model "
             f"'{served.name}' takes at most {allowed}: its context holds {limit} tokens, "
             "prompt and completion together",
-            param="prompt",
+            param=names.prompt,
             code="context_length_exceeded",
         )
     room = limit - prompt_length
@@ -173,9 +186,9 @@ def _max_tokens(body: CompletionRequest, served: ServedModel, prompt_length: int
     if body.max_tokens > room:
         raise APIError(
             400,
-            f"max_tokens is {body.max_tokens} but only {room} tokens are left after the "
+            f"{names.max_tokens} is {body.max_tokens} but only {room} tokens are left after the "
             f"prompt's {prompt_length} in the {limit}-token context of model '{served.name}'",
-            param="max_tokens",
+            param=names.max_tokens,
             code="context_length_exceeded",
         )
     return body.max_tokens

@@ -18,6 +18,8 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 from starlette.responses import Response
 
+from server.api.sse import sse_event
+
 ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
@@ -107,7 +109,7 @@ def busy(message: str, status: int = 429) -> APIError:
 
 def error_event(error: APIError) -> bytes:
     """The SSE event that ends a stream which fails after it started."""
-    return b"data: " + orjson.dumps(error.body()) + b"\n\n"
+    return sse_event(error.body())
 
 
 def validation_error(errors: list[dict]) -> APIError:

@@ -14,7 +14,7 @@ import time
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from model.sampling import SamplingParams
+from model.sampling_params import SamplingParams
 from server.api.errors import APIError
 from server.messages import Scores, Submit, Token
 

@@ -28,13 +28,11 @@ from prometheus_client import (
     generate_latest,
 )
 
-from model.sampling import FailureReason
-from server.messages import ModelStats
+from model.sampling_params import FailureReason
+from server.messages import MODEL_ERROR, SHUTDOWN, ModelStats
 
 # Why a request failed after it reached an engine (the ``reason`` label of request failures).
-MODEL_ERROR = "model_error"  # the batch's forward pass raised: every row in it failed
 TIMEOUT = "timeout"  # the request outlived the request timeout
-SHUTDOWN = "shutdown"  # the server stopped while the request was running or queued
 ENGINE_LOST = "engine_lost"  # the engine process died while the request was in it
 FAILURE_REASONS = (
     *(reason.value for reason in FailureReason),

@@ -10,7 +10,7 @@ from fastapi import APIRouter, Request
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.responses import PlainTextResponse, Response
 
-from model.generate import encode_prompt
+from model.tokenizer import encode_prompt
 from server.api.chat import create_chat_completion
 from server.api.completions import create_completion
 from server.api.errors import APIError, busy, error_responses

@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal, cast
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from model.sampling import (
+from model.sampling_params import (
     MAX_OPENAI_PENALTY,
     MAX_REPETITION_PENALTY,
     MIN_REPETITION_PENALTY,

@@ -12,20 +12,18 @@ import logging
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
-import torch
 from tokenizers import Tokenizer
 
 from model.chat import ChatTemplate
-from model.checkpoint import CONFIG_FILE, TOKENIZER_FILE
-from model.tokenizer import load_tokenizer, special_ids, token_bytes
-from model.transformer import Transformer
+from model.files import CONFIG_FILE, TOKENIZER_FILE
+from model.tokenizer import load_tokenizer, vocabulary_tables
 from server.api.client import EngineClient, Launcher, ModelClient
 from server.api.errors import APIError, busy
 from server.api.metrics import Metrics
 from server.api.settings import Settings
-from server.messages import EngineConfig, ModelInfo
+from server.messages import EngineConfig, ModelInfo, failure_message
 
 logger = logging.getLogger("ordinal.server")
 
@@ -58,52 +56,10 @@ def choose_default(names: list[str], requested: str | None) -> str:
     return PREFERRED_DEFAULT if PREFERRED_DEFAULT in names else names[0]
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device 'cuda' was asked for but torch sees no CUDA device")
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
 def check_settings(settings: Settings) -> None:
     """Raise ValueError now for what would otherwise fail only once loading starts."""
     names = list(discover_checkpoints(settings.checkpoints, settings.models))
     choose_default(names, settings.default_model)
-    resolve_device(settings.device)
-
-
-def context_limit(model: Transformer, configured: int | None) -> int:
-    """Most tokens (prompt + completion) one sequence of ``model`` may hold.
-
-    Default: max_positions for the table schemes (``PositionalScheme.is_table``), else 4 ×
-    context_length. A configured value replaces the default but never passes a scheme's own
-    cap (a table's rows, or 2**bits for binary).
-    """
-    config, cap = model.config, model.positional.max_positions
-    default = config.max_positions if model.positional.is_table else 4 * config.context_length
-    limit = configured or default
-    return limit if cap is None else min(limit, cap)
-
-
-class VocabularyTables(NamedTuple):
-    """What both processes compute once per tokenizer: the API to write responses, the engine
-    to decode and trace."""
-
-    token_bytes: list[bytes]  # id → raw bytes (specials: b"")
-    token_strings: list[str]  # id → the token as logprobs name it (specials by name)
-    bos: int
-    eos: int
-
-
-def vocabulary_tables(tokenizer: Tokenizer) -> VocabularyTables:
-    """The tables of ``tokenizer``; invalid UTF-8 in a token's text is backslash-escaped."""
-    table = token_bytes(tokenizer)
-    strings = [piece.decode("utf-8", errors="backslashreplace") for piece in table]
-    specials = special_ids(tokenizer)
-    for special in specials:
-        strings[special] = tokenizer.id_to_token(special) or ""
-    return VocabularyTables(table, strings, specials.bos, specials.eos)
 
 
 @dataclass
@@ -177,15 +133,6 @@ class ModelStatus:
         return {"state": self.state, **({"message": self.message} if self.message else {})}
 
 
-def load_failure(error: Exception, root: Path) -> str:
-    """What went wrong loading a model, with paths relative to the checkpoints folder (a
-    client has no business knowing where the server keeps its files)."""
-    message = str(error) if isinstance(error, ValueError) else f"{type(error).__name__}: {error}"
-    for prefix in {str(root.resolve()), str(root)}:
-        message = message.replace(prefix.rstrip("/") + "/", "")
-    return message
-
-
 class Service:
     """What the routes need: settings, metrics, each model's status and the ready models.
 
@@ -224,7 +171,7 @@ class Service:
             folders = discover_checkpoints(settings.checkpoints, settings.models)
             self.default_model = choose_default(list(folders), settings.default_model)
         except ValueError as error:
-            self.load_error = load_failure(error, settings.checkpoints)
+            self.load_error = failure_message(error, settings.checkpoints)
             logger.error("no models to serve: %s", self.load_error)
             return
         self._folders = folders
@@ -257,7 +204,7 @@ class Service:
         try:
             served = ServedModel.from_checkpoint(info, self._folders[info.base], engine)
         except Exception as error:
-            self.failed(info.name, load_failure(error, self.settings.checkpoints))
+            self.failed(info.name, failure_message(error, self.settings.checkpoints))
             return
         self.models[info.name] = served
         self.status[info.name] = ModelStatus(ModelState.READY)

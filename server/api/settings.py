@@ -7,26 +7,16 @@ Every field is both a flag (``--max-batch-size 8``) and an environment variable
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from model.device import Device, Dtype
+from server.messages import parse_rope_variant
+
 CommaList = Annotated[list[str], NoDecode]  # NoDecode: parsed by _split_commas, not as JSON
-ROPE_VARIANT = re.compile(r"^(linear|ntk|dynamic|yarn)([0-9]+(?:\.[0-9]+)?)$")
-
-
-def parse_rope_variant(variant: str) -> tuple[str, float]:
-    """ "yarn4" → ("yarn", 4.0): a rope scaling of model.positional.rope and its factor ≥ 1."""
-    match = ROPE_VARIANT.match(variant)
-    if match is None or float(match[2]) < 1:
-        raise ValueError(
-            f"rope variant {variant!r} is not SCALING+FACTOR with SCALING one of linear, ntk, "
-            "dynamic, yarn and FACTOR ≥ 1 (e.g. yarn4)"
-        )
-    return match[1], float(match[2])
 
 
 class Settings(BaseSettings):
@@ -45,10 +35,8 @@ class Settings(BaseSettings):
     default_model: str | None = Field(
         None, description="model used when a request names none (default: rope, else the first)"
     )
-    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda if present")
-    dtype: Literal["float32", "bfloat16", "float16"] = Field(
-        "float32", description="dtype the models run in"
-    )
+    device: Device = Field("auto", description="auto = cuda if present")
+    dtype: Dtype = Field("float32", description="dtype the models run in")
     threads: int = Field(
         1,
         ge=1,

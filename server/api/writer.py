@@ -13,11 +13,10 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
-import orjson
-
 from server.api.job import Failure, Job
 from server.api.schemas import CompletionRequest
 from server.api.service import ServedModel
+from server.api.sse import sse_event
 from server.messages import Scores, Token
 
 Logprobs = dict[str, list[Any]]
@@ -147,11 +146,11 @@ class CompletionWriter:
         """One SSE event for ``piece``."""
         choice = self._choice
         choice["text"], choice["logprobs"], choice["finish_reason"] = piece
-        return b"data: " + orjson.dumps(self._chunk) + b"\n\n"
+        return sse_event(self._chunk)
 
     def usage_chunk(self, usage: dict[str, int]) -> bytes:
         chunk = {**self._envelope([]), "usage": usage}
-        return b"data: " + orjson.dumps(chunk) + b"\n\n"
+        return sse_event(chunk)
 
     def result(self, pieces: list[Piece]) -> dict[str, Any]:
         """The non-stream response: every piece joined."""
@@ -215,7 +214,7 @@ class ChatWriter(CompletionWriter):
         chunk = self._envelope([choice])
         if self.body.include_usage:
             chunk["usage"] = None
-        return b"data: " + orjson.dumps(chunk) + b"\n\n"
+        return sse_event(chunk)
 
     def result(self, pieces: list[Piece]) -> dict[str, Any]:
         content = [entry for _, part, _ in pieces if part for entry in part["content"]]

@@ -10,7 +10,8 @@ The API process (``server.api.client``) starts this process and talks to it over
    frame of ordinary tokens may wait up to that long to travel with later ones; a job's first
    and last tokens, failures and answers to cancellations never wait.
 
-Traces (``POST /v1/trace``) run here too, between steps, so the weights exist once. The process
+Calls (``server.engine.calls``: ``POST /v1/trace``) run here too, between steps, so the weights
+exist once. The process
 ignores SIGINT (the API process decides when to stop: a ``Shutdown`` message) and exits when its
 socket closes, so it never outlives the API process.
 """
@@ -27,25 +28,23 @@ import time
 from collections.abc import Callable
 
 import msgspec
-import orjson
 import torch
 
-from server.api.schemas import TraceRequest
-from server.api.trace import trace_document
+from server.engine.calls import run_call
 from server.engine.engine import ModelEngine, Outbox
 from server.engine.loader import LoadedModel, load_all
 from server.messages import (
+    Call,
     Cancel,
     Channel,
     EngineConfig,
     Failed,
     ModelFailed,
     ModelLoaded,
+    Returned,
     Shutdown,
     Submit,
     ToEngine,
-    Trace,
-    TraceDone,
 )
 
 logger = logging.getLogger("ordinal.engine")
@@ -117,10 +116,10 @@ class EngineCore:
         elif isinstance(message, Cancel):
             for engine in self.engines.values():
                 engine.cancel(message.id)
-        elif isinstance(message, Trace):
-            self._trace(message)
+        elif isinstance(message, Call):
+            self._call(message)
 
-    def _engine_for(self, message: Submit | Trace) -> ModelEngine | None:
+    def _engine_for(self, message: Submit | Call) -> ModelEngine | None:
         """The engine of the message's model, or None after answering 503 for it."""
         engine = self.engines.get(message.model)
         if engine is None:
@@ -128,18 +127,16 @@ class EngineCore:
             self.outbox.add(failed, urgent=True)
         return engine
 
-    def _trace(self, message: Trace) -> None:
+    def _call(self, message: Call) -> None:
         if (engine := self._engine_for(message)) is None:
             return
         try:
-            request = TraceRequest.model_validate_json(message.request)
-            document = trace_document(request, engine.loaded, message.prompt_ids)
-            body = orjson.dumps(document, option=orjson.OPT_SERIALIZE_NUMPY)
+            body = run_call(engine.loaded, message.method, message.args)
         except Exception:
-            logger.exception("model '%s': trace failed", message.model)
-            self.outbox.add(Failed(message.id, 500, "the trace failed"), urgent=True)
+            logger.exception("model '%s': %s failed", message.model, message.method)
+            self.outbox.add(Failed(message.id, 500, f"the {message.method} failed"), urgent=True)
             return
-        self.channel.send(TraceDone(message.id, body))
+        self.channel.send(Returned(message.id, body))
 
     def _send(self) -> None:
         """Send the outbox if it holds something that must not wait, or waited long enough."""

@@ -23,12 +23,14 @@ from dataclasses import dataclass
 
 from model.decode import DecodeBatch, Row, Sampled, Tokens
 from model.generate import SequenceState, StopMatcher
-from model.sampling import FailureReason, RowSampler
+from model.sampling import RowSampler
+from model.sampling_params import FailureReason
 from model.tokenizer import IncrementalDecoder
-from server.api.metrics import MODEL_ERROR, SHUTDOWN
 from server.engine.loader import LoadedModel
 from server.engine.scheduler import Phase, Scheduler
 from server.messages import (
+    MODEL_ERROR,
+    SHUTDOWN,
     Dropped,
     Event,
     Failed,
@@ -111,7 +113,7 @@ class ModelEngine:
     ) -> None:
         self.loaded = loaded
         self.name = loaded.name
-        self.batch = DecodeBatch(
+        self.batch: DecodeBatch[Request] = DecodeBatch(
             loaded.model, max_rows, loaded.max_context, loaded.vocab, loaded.bos, grow=True
         )
         self.scheduler: Scheduler[Request] = Scheduler(max_rows, prefill_chunk)
@@ -227,7 +229,7 @@ class ModelEngine:
         leaving: list[Request] = []
         urgent = False
         for position, (row, token) in enumerate(zip(sampled.rows, sampled.tokens, strict=True)):
-            assert isinstance(row, Request) and row.state is not None
+            assert row.state is not None  # rows that only score never sample
             if position in sampled.failures:
                 events.append(None)
                 leaving.append(row)
@@ -250,7 +252,6 @@ class ModelEngine:
                 stats.generation_tokens += 1
         for position, reason in sampled.failures.items():
             row = sampled.rows[position]
-            assert isinstance(row, Request)
             logger.error("model '%s': request failed alone: %s", self.name, reason)
             stats.failures[reason] = stats.failures.get(reason, 0) + 1
             failure = Failed(row.id, 500, SAMPLING_FAILURES[reason], "sampling_failed")

@@ -3,6 +3,9 @@
 Each model loads, or fails, on its own (the others still serve). Rope checkpoints are also
 served under each configured context-extension variant (``rope+yarn4``), on the same weights.
 The API process holds only tokenizers and what :class:`~server.messages.ModelInfo` says.
+
+A device the machine lacks (``cuda`` without one) fails every model here, as any other load
+failure does: the server still starts, and ``/health`` says why nothing serves.
 """
 
 from __future__ import annotations
@@ -12,13 +15,20 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from tokenizers import Tokenizer
 
 from model.checkpoint import load_checkpoint, with_positional
+from model.device import resolve_device
+from model.tokenizer import vocabulary_tables
 from model.transformer import Transformer
-from server.api.service import context_limit, load_failure, resolve_device, vocabulary_tables
-from server.api.settings import parse_rope_variant
-from server.messages import EngineConfig, ModelFailed, ModelInfo
+from server.messages import (
+    EngineConfig,
+    ModelFailed,
+    ModelInfo,
+    failure_message,
+    parse_rope_variant,
+)
 
 
 @dataclass
@@ -74,17 +84,43 @@ def prepare(
     )
 
 
+def context_limit(model: Transformer, configured: int | None) -> int:
+    """Most tokens (prompt + completion) one sequence of ``model`` may hold.
+
+    Default: max_positions for the table schemes (``PositionalScheme.is_table``), else 4 ×
+    context_length. A configured value replaces the default but never passes a scheme's own
+    cap (a table's rows, or 2**bits for binary).
+    """
+    config, cap = model.config, model.positional.max_positions
+    default = config.max_positions if model.positional.is_table else 4 * config.context_length
+    limit = configured or default
+    return limit if cap is None else min(limit, cap)
+
+
+def engine_device(name: str) -> torch.device:
+    """The device the settings name; a ValueError if it is CUDA and torch sees none."""
+    device = resolve_device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} was asked for but torch sees no CUDA device")
+    return device
+
+
 def load_all(config: EngineConfig) -> Iterator[LoadedModel | ModelFailed]:
     """Each configured model in turn, loaded, or why it failed (then its rope variants)."""
-    device = resolve_device(config.device)
     root = Path(config.checkpoints)
+    try:
+        device = engine_device(config.device)
+    except ValueError as error:
+        for name, _ in config.models:
+            yield ModelFailed(name, failure_message(error, root))
+        return
     for name, folder in config.models:
         started = time.perf_counter()
         try:
             model, tokenizer = load_checkpoint(folder, device, config.dtype)
             loaded = prepare(name, name, model, tokenizer, config.max_context, started)
         except Exception as error:
-            yield ModelFailed(name, load_failure(error, root))
+            yield ModelFailed(name, failure_message(error, root))
             continue
         yield loaded
         if model.config.scheme == "rope":

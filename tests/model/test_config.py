@@ -20,9 +20,8 @@ from model.config import (
     ModelConfig,
     TrainConfig,
     preset,
-    write_atomic,
-    write_text_atomic,
 )
+from model.files import write_atomic, write_text_atomic
 from model.positional import SCHEMES
 from model.transformer import Transformer
 from tests.model.conftest import ALL_SCHEMES, random_model, random_tokens, tiny_config

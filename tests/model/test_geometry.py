@@ -29,7 +29,7 @@ from model.geometry.metrics import (
     stress,
     variance_captured,
 )
-from model.geometry.report import REPORT_FILE, add_arguments, run, write_report
+from model.geometry.report import REPORT_FILE, run, write_report
 from model.geometry.representations import scheme_representation
 from model.geometry.requirements import (
     RequirementRow,
@@ -48,6 +48,7 @@ from model.geometry.synthetic import (
 from model.positional import SCHEMES, TABLE_SCHEMES, PositionalScheme, build_scheme
 from model.positional.sinusoidal import sinusoidal_table
 from model.transformer import Transformer
+from ordinal import geometry_options
 from tests.model.conftest import tiny_config
 
 SEEDS = range(5)
@@ -418,7 +419,7 @@ def test_length_dependence_is_detected() -> None:
 
 def test_geometry_report_writes_json_and_figures(tmp_path: Path) -> None:
     parser = argparse.ArgumentParser()
-    add_arguments(parser)
+    geometry_options(parser)
     args = parser.parse_args(["--out", str(tmp_path), "--n-positions", "12", "--d-model", "32"])
     report = run(args)
 

@@ -8,19 +8,21 @@ import pytest
 import torch
 
 from model.sampling import (
-    MAX_REPETITION_PENALTY,
-    MAX_TOP_K,
-    MIN_REPETITION_PENALTY,
-    MIN_TEMPERATURE,
-    FailureReason,
     RowSampler,
     SamplingBatch,
-    SamplingParams,
     apply_frequency_presence_penalties,
     apply_repetition_penalty,
     filtered_probs,
     sampling_stages,
     token_logprobs,
+)
+from model.sampling_params import (
+    MAX_REPETITION_PENALTY,
+    MAX_TOP_K,
+    MIN_REPETITION_PENALTY,
+    MIN_TEMPERATURE,
+    FailureReason,
+    SamplingParams,
 )
 
 VOCAB = 50
@@ -675,7 +677,7 @@ def test_a_batchs_columns_live_on_its_device() -> None:
     rows = [RowSampler(p) for p in MIXED]
     batch = SamplingBatch(rows, device="meta")
     for name in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty"):
-        column = getattr(batch, name)
+        column = getattr(batch.metadata, name)
         assert column.device.type == "meta" and column.shape == (len(rows),)
 
 

@@ -33,7 +33,6 @@ import torch
 
 import model.config
 import model.train
-import ordinal
 from model.checkpoint import load_checkpoint
 from model.corpus import Corpus, load_corpus
 from model.data import IGNORE_INDEX, TrainingSequences, boundary_sequences, encode_documents
@@ -167,12 +166,6 @@ def test_the_shipped_preset_is_what_ordinal_train_uses_by_default(tmp_path: Path
     assert model_config == shipped.model_config("sinusoidal")
     assert model_config.positional == {"scheme": "sinusoidal", "scale": 0.028}
     assert train_config == shipped.train == model.config.TrainConfig()
-    assert tuple(model.config.PRESETS) == ordinal.PRESETS and ordinal.PRESETS[0] == "shipped"
-    assert ordinal.PRESETS[0] == model.config.DEFAULT_PRESET  # the library's default: the CLI's
-    assert ordinal.TRAIN_CHOICES == {
-        "optimizer": model.config.OPTIMIZERS,
-        "sequence_starts": model.config.SEQUENCE_STARTS,
-    }
 
     tiny = model.config.PRESETS["tiny"]
     args = build_parser().parse_args([*out, "--preset", "tiny"])

@@ -12,10 +12,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from model.checkpoint import WEIGHTS_FILE, load_checkpoint
-from model.generate import encode_prompt
 from model.positional import TABLE_SCHEMES
-from ordinal import build_parser, main
-from server.api.app import add_arguments, settings_from_args
+from model.tokenizer import encode_prompt
+from ordinal import build_parser, main, serve_options
+from server.api.app import settings_from_args
 from server.api.metrics import FAILURE_REASONS
 from server.api.settings import Settings
 from tests.server.conftest import (
@@ -272,7 +272,7 @@ def test_serve_fails_fast_on_a_missing_folder_or_model(
 
 def test_every_setting_has_a_flag() -> None:
     parser = argparse.ArgumentParser()
-    add_arguments(parser)
+    serve_options(parser)
     flags = {action.dest for action in parser._actions} - {"help"}
     assert flags == set(Settings.model_fields)
 

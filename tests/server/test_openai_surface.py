@@ -11,8 +11,9 @@ import httpx
 import pytest
 
 from model.checkpoint import load_checkpoint
-from model.generate import encode_prompt, generate
+from model.generate import generate
 from model.sampling import SamplingParams
+from model.tokenizer import encode_prompt
 from tests.server.conftest import Running
 from tests.server.conftest import openai_client as client_of
 

@@ -8,7 +8,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from server.api.settings import Settings, parse_rope_variant
+from server.api.settings import Settings
+from server.messages import parse_rope_variant
 from tests.server.conftest import CONTEXT_LENGTH, running_server, test_settings
 
 VARIANTS = ["yarn4", "dynamic2", "linear2", "ntk4"]

@@ -25,7 +25,7 @@ from model.positional.t5 import relative_position_bucket
 from model.transformer import Transformer
 from server.api.playground import GEOMETRY_REPORTS
 from server.api.schemas import MAX_TRACE_TOKENS
-from server.api.trace import round_significant
+from server.engine.trace import round_significant
 from tests.server.conftest import Running
 
 PROMPT = "To be, or not to be, that is the question"

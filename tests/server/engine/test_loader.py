@@ -7,8 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from server.api.service import context_limit
-from server.engine.loader import LoadedModel, load_all
+from server.engine.loader import LoadedModel, context_limit, load_all
 from server.messages import EngineConfig, ModelFailed
 from tests.server.conftest import CONTEXT_LENGTH, MAX_POSITIONS, tiny_model
 

@@ -1,0 +1,156 @@
+"""The compute half of ``POST /v1/trace`` (``server.api.trace`` documents the response): one
+forward pass over the prompt, every intermediate the playground draws.
+
+One forward pass of the served model — the same ``Transformer.forward`` the engine decodes with,
+given an :class:`~model.transformer.AttentionRecorder` — yields the logits at every position and
+each layer's attention weights. The positional pieces come from the model's own scheme module
+(``embedding``, ``rotation``, ``attention_bias``), and the next-token stages from
+:func:`model.sampling.sampling_stages`, which runs the sampler's own filter steps. Nothing here
+re-implements a part of the model. Sizes and rounding: ``server.api.trace``'s docstring.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from model.positional import positions_table
+from model.sampling import sampling_stages
+from model.sampling_params import SamplingParams
+from model.transformer import AttentionRecorder, Transformer
+
+SIGNIFICANT_DIGITS = 4  # of the attention weights, the biases and the positional vectors
+
+
+class Traceable(Protocol):
+    """A model as this process holds it (``server.engine.loader.LoadedModel``)."""
+
+    name: str
+    model: Transformer
+    token_strings: list[str]
+    max_context: int
+
+    @property
+    def vocab(self) -> int: ...
+
+
+def trace_document(
+    served: Traceable,
+    prompt_ids: list[int],
+    params: SamplingParams,
+    attention: bool,
+    top: int,
+    limit: int,
+) -> dict[str, Any]:
+    """The trace of ``prompt_ids`` (already checked against ``limit``, the most tokens a trace
+    of this model takes), as a dict orjson writes (numpy arrays included). ``top``: how many
+    tokens each sampling stage lists; ``attention``: whether to record the attention weights."""
+    model, vocab, names = served.model, served.vocab, served.token_strings
+    device = next(model.parameters()).device
+    ids = torch.tensor(prompt_ids, device=device)  # [T]
+    positions = positions_table(len(prompt_ids), device)  # [1, T]
+    scheme = model.positional
+    with torch.inference_mode():
+        recorder = AttentionRecorder() if attention else None
+        logits = model(ids.unsqueeze(0), recorder=recorder)[0, :, :vocab].float()  # [T, V]
+        token_vectors = model.token_embedding(ids).float()  # [T, d_model]
+        position_vectors = scheme.embedding(positions)  # [1, T, d_model] or None
+        rotation = scheme.rotation(positions)  # (cos, sin) [1, 1, T, rot] or None
+        bias = scheme.attention_bias(positions, positions[0])  # [1, H, T, T] or None
+
+        seen = torch.zeros(logits.shape[-1], dtype=torch.bool, device=device)
+        seen[ids] = True
+        stages = sampling_stages(logits[-1], params, seen)
+        logprobs = torch.log_softmax(logits[:-1], dim=-1).gather(-1, ids[1:, None])[:, 0]
+
+    top = min(top, vocab)
+    vectors = None if position_vectors is None else position_vectors[0].float()
+    return {
+        "object": "trace",
+        "model": served.name,
+        "scheme": model.config.scheme,
+        "context_length": model.config.context_length,
+        "limit": limit,
+        "n_layers": model.config.n_layers,
+        "n_heads": model.config.n_heads,
+        "tokens": [{"id": token, "text": names[token]} for token in prompt_ids],
+        "positions": list(range(len(prompt_ids))),
+        "embedding": {
+            "token_norm": _array(token_vectors.norm(dim=-1)),
+            "position_norm": None if vectors is None else _array(vectors.norm(dim=-1)),
+            "position_vectors": None if vectors is None else _rounded(vectors),
+        },
+        # [L, H, T, T] (a batch of one)
+        "attention": None if recorder is None else _lower_triangle(torch.cat(recorder.weights)),
+        "position_bias": None if bias is None else _lower_triangle(bias[0].float()),
+        "rotation": None if rotation is None else _angles(rotation),
+        "next_token": {
+            "greedy": params.greedy,
+            "stages": [_stage(stage.name, stage.probs, top, names) for stage in stages],
+        },
+        "surprisal": [None, *(-logprobs.cpu() / math.log(2)).tolist()],
+    }
+
+
+def _array(tensor: Tensor) -> np.ndarray:
+    """float32 on the host: orjson writes each float32 in its shortest form."""
+    return np.ascontiguousarray(tensor.detach().to("cpu", torch.float32).numpy())
+
+
+def round_significant(values: np.ndarray, digits: int = SIGNIFICANT_DIGITS) -> np.ndarray:
+    """``values`` rounded to ``digits`` significant digits, as float32 (whose shortest form,
+    which orjson writes, is then at most ``digits`` digits long). Zeros and NaN stay as they are.
+    """
+    wide = values.astype(np.float64)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        magnitude = np.floor(np.log10(np.abs(wide)))
+    magnitude[~np.isfinite(magnitude)] = 0  # zeros (and NaN, which stays NaN)
+    scale = 10.0 ** (digits - 1 - magnitude)
+    return (np.round(wide * scale) / scale).astype(np.float32)
+
+
+def _rounded(tensor: Tensor) -> np.ndarray:
+    return round_significant(_array(tensor))
+
+
+def _lower_triangle(matrices: Tensor) -> list[Any]:
+    """[..., T, T] → nested lists [...][T] of rows, row q holding columns 0..q (rounded).
+
+    orjson writes each row, a float32 array, directly; the leading dimensions become lists."""
+    values = _rounded(matrices)
+    length = values.shape[-1]
+    flat = values.reshape(-1, length, length)
+    rows = [[square[q, : q + 1] for q in range(length)] for square in flat]
+    shaped: list[Any] = rows
+    for size in reversed(values.shape[:-2][1:]):
+        shaped = [shaped[i : i + size] for i in range(0, len(shaped), size)]
+    return shaped
+
+
+def _angles(rotation: tuple[Tensor, Tensor]) -> np.ndarray:
+    """The rotation's angle per position and pair → [T, rot/2] radians.
+
+    cos/sin [1, 1, T, rot] in the NeoX half-split layout (the pair i is columns i and
+    i + rot/2). atan2 gives each angle modulo 2π; unwrapping along positions recovers
+    position × frequency, since no frequency turns by π or more in one position.
+    """
+    cos, sin = (part[0, 0].float().cpu() for part in rotation)
+    half = cos.shape[-1] // 2
+    wrapped = torch.atan2(sin[:, :half], cos[:, :half]).double().numpy()
+    return np.unwrap(wrapped, axis=0).astype(np.float32)
+
+
+def _stage(name: str, probs: Tensor, top: int, names: list[str]) -> dict[str, Any]:
+    """One stage: probs [V] → its kept count and its ``top`` most probable non-zero tokens."""
+    probs = probs.cpu()
+    values, ids = probs.topk(top)
+    shown = [
+        {"id": token, "text": names[token], "prob": value}
+        for value, token in zip(values.tolist(), ids.tolist(), strict=True)
+        if value > 0
+    ]
+    return {"name": name, "kept": int((probs > 0).sum()), "top": shown}
