@@ -38,6 +38,9 @@ SCHEMES = (
     "t5",
     "mds",
     "lowrank",
+    "fox",
+    "cope",
+    "fire",
 )
 CORPORA = ("synthetic", "shakespeare")
 # model.config.PRESETS, in its order (the first is the default); tests/model/test_train.py checks.
