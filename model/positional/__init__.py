@@ -12,8 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from model.errors import ConfigError
 from model.positional.alibi import AlibiPositions
-from model.positional.base import PositionalScheme, PositionOutOfRange, positions_table
-from model.positional.base import LayerBias
+from model.positional.base import LayerBias, PositionalScheme, PositionOutOfRange, positions_table
 from model.positional.binary import BinaryPositions
 from model.positional.cope import ContextualPositions
 from model.positional.fire import FirePositions

@@ -4,13 +4,14 @@ Queries and keys are rotated by an angle proportional to their position, pair by
 score q_m · k_n depends on the content and on m − n only. Keys are rotated before they are cached.
 
 Options: ``rotary_fraction`` rotates only the first fraction of each head's dimensions (the rest
-pass through, as in GPT-NeoX); ``fraction`` keeps that share of the rotation frequencies, the
+pass through, as in GPT-NeoX). ``fraction`` keeps that share of the rotation frequencies, the
 highest first, and turns the pairs of the lowest ones by nothing (p-RoPE, Barbero et al. ICLR
-2025; 0.75 is their 0.75-RoPE, 1 is rope itself). Unlike ``rotary_fraction``, which spreads
-base's whole range of frequencies over fewer dimensions, ``fraction`` keeps rope's frequencies
-and drops its slowest: the rotations that no training pair ever turned far. ``scaling`` with ``scaling_factor`` s stretches the trained range
-(``original_context``, default the config's context_length L) to serve longer contexts, and is
-meant to be set at load time — on the same weights (served as e.g. ``rope+yarn4``):
+2025; 0.75 is their 0.75-RoPE, 1 is rope itself): unlike ``rotary_fraction``, which spreads the
+base's whole range of frequencies over fewer dimensions, it keeps rope's own frequencies and
+drops the slowest, whose angles stay small over the trained length. ``scaling`` with
+``scaling_factor`` s stretches the trained range (``original_context``, default the config's
+context_length L) to serve longer contexts, and is meant to be set at load time — on the same
+weights (served as e.g. ``rope+yarn4``):
 
 - ``linear``: position interpolation (Chen et al. 2023): positions ÷ s.
 - ``ntk``: NTK-aware scaling: base × s^(d/(d−2)) — the highest frequency kept, the lowest
