@@ -157,6 +157,13 @@ def train_options(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--resume", action="store_true", help="continue from the saved state")
     parser.add_argument(
+        "--init",
+        type=Path,
+        metavar="CHECKPOINT",
+        help="start from this checkpoint's weights, all but its positional ones, and its "
+        "tokenizer (the same architecture); DroPE: --scheme none --init checkpoints/rope",
+    )
+    parser.add_argument(
         "--stop-at",
         type=int,
         help="save and stop after this step (the schedule still runs to --steps; resume later)",
