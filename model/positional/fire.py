@@ -10,7 +10,7 @@ its 2048-token training length; here a quarter of the trained length unless set)
 
 ``log_transform=False`` makes ψ the identity and ``normalise=False`` drops the division, so the
 MLP reads the raw distance i − j: then a one-unit MLP is ALiBi's −m_h·(i − j), and a pair of
-units per bucket boundary is T5's bucketed table (tests/model/test_fire.py builds both).
+units per bucket boundary is T5's bucketed table (tests/model/test_fox_cope_fire.py builds both).
 """
 
 from dataclasses import dataclass
