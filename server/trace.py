@@ -5,7 +5,9 @@ given an :class:`~model.transformer.AttentionRecorder` — yields the logits at 
 each layer's attention weights. The positional pieces come from the model's own scheme module
 (``embedding``, ``rotation``, ``attention_bias``), and the next-token stages from
 :func:`model.sampling.sampling_stages`, which runs the sampler's own filter steps. Nothing here
-re-implements a part of the model.
+re-implements a part of the model. The data-dependent schemes' pieces (fox's forget gates,
+cope's contextual positions, and the bias each layer added) are what that forward recorded
+(``AttentionRecorder.layer_biases``), with or without the attention weights.
 
 The forward runs in the engine process (``server.core``), the only process that holds the
 weights, between two decode steps: the streams decoding meanwhile wait for one forward of at
@@ -112,8 +114,22 @@ class TraceResponse(BaseModel):
         "4 significant digits; null when the request's attention is false"
     )
     position_bias: list[list[list[float]]] | None = Field(
-        description="[heads][T][q+1] the additive score bias of alibi and t5, the causal lower "
-        "triangle (row q lists keys 0..q; later keys are masked); 4 significant digits; null "
+        description="[heads][T][q+1] the additive score bias of alibi, t5 and fire, the causal "
+        "lower triangle (row q lists keys 0..q; later keys are masked); 4 significant digits; "
+        "null for the other schemes"
+    )
+    layer_bias: list[list[list[list[float]]]] | None = Field(
+        description="[layers][heads][T][q+1] the score bias a data-dependent scheme (fox, cope) "
+        "added in each layer, from that layer's own inputs, as the causal lower triangle; "
+        "4 significant digits; null for the other schemes"
+    )
+    forget_gates: list[list[list[float]]] | None = Field(
+        description="[layers][heads][T] fox's forget gate f_t in (0, 1) of each token: the key "
+        "at j loses log f_t for every later token t up to the query; null for the other schemes"
+    )
+    contextual_positions: list[list[list[list[float]]]] | None = Field(
+        description="[layers][heads][T][q+1] cope's position of key k seen from query q, the sum "
+        "of its gates over keys k..q, as the causal lower triangle; 4 significant digits; null "
         "for the other schemes"
     )
     rotation: list[list[float]] | None = Field(
@@ -171,7 +187,7 @@ def trace_document(body: TraceRequest, served: Traceable, prompt_ids: list[int])
     positions = positions_table(len(prompt_ids), device)  # [1, T]
     scheme = model.positional
     with torch.inference_mode():
-        recorder = AttentionRecorder() if body.attention else None
+        recorder = AttentionRecorder(weights=body.attention)
         logits = model(ids.unsqueeze(0), recorder=recorder)[0, :, :vocab].float()  # [T, V]
         token_vectors = model.token_embedding(ids).float()  # [T, d_model]
         position_vectors = scheme.embedding(positions)  # [1, T, d_model] or None
@@ -202,14 +218,29 @@ def trace_document(body: TraceRequest, served: Traceable, prompt_ids: list[int])
             "position_vectors": None if vectors is None else _rounded(vectors),
         },
         # [L, H, T, T] (a batch of one)
-        "attention": None if recorder is None else _lower_triangle(torch.cat(recorder.weights)),
+        "attention": _lower_triangle(torch.cat(recorder.weights)) if body.attention else None,
         "position_bias": None if bias is None else _lower_triangle(bias[0].float()),
+        **_layer_pieces(recorder),
         "rotation": None if rotation is None else _angles(rotation),
         "next_token": {
             "greedy": params.greedy,
             "stages": [_stage(stage.name, stage.probs, top, names) for stage in stages],
         },
         "surprisal": [None, *(-logprobs.cpu() / math.log(2)).tolist()],
+    }
+
+
+def _layer_pieces(recorder: AttentionRecorder) -> dict[str, Any]:
+    """layer_bias, forget_gates and contextual_positions from what each layer recorded (a batch
+    of one): each None unless the scheme gives it."""
+    layers = recorder.layer_biases
+    biases = [layer.bias for layer in layers]
+    gates = [layer.gates for layer in layers if layer.gates is not None]
+    positions = [layer.positions for layer in layers if layer.positions is not None]
+    return {
+        "layer_bias": _lower_triangle(torch.cat(biases)) if biases else None,
+        "forget_gates": _array(torch.cat(gates)) if gates else None,
+        "contextual_positions": _lower_triangle(torch.cat(positions)) if positions else None,
     }
 
 
