@@ -314,6 +314,7 @@ def test_make_checkpoints_rebuilds_with_the_preset_on_the_tiny_one(tmp_path: Pat
     command = [
         *("make", "--no-print-directory", "-o", ".venv/.installed", "checkpoints"),
         *("PRESET=tiny", "SCHEMES=rope alibi", f"CHECKPOINT_DIR={checkpoints}", f"RUNS={runs}"),
+        "DROPE_FLAGS=--steps 3 --warmup-steps 1",
         *(f"ORDINAL={sys.executable} -m ordinal", f"PY={sys.executable}"),  # not .venv's
     ]
     environment = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
@@ -332,6 +333,15 @@ def test_make_checkpoints_rebuilds_with_the_preset_on_the_tiny_one(tmp_path: Pat
     assert (runs / "tokenizer.json").exists()
     assert (checkpoints / "loss_by_position.png").exists()
     assert "rope" in (checkpoints / "results.md").read_text()
+    # the two recipes that are not schemes: p-RoPE, and DroPE from the rope just built
+    prope, _ = load_checkpoint(checkpoints / "prope", device="cpu")
+    assert prope.config.positional == {"scheme": "rope", "fraction": 0.75}
+    drope, _ = load_checkpoint(checkpoints / "drope", device="cpu")
+    assert drope.config.scheme == "none"
+    metrics = json.loads((checkpoints / "drope" / METRICS_FILE).read_text())
+    assert metrics["init"]["checkpoint"] == str(checkpoints / "rope") and metrics["step"] == 3
+    table = (checkpoints / "results.md").read_text()
+    assert "| prope (rope) |" in table and "| drope (none) |" in table
 
 
 @pytest.mark.parametrize("starts", ["speech", "line"])
