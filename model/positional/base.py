@@ -131,3 +131,14 @@ class PositionalScheme(nn.Module):
 def positions_table(n_positions: int, device: torch.device | None = None) -> Tensor:
     """Positions 0..n-1 as a [1, n] long tensor (the batch-shared layout schemes accept)."""
     return torch.arange(n_positions, device=device).unsqueeze(0)
+
+
+def sum_back_to_each_key(values: Tensor, allowed: Tensor) -> Tensor:
+    """For each query i and key j, the sum of ``values`` over the keys t ≥ j that i may see
+    → [B, H, Tq, Tk] (FoX's forgetting and CoPE's counting are both such sums).
+
+    ``values`` [B, H, Tq|1, Tk] per key (per query, or shared by all), ``allowed`` [B|1, 1, Tq, Tk]
+    bool. Summed from the query's last visible key back, so the running sum is the same however
+    many unseen slots follow (a cached step's keys past the query add exact zeros).
+    """
+    return torch.where(allowed, values, 0.0).flip(-1).cumsum(-1).flip(-1)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from model.positional.base import LayerBias, PositionalScheme
+from model.positional.base import LayerBias, PositionalScheme, sum_back_to_each_key
 
 
 @dataclass(frozen=True)
@@ -38,8 +38,7 @@ def contextual_positions(queries: Tensor, keys: Tensor, allowed: Tensor) -> Tens
     the query may not see has gate 0 (and so counts nothing).
     """
     scores = queries @ keys.transpose(-2, -1) / math.sqrt(queries.shape[-1])
-    gates = torch.where(allowed, scores.sigmoid(), 0.0)
-    return gates.flip(-1).cumsum(-1).flip(-1)
+    return sum_back_to_each_key(scores.sigmoid(), allowed)
 
 
 def interpolated_logits(queries: Tensor, table: Tensor, positions: Tensor) -> Tensor:

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from model.positional.base import LayerBias, PositionalScheme
+from model.positional.base import LayerBias, PositionalScheme, sum_back_to_each_key
 
 
 @dataclass(frozen=True)
@@ -36,8 +36,7 @@ def forgetting_bias(log_gates: Tensor, allowed: Tensor) -> Tensor:
     keys the query may see after j (the query's own included), from the query back: row i of
     the reversed cumulative sum of the gates it may see, shifted by one key.
     """
-    seen = torch.where(allowed, log_gates.unsqueeze(-2), 0.0)  # [B, H, Tq, Tk]
-    from_key = seen.flip(-1).cumsum(-1).flip(-1)  # Σ over l ≥ j
+    from_key = sum_back_to_each_key(log_gates.unsqueeze(-2), allowed)  # Σ over l ≥ j
     return F.pad(from_key[..., 1:], (0, 1))  # Σ over l > j (nothing after the last key)
 
 
