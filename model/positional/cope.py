@@ -37,7 +37,8 @@ def contextual_positions(queries: Tensor, keys: Tensor, allowed: Tensor) -> Tens
     ``queries`` [B, H, Tq, hd], ``keys`` [B, H, Tk, hd], ``allowed`` [B|1, 1, Tq, Tk] bool; a key
     the query may not see has gate 0 (and so counts nothing).
     """
-    scores = queries @ keys.transpose(-2, -1) / math.sqrt(queries.shape[-1])
+    # float32 whatever the run dtype: a bfloat16 running sum could not count past 256 by ones
+    scores = queries.float() @ keys.float().transpose(-2, -1) / math.sqrt(queries.shape[-1])
     return sum_back_to_each_key(scores.sigmoid(), allowed)
 
 
@@ -49,7 +50,7 @@ def interpolated_logits(queries: Tensor, table: Tensor, positions: Tensor) -> Te
     products per query instead of one per key.
     """
     positions = positions.clamp(max=table.shape[0] - 1)
-    at_rows = queries @ table.T.to(queries.dtype)  # [B, H, Tq, n]: q_i·e[k] for every row k
+    at_rows = queries.float() @ table.T.float()  # [B, H, Tq, n]: q_i·e[k] for every row k
     below, above = positions.floor().long(), positions.ceil().long()
     weight = positions - below
     return at_rows.gather(-1, above) * weight + at_rows.gather(-1, below) * (1 - weight)
