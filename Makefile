@@ -74,19 +74,29 @@ serve: $(STAMP)
 # model/config.py; about 12 minutes each on 2 idle CPU cores), then scores them. The variables
 # let CI run this same recipe on the `tiny` preset in seconds (tests/model/test_train.py):
 # `make -o $(STAMP) checkpoints PRESET=tiny SCHEMES="rope alibi" CHECKPOINT_DIR=... RUNS=...`.
-SCHEMES := none integer binary sinusoidal learned rope alibi t5 mds lowrank
+# RECIPES are checkpoints that are not a scheme of their own (checkpoints/README.md):
+# prope is rope keeping the fastest 75% of its frequencies (p-RoPE), drope the rope checkpoint
+# with rope removed and recalibrated for DROPE_FLAGS (DroPE; needs rope in SCHEMES or built).
+SCHEMES := none integer binary sinusoidal learned rope alibi t5 mds lowrank fox cope fire
+RECIPES ?= prope drope
+DROPE_FLAGS ?= --steps 200 --warmup-steps 20
 PRESET ?= shipped
 CHECKPOINT_DIR ?= checkpoints
 RUNS ?= runs
 ORDINAL ?= $(VENV)/bin/ordinal
+TRAIN = $(ORDINAL) train --preset $(PRESET) --tokenizer $(RUNS)/tokenizer.json
 checkpoints: $(STAMP)
 	for scheme in $(SCHEMES); do \
-		$(ORDINAL) train --preset $(PRESET) --scheme $$scheme --out $(CHECKPOINT_DIR)/$$scheme \
-			--tokenizer $(RUNS)/tokenizer.json --state-dir $(RUNS)/$$scheme || exit 1; \
+		$(TRAIN) --scheme $$scheme --out $(CHECKPOINT_DIR)/$$scheme --state-dir $(RUNS)/$$scheme \
+			|| exit 1; \
 	done
-	$(ORDINAL) eval $(addprefix $(CHECKPOINT_DIR)/,$(SCHEMES)) \
+	$(if $(filter prope,$(RECIPES)),$(TRAIN) --scheme rope --positional '{"fraction": 0.75}' \
+		--out $(CHECKPOINT_DIR)/prope --state-dir $(RUNS)/prope)
+	$(if $(filter drope,$(RECIPES)),$(TRAIN) --scheme none --init $(CHECKPOINT_DIR)/rope \
+		$(DROPE_FLAGS) --out $(CHECKPOINT_DIR)/drope --state-dir $(RUNS)/drope)
+	$(ORDINAL) eval $(addprefix $(CHECKPOINT_DIR)/,$(SCHEMES) $(RECIPES)) \
 		--plot $(CHECKPOINT_DIR)/loss_by_position.png --table $(CHECKPOINT_DIR)/results.md --save
-	$(PY) -m model.curves $(addprefix $(CHECKPOINT_DIR)/,$(SCHEMES)) \
+	$(PY) -m model.curves $(addprefix $(CHECKPOINT_DIR)/,$(SCHEMES) $(RECIPES)) \
 		--out $(CHECKPOINT_DIR)/training_curves.png
 
 # Speed figures into docs/benchmarks.md (transformers is a bench-only extra).

@@ -48,6 +48,9 @@ SCHEMES = (
     "t5",
     "mds",
     "lowrank",
+    "fox",
+    "cope",
+    "fire",
 )
 CORPORA = ("synthetic", "shakespeare")
 # What --data (and geometry's --corpus PATH) reads: model.text_corpus.
@@ -144,6 +147,13 @@ def train_options(parser: argparse.ArgumentParser) -> None:
         "--state-dir", type=Path, help="where resumable training state goes (default runs/OUT)"
     )
     parser.add_argument("--resume", action="store_true", help="continue from the saved state")
+    parser.add_argument(
+        "--init",
+        type=Path,
+        metavar="CHECKPOINT",
+        help="start from this checkpoint's weights, all but its positional ones, and its "
+        "tokenizer (the same architecture); DroPE: --scheme none --init checkpoints/rope",
+    )
     parser.add_argument(
         "--stop-at",
         type=int,

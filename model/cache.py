@@ -6,7 +6,8 @@ also the position of its next token: positions are derived from the cache, in on
 (``KVCache.positions``). New entries are written in place (slices, or an index_put for ragged
 rows); the cache is never concatenated or copied per step, only when it grows (doubling, so a
 logarithmic number of times). Rows can be swapped so that a batch's active rows stay at the
-front (the service's continuous batching relies on this).
+front (the service's continuous batching relies on this). A scheme that ``keeps_key_state``
+(FoX) also gets one float32 scalar per head per slot, its ``key_state``, kept the same way.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 from torch import Tensor
 
 from model.config import ModelConfig
+from model.positional import SCHEMES
 
 
 class CacheFull(ValueError):
@@ -46,6 +48,9 @@ class KVCache:
         self.max_rows, self.max_length = rows, max_length
         self._layout = (config.n_layers, config.key_value_heads, config.head_dim, device, dtype)
         self._reserve = (rows, max_length) if reserve is None else reserve
+        self._keeps_state = SCHEMES[config.scheme].keeps_key_state
+        # [layers, rows, heads, length] float32 (a cumulative sum runs over it), or empty.
+        self.states = torch.empty(0)
         # Lengths live on the host: they decide slicing, and reading them must never sync a GPU.
         self.lengths = torch.zeros(rows, dtype=torch.long)
         self._offsets = torch.arange(max_length)
@@ -71,12 +76,15 @@ class KVCache:
         shape = (layers, rows, heads, length, head_dim)
         keys = torch.zeros(shape, device=device, dtype=dtype)
         values = torch.zeros(shape, device=device, dtype=dtype)
+        states = torch.zeros(shape[:-1] if self._keeps_state else 0, device=device)
         if self.keys.numel():
-            kept_rows, kept_length = min(rows, self.allocated[0]), min(length, self.allocated[1])
-            keys[:, :kept_rows, :, :kept_length] = self.keys[:, :kept_rows, :, :kept_length]
-            values[:, :kept_rows, :, :kept_length] = self.values[:, :kept_rows, :, :kept_length]
-        self.keys, self.values = keys, values
+            kept = slice(min(rows, self.allocated[0])), slice(min(length, self.allocated[1]))
+            for new, old in ((keys, self.keys), (values, self.values), (states, self.states)):
+                if old.numel():
+                    new[:, kept[0], :, kept[1]] = old[:, kept[0], :, kept[1]]
+        self.keys, self.values, self.states = keys, values, states
         self._layer_keys, self._layer_values = keys.unbind(0), values.unbind(0)
+        self._layer_states = states.unbind(0) if self._keeps_state else ()
 
     def reserve_rows(self, rows: int) -> None:
         """Make room for ``rows`` sequences (≤ the most it holds)."""
@@ -87,7 +95,7 @@ class KVCache:
     def release(self) -> None:
         """Shrink back to the first reservation; only while no row holds a sequence."""
         if self.allocated != self._reserve and not bool(self.lengths.any()):
-            self.keys = self.values = torch.empty(0)
+            self.keys = self.values = self.states = torch.empty(0)
             self._allocate(*self._reserve)
 
     def positions(self, rows: slice, n_new: int, new_counts: Tensor | None = None) -> CacheWrite:
@@ -144,18 +152,17 @@ class KVCache:
     ) -> tuple[Tensor, Tensor]:
         """Store ``keys``/``values`` [B, H, T, hd] for ``layer`` and return the keys and values of
         every slot up to the longest row → each [B, H, key_length, hd] (views, no copy)."""
-        layer_keys = self._layer_keys[layer][plan.rows]
-        layer_values = self._layer_values[layer][plan.rows]
-        if plan.same_start is not None:
-            end = plan.same_start + keys.shape[2]
-            layer_keys[:, :, plan.same_start : end] = keys
-            layer_values[:, :, plan.same_start : end] = values
-        else:
-            assert plan.scatter is not None
-            row_index, token_index, slots = plan.scatter
-            layer_keys[row_index, :, slots] = keys[row_index, :, token_index]
-            layer_values[row_index, :, slots] = values[row_index, :, token_index]
-        return layer_keys[:, :, : plan.key_length], layer_values[:, :, : plan.key_length]
+        return (
+            _store(self._layer_keys[layer][plan.rows], plan, keys),
+            _store(self._layer_values[layer][plan.rows], plan, values),
+        )
+
+    def write_key_state(self, layer: int, plan: CacheWrite, state: Tensor) -> Tensor:
+        """Store the new tokens' key state [B, H, T] for ``layer`` (as :meth:`write` stores
+        their keys) and return that of every slot up to the longest row → [B, H, key_length]."""
+        if not self._keeps_state:
+            raise ValueError("this cache keeps no key state: its scheme has none")
+        return _store(self._layer_states[layer][plan.rows], plan, state.float())
 
     def commit(self, plan: CacheWrite) -> None:
         """Advance the rows' lengths once every layer has been written."""
@@ -172,7 +179,21 @@ class KVCache:
         length = int(self.lengths[source])
         self.keys[:, target, :, :length] = self.keys[:, source, :, :length]
         self.values[:, target, :, :length] = self.values[:, source, :, :length]
+        if self._keeps_state:
+            self.states[:, target, :, :length] = self.states[:, source, :, :length]
         self.lengths[target] = length
+
+
+def _store(slots: Tensor, plan: CacheWrite, new: Tensor) -> Tensor:
+    """Write ``new`` [B, H, T, ...] into one layer's ``slots`` [B, H, length, ...] (a view of
+    the cache's rows) where ``plan`` says; return the slots up to its key_length (a view)."""
+    if plan.same_start is not None:
+        slots[:, :, plan.same_start : plan.same_start + new.shape[2]] = new
+    else:
+        assert plan.scatter is not None
+        row_index, token_index, slot = plan.scatter
+        slots[row_index, :, slot] = new[row_index, :, token_index]
+    return slots[:, :, : plan.key_length]
 
 
 @dataclass(frozen=True)

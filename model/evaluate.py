@@ -310,7 +310,11 @@ def plot_loss_by_position(reports: list[dict[str, Any]], path: Path) -> None:
 
 
 def results_table(reports: list[dict[str, Any]]) -> str:
-    """Markdown: scheme, parameters, training tokens and wall time (from metrics.json), bpc."""
+    """Markdown: scheme, parameters, training tokens and wall time (from metrics.json), bpc.
+
+    A checkpoint whose folder is not named after its scheme is labelled "folder (scheme)"
+    (``prope (rope)``); one trained from another (``ordinal train --init``: DroPE) states the
+    base's budget, then its own: "8.2 M + 0.4 M"."""
     multiples = list(reports[0]["results"])
     header = ["scheme", "parameters", "training tokens", "train wall time"]
     header += [f"bpc at {m} ({reports[0]['results'][m]['window']} tokens)" for m in multiples]
@@ -319,11 +323,14 @@ def results_table(reports: list[dict[str, Any]]) -> str:
         folder = Path(report["checkpoint"])
         metrics_path = folder / "metrics.json"
         metrics = json.loads(metrics_path.read_text()) if metrics_path.exists() else {}
+        scheme = report["scheme"]
+        label = scheme if folder.name == scheme.split("+")[0] else f"{folder.name} ({scheme})"
+        budgets = [metrics.get("init", {}), metrics] if "init" in metrics else [metrics]
         cells = [
-            report["scheme"],
+            label,
             f"{report['parameters']:,}",
-            f"{metrics.get('tokens_seen', 0) / 1e6:.1f} M",
-            f"{metrics.get('wall_seconds', 0) / 60:.1f} min",
+            " + ".join(f"{budget.get('tokens_seen', 0) / 1e6:.1f} M" for budget in budgets),
+            " + ".join(f"{budget.get('wall_seconds', 0) / 60:.1f} min" for budget in budgets),
         ]
         for result in report["results"].values():
             cells.append(f"{result['bpc']:.3f}" if result["supported"] else "past its table")

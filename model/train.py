@@ -7,7 +7,10 @@ shipped checkpoints compare fairly: only ``positional`` differs. The recipe is a
 individual flags. AdamW, or Muon for the blocks' matrices with AdamW for the rest; linear warmup
 and cosine decay, gradient clipping and accumulation; periodic validation; a tqdm bar with loss
 and tokens/s; resumable from the last saved state (``--resume``); the checkpoint folder, the
-metrics JSON and the state are written atomically. Runs on CPU by default, and unchanged under
+metrics JSON and the state are written atomically. ``--init CHECKPOINT`` starts from a trained
+checkpoint's weights (and tokenizer), all but its positional scheme's: with ``--scheme none``
+that is DroPE (Gelberg et al. 2025: train with rope, remove it, recalibrate briefly), and
+metrics.json records the origin (``init``). Runs on CPU by default, and unchanged under
 ``torchrun`` (DistributedDataParallel; gloo on CPU, NCCL on GPUs, one process per device): each
 rank takes its slice of the same global batch, and the loss is the mean over the global batch's
 scored tokens, so N processes follow one process's loss curve to float rounding (dropout aside:
@@ -39,7 +42,13 @@ from torch import Tensor
 from torch.profiler import record_function
 from tqdm import tqdm
 
-from model.checkpoint import save_checkpoint
+from model.checkpoint import (
+    TOKENIZER_FILE,
+    WEIGHTS_FILE,
+    check_weights,
+    load_checkpoint,
+    save_checkpoint,
+)
 from model.config import (
     DEFAULT_PRESET,
     MODEL_SIZE_FLAGS,
@@ -136,6 +145,37 @@ def configs_from_args(args: argparse.Namespace) -> tuple[ModelConfig, TrainConfi
         if getattr(args, field.name, None) is not None:
             train_fields[field.name] = getattr(args, field.name)
     return ModelConfig.from_dict(model_fields), TrainConfig.from_dict(train_fields)
+
+
+def start_from_checkpoint(model: Transformer, folder: Path) -> dict[str, Any]:
+    """Copy every weight of the checkpoint at ``folder`` into ``model`` but its positional
+    scheme's (``model`` keeps its own scheme, as initialised); the two must have the same
+    architecture otherwise. Returns the origin metrics.json records: the checkpoint, its scheme,
+    its weights' SHA-256 and what its own training cost (the budget of the base)."""
+    source = load_checkpoint(folder, device="cpu").model
+    ours, theirs = model.config.to_dict(), source.config.to_dict()
+    for name in ours.keys() - {"positional", "dtype"}:
+        if ours[name] != theirs[name]:
+            raise ConfigError(
+                f"--init {folder}: its {name} is {theirs[name]!r} but this run's is "
+                f"{ours[name]!r} (only the positional scheme may differ)"
+            )
+    weights = {
+        name: tensor
+        for name, tensor in source.state_dict().items()
+        if not name.startswith("positional.")
+    }
+    missing, unexpected = model.load_state_dict(weights, strict=False)  # the same architecture
+    assert not unexpected and all(name.startswith("positional.") for name in missing)
+    base_metrics_path = folder / METRICS_FILE
+    base = json.loads(base_metrics_path.read_text()) if base_metrics_path.is_file() else {}
+    return {
+        "checkpoint": str(folder),
+        "scheme": source.config.scheme,
+        "positional": source.config.positional,
+        "sha256": check_weights(folder / WEIGHTS_FILE, source),
+        **{key: base[key] for key in ("step", "tokens_seen", "wall_seconds") if key in base},
+    }
 
 
 def training_corpus(data: Path | None) -> Corpus:
@@ -422,7 +462,10 @@ class _Progress:
             )
             return cls(metrics, first_step, session)
         metrics = _fresh_metrics(session.model.config, session.train_config)
-        return cls({**metrics, "data": session.data.source}, 0, session)
+        metrics["data"] = session.data.source
+        if session.origin is not None:
+            metrics["init"] = session.origin
+        return cls(metrics, 0, session)
 
     def record_step(self, step: int, loss: float) -> None:
         """Step ``step`` (counted from 1) is done with mean training loss ``loss``."""
@@ -455,6 +498,7 @@ class TrainingRun:
     loss_sum: LossSum  # summed_loss of trainable, compiled with train_config.compile
     optimizers: list[torch.optim.Optimizer]
     state_path: Path
+    origin: dict[str, Any] | None  # with --init, where the weights came from
 
     @classmethod
     def start(
@@ -469,13 +513,16 @@ class TrainingRun:
         """Set up process ``rank`` of ``world`` (threads, seed), then its data, model and
         optimisers: everything ``optimise`` needs."""
         _prepare_process(train_config, world)
+        init = getattr(args, "init", None)
+        tokenizer = init / TOKENIZER_FILE if init else args.tokenizer  # the ids it was trained on
         data = load_training_data(
-            args.tokenizer, model_config, train_config, getattr(args, "data", None)
+            tokenizer, model_config, train_config, getattr(args, "data", None)
         )
         if rank == 0 and "split" in data.source:
             print(f"{data.source['path']}: {data.source['split']}", file=sys.stderr)
         model = Transformer(model_config)
         install_corpus_geometry(model, data.documents, data.special, train_config.seed)
+        origin = start_from_checkpoint(model, init) if init else None
         model.to(device).train()
         trainable: torch.nn.Module = model
         if world > 1:
@@ -499,6 +546,7 @@ class TrainingRun:
             loss_sum=loss_sum,
             optimizers=optimizers,
             state_path=state_path,
+            origin=origin,
         )
 
     def optimise(self, step: int) -> float:

@@ -2,7 +2,8 @@
 
 The whole model reads in one sitting. Where a positional scheme acts is decided by the scheme
 (``model.positional``), computed once per forward pass and handed to every layer:
-an additive vector on the embeddings, a rotation of queries and keys, or a bias on scores.
+an additive vector on the embeddings, a rotation of queries and keys, or a bias on scores; a
+data-dependent scheme (fox, cope) adds its bias inside each layer, from that layer's own inputs.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from torch import Tensor, nn
 
 from model.cache import CacheWrite, KVCache
 from model.config import ModelConfig
-from model.positional import build_scheme
+from model.positional import PositionalScheme, build_scheme
+from model.positional.base import LayerBias
 from model.positional.rotation import Rotation, apply_rotation
 
 
@@ -27,6 +29,18 @@ class AttentionMask:
     mask: Tensor | None
     is_causal: bool
 
+    def allowed(self) -> Tensor:
+        """[B|1, 1, Tq, Tk] bool: where a query may look (only for an explicit mask)."""
+        assert self.mask is not None, "the built-in causal mask has no tensor"
+        return self.mask if self.mask.dtype == torch.bool else self.mask > float("-inf")
+
+    def plus(self, bias: Tensor) -> AttentionMask:
+        """This mask with ``bias`` [B, H, Tq, Tk] added where a query may look."""
+        assert self.mask is not None, "the built-in causal mask has no tensor"
+        if self.mask.dtype == torch.bool:
+            return AttentionMask(bias.masked_fill(~self.mask, float("-inf")), is_causal=False)
+        return AttentionMask(self.mask + bias.to(self.mask.dtype), is_causal=False)
+
 
 class AttentionRecorder:
     """Pass one to :meth:`Transformer.forward` to keep every layer's attention weights.
@@ -34,15 +48,29 @@ class AttentionRecorder:
     Tracing only (``/v1/trace``): each layer still computes its output with SDPA, and also the
     softmax weights from the same queries, keys and mask, appended to ``weights`` — one
     [B, H, Tq, Tk] float32 tensor per layer, each row summing to 1 over the keys it may see.
-    Without a recorder (every decode step) nothing extra is computed.
+    Without a recorder (every decode step) nothing extra is computed. A data-dependent scheme's
+    per-layer bias (``LayerBias``) is kept in ``layer_biases``, one per layer; ``weights=False``
+    keeps only those.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, weights: bool = True) -> None:
+        self.keep_weights = weights
         self.weights: list[Tensor] = []
+        self.layer_biases: list[LayerBias] = []
 
-    def record(self, queries: Tensor, keys: Tensor, mask: AttentionMask) -> None:
+    def record(
+        self,
+        queries: Tensor,
+        keys: Tensor,
+        mask: AttentionMask,
+        layer_bias: LayerBias | None = None,
+    ) -> None:
         """queries [B, H, Tq, hd], keys [B, Hkv, Tk, hd]: softmax(q·kᵀ/√hd + mask), as SDPA
         (each key head shared by H / Hkv consecutive query heads)."""
+        if layer_bias is not None:
+            self.layer_biases.append(layer_bias)
+        if not self.keep_weights:
+            return
         keys = keys.repeat_interleave(queries.shape[1] // keys.shape[1], dim=1)
         scores = queries.float() @ keys.float().transpose(-2, -1) / math.sqrt(queries.shape[-1])
         if mask.is_causal:  # SDPA's built-in mask: query i sees keys 0..i
@@ -103,8 +131,10 @@ class Attention(nn.Module):
         plan: CacheWrite | None,
         layer: int,
         recorder: AttentionRecorder | None = None,
+        scheme: PositionalScheme | None = None,
     ) -> Tensor:
-        """``x`` [B, T, d_model] → [B, T, d_model]; ``recorder`` keeps the weights if given."""
+        """``x`` [B, T, d_model] → [B, T, d_model]; ``recorder`` keeps the weights if given;
+        ``scheme``'s per-layer hooks (fox, cope) add their bias to ``mask``."""
         batch, length, width = x.shape
         heads, kv_heads = self.n_heads, self.n_kv_heads
         qkv = self.qkv(x).view(batch, length, heads + 2 * kv_heads, self.head_dim)
@@ -116,11 +146,19 @@ class Attention(nn.Module):
         if rotation is not None:  # queries and keys in one call: half the small ops
             queries_keys = apply_rotation(queries_keys, *rotation)
         queries, keys = queries_keys.split([heads, kv_heads], dim=1)  # [B, H|Hkv, T, hd]
+        state = None if scheme is None else scheme.key_state(layer, x)  # [B, H, T] or None
         if cache is not None:
             assert plan is not None  # the model plans the write of every cached pass
             keys, values = cache.write(layer, plan, keys, values)  # [B, Hkv, key_length, hd]
+            if state is not None:
+                state = cache.write_key_state(layer, plan, state)  # [B, H, key_length]
+        layer_bias = None
+        if scheme is not None and scheme.data_dependent:  # fox, cope: one key head per query head
+            layer_bias = scheme.layer_bias(layer, queries, keys, state, mask.allowed())
+        if layer_bias is not None:
+            mask = mask.plus(layer_bias.bias.to(queries.dtype))
         if recorder is not None:
-            recorder.record(queries, keys, mask)
+            recorder.record(queries, keys, mask, layer_bias)
         out = F.scaled_dot_product_attention(
             queries,
             keys,
@@ -259,7 +297,7 @@ class Transformer(nn.Module):
         rotation = self.positional.rotation(positions)
         mask = self._attention_mask(positions, key_positions, plan, x.dtype)
         for layer, block in enumerate(self.blocks):
-            x = block(x, rotation, mask, cache, plan, layer, recorder)
+            x = block(x, rotation, mask, cache, plan, layer, recorder, self.positional)
         if cache is not None:
             assert plan is not None  # planned above, with the cache
             cache.commit(plan)
@@ -276,7 +314,7 @@ class Transformer(nn.Module):
     ) -> AttentionMask:
         """Causality (a query sees keys at its own position or before) plus the scheme's bias."""
         bias = self.positional.attention_bias(positions, key_positions)  # [B, H, Tq, Tk] or None
-        if bias is None:
+        if bias is None and not self.positional.data_dependent:
             if plan is None or plan.same_start == 0:  # every row starts at position 0
                 return AttentionMask(None, is_causal=True)
             if plan.same_start is not None and positions.shape[1] == 1:

@@ -1,6 +1,8 @@
 """The checkpoints shipped in ./checkpoints: one per scheme, loadable, generating text, small.
 
-A missing checkpoint fails these tests (it is not skipped): all ten ship with the service.
+A missing checkpoint fails these tests (it is not skipped): all ten ship with the service. The
+second round's schemes (``NOT_TRAINED_YET``) are registered before their checkpoints exist; they
+join ``SHIPPED_SCHEMES`` when those are trained (issue #25, checkpoints/README.md).
 Each model's next-token logits for one prompt are pinned in ``tests/data/shipped_logits.json``;
 after a deliberate change to the weights or to the model code, rewrite it with
 ``python -m tests.test_shipped_checkpoints --update`` (and say why in the commit).
@@ -36,6 +38,9 @@ SHIPPED_SCHEMES = (
     "mds",
     "lowrank",
 )
+# Registered schemes whose shipped checkpoints are still to be trained (checkpoints/README.md,
+# "The second round"): each moves to SHIPPED_SCHEMES with its checkpoint.
+NOT_TRAINED_YET = ("fox", "cope", "fire")
 SIZE_LIMIT_BYTES = 40 * 10**6
 HALF_PRECISION = {"BF16", "F16"}
 
@@ -49,7 +54,10 @@ ATOL = 1e-4
 
 
 def test_one_checkpoint_per_scheme() -> None:
-    assert set(SHIPPED_SCHEMES) == set(SCHEMES)
+    assert set(SHIPPED_SCHEMES) | set(NOT_TRAINED_YET) == set(SCHEMES)
+    assert not set(SHIPPED_SCHEMES) & set(NOT_TRAINED_YET)
+    for scheme in NOT_TRAINED_YET:  # once one is trained, it must be tested as shipped
+        assert not (SHIPPED / scheme).exists(), f"{scheme} is trained: add it to SHIPPED_SCHEMES"
 
 
 @pytest.mark.parametrize("scheme", SHIPPED_SCHEMES)

@@ -12,8 +12,11 @@ from typing import TYPE_CHECKING, Any
 
 from model.errors import ConfigError
 from model.positional.alibi import AlibiPositions
-from model.positional.base import PositionalScheme, PositionOutOfRange, positions_table
+from model.positional.base import LayerBias, PositionalScheme, PositionOutOfRange, positions_table
 from model.positional.binary import BinaryPositions
+from model.positional.cope import ContextualPositions
+from model.positional.fire import FirePositions
+from model.positional.fox import ForgettingPositions
 from model.positional.integer import IntegerPositions
 from model.positional.learned import LearnedPositions
 from model.positional.lowrank import LowRankPositions
@@ -39,6 +42,9 @@ SCHEMES: dict[str, type[PositionalScheme]] = {
         T5Positions,
         MdsPositions,
         LowRankPositions,
+        ForgettingPositions,
+        ContextualPositions,
+        FirePositions,
     )
 }
 
@@ -78,6 +84,7 @@ def build_scheme(config: ModelConfig) -> PositionalScheme:
 __all__ = [
     "SCHEMES",
     "TABLE_SCHEMES",
+    "LayerBias",
     "PositionOutOfRange",
     "PositionalScheme",
     "build_scheme",

@@ -5,20 +5,30 @@ positions and shared by all layers:
 
 (a) ``embedding(positions)``: a vector added to the token embeddings (absolute schemes);
 (b) ``rotation(positions)``: cos/sin tables that rotate queries and keys (rope);
-(c) ``attention_bias(q_positions, k_positions)``: an additive bias on attention scores (alibi, t5).
+(c) ``attention_bias(q_positions, k_positions)``: an additive bias on attention scores (alibi,
+    t5, fire).
+
+A data-dependent scheme (``data_dependent``: fox, cope) instead computes its bias inside each
+attention layer, from what that layer sees:
+
+(d) ``key_state(layer, hidden)``: per-head scalars of each new token that later queries need
+    (FoX's log forget gates), kept in the KV cache beside the token's key (``keeps_key_state``);
+(e) ``layer_bias(layer, queries, keys, key_state, allowed)``: the layer's additive score bias,
+    from its queries, every key they may see and those keys' states.
 
 The defaults contribute nothing, so ``none`` (NoPE) is the base class itself.
-Schemes are pure tensor code: they know positions, never tokens, caches or requests.
+Schemes are pure tensor code: they know positions and tensors, never tokens, caches or requests.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 import torch
 from torch import Tensor, nn
 
+from model.errors import ConfigError
 from model.positional.rotation import Rotation, apply_rotation
 
 if TYPE_CHECKING:
@@ -27,6 +37,15 @@ if TYPE_CHECKING:
 
 class PositionOutOfRange(ValueError):
     """A position at or past a table-based scheme's ``max_positions`` was requested."""
+
+
+class LayerBias(NamedTuple):
+    """What a data-dependent scheme adds to one layer's scores, and how it got there (the
+    trace shows both; each field is None where the scheme has no such thing)."""
+
+    bias: Tensor  # [B, H, Tq, Tk] added to the scaled scores q·k/√hd
+    gates: Tensor | None = None  # [B, H, Tk] a gate in (0, 1) per key (FoX's forget gates)
+    positions: Tensor | None = None  # [B, H, Tq, Tk] a position per query and key (CoPE's)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +62,11 @@ class PositionalScheme(nn.Module):
     # True: one stored row per position, so positions stop at config.max_positions;
     # False: a formula, computed for any position.
     is_table: ClassVar[bool] = False
+    # True: the scheme's bias comes from each layer's own queries, keys or input (layer_bias),
+    # so the model always builds the explicit causal mask and calls the per-layer hooks.
+    data_dependent: ClassVar[bool] = False
+    # True: key_state gives each token per-head scalars that the KV cache keeps beside its key.
+    keeps_key_state: ClassVar[bool] = False
 
     def __init__(self, config: ModelConfig, params: Any) -> None:
         super().__init__()
@@ -51,6 +75,12 @@ class PositionalScheme(nn.Module):
         # None = any position is fine; an int = positions must stay below it (a table's rows,
         # or a formula's own limit, such as binary's 2**bits).
         self.max_positions: int | None = config.max_positions if self.is_table else None
+        if self.data_dependent and config.key_value_heads != config.n_heads:
+            # Their bias is per query head, from keys (and key states) of the same head.
+            raise ConfigError(
+                f"positional scheme {self.name!r} needs one key/value head per query head "
+                f"(n_kv_heads {config.n_kv_heads} given for n_heads {config.n_heads})"
+            )
 
     def embedding(self, positions: Tensor) -> Tensor | None:
         """Additive vectors for ``positions`` [B, T] (long) → [B, T, d_model], or None."""
@@ -62,6 +92,25 @@ class PositionalScheme(nn.Module):
 
     def attention_bias(self, q_positions: Tensor, k_positions: Tensor) -> Tensor | None:
         """Additive score bias for queries [B, Tq] against keys [Tk] → [B, H, Tq, Tk], or None."""
+        return None
+
+    def key_state(self, layer: int, hidden: Tensor) -> Tensor | None:
+        """Per-head scalars [B, H, T] of each token of ``hidden`` [B, T, d_model] (layer
+        ``layer``'s normalised input) that later queries need, or None."""
+        return None
+
+    def layer_bias(
+        self,
+        layer: int,
+        queries: Tensor,
+        keys: Tensor,
+        key_state: Tensor | None,
+        allowed: Tensor,
+    ) -> LayerBias | None:
+        """Layer ``layer``'s score bias, or None. ``queries`` [B, H, Tq, hd] and ``keys``
+        [B, H, Tk, hd] (every key the queries may see, the cached ones included); ``key_state``
+        [B, H, Tk] what key_state gave for those keys; ``allowed`` [B|1, 1, Tq, Tk] bool, True
+        where query i may see key j (causality; padding and unwritten slots are False)."""
         return None
 
     def rotate(self, x: Tensor, positions: Tensor) -> Tensor:
@@ -89,3 +138,14 @@ class PositionalScheme(nn.Module):
 def positions_table(n_positions: int, device: torch.device | None = None) -> Tensor:
     """Positions 0..n-1 as a [1, n] long tensor (the batch-shared layout schemes accept)."""
     return torch.arange(n_positions, device=device).unsqueeze(0)
+
+
+def sum_back_to_each_key(values: Tensor, allowed: Tensor) -> Tensor:
+    """For each query i and key j, the sum of ``values`` over the keys t ≥ j that i may see
+    → [B, H, Tq, Tk] (FoX's forgetting and CoPE's counting are both such sums).
+
+    ``values`` [B, H, Tq|1, Tk] per key (per query, or shared by all), ``allowed`` [B|1, 1, Tq, Tk]
+    bool. Summed from the query's last visible key back, so the running sum is the same however
+    many unseen slots follow (a cached step's keys past the query add exact zeros).
+    """
+    return torch.where(allowed, values, 0.0).flip(-1).cumsum(-1).flip(-1)

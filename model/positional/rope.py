@@ -4,9 +4,14 @@ Queries and keys are rotated by an angle proportional to their position, pair by
 score q_m · k_n depends on the content and on m − n only. Keys are rotated before they are cached.
 
 Options: ``rotary_fraction`` rotates only the first fraction of each head's dimensions (the rest
-pass through, as in GPT-NeoX); ``scaling`` with ``scaling_factor`` s stretches the trained range
-(``original_context``, default the config's context_length L) to serve longer contexts, and is
-meant to be set at load time — on the same weights (served as e.g. ``rope+yarn4``):
+pass through, as in GPT-NeoX). ``fraction`` keeps that share of the rotation frequencies, the
+highest first, and turns the pairs of the lowest ones by nothing (p-RoPE, Barbero et al. ICLR
+2025; 0.75 is their 0.75-RoPE, 1 is rope itself): unlike ``rotary_fraction``, which spreads the
+base's whole range of frequencies over fewer dimensions, it keeps rope's own frequencies and
+drops the slowest, whose angles stay small over the trained length. ``scaling`` with
+``scaling_factor`` s stretches the trained range (``original_context``, default the config's
+context_length L) to serve longer contexts, and is meant to be set at load time — on the same
+weights (served as e.g. ``rope+yarn4``):
 
 - ``linear``: position interpolation (Chen et al. 2023): positions ÷ s.
 - ``ntk``: NTK-aware scaling: base × s^(d/(d−2)) — the highest frequency kept, the lowest
@@ -37,6 +42,7 @@ SCALINGS = (None, "linear", "ntk", "dynamic", "yarn")
 class RopeParams:
     base: float = 10000.0
     rotary_fraction: float = 1.0
+    fraction: float = 1.0  # p-RoPE: the share of frequency pairs kept, highest first
     scaling: str | None = None
     scaling_factor: float = 1.0
     original_context: int | None = None  # the trained length the scaling starts from (None: L)
@@ -48,6 +54,8 @@ class RopeParams:
             raise ValueError(
                 f"positional.rotary_fraction must be in (0, 1], got {self.rotary_fraction}"
             )
+        if not 0.0 < self.fraction <= 1.0:
+            raise ValueError(f"positional.fraction must be in (0, 1], got {self.fraction}")
         if self.scaling not in SCALINGS:
             raise ValueError(
                 f"positional.scaling must be one of {list(SCALINGS)}, got {self.scaling!r}"
@@ -125,6 +133,13 @@ class RotaryPositions(PositionalScheme):
                 f"to rotate in a head of {config.head_dim} dims"
             )
         self.rotary_dim = rotary_dim
+        # p-RoPE: the pairs 0..kept_pairs−1 turn (the fastest), the others stay where they are.
+        self.kept_pairs = int(params.fraction * rotary_dim // 2)
+        if self.kept_pairs < 1:
+            raise ValueError(
+                f"positional.fraction={params.fraction} keeps no frequency of the "
+                f"{rotary_dim // 2} pairs a head of {config.head_dim} dims rotates"
+            )
         self.base = params.base
         self.position_divisor = 1.0
         self.original_context = params.original_context or config.context_length
@@ -160,6 +175,16 @@ class RotaryPositions(PositionalScheme):
         return max(needed, self.original_context)
 
     def _build_table(self, size: int, needed: int, device: torch.device) -> Rotation:
+        """cos/sin [size, rot] for positions 0..size-1 under this scheme's scaling, the pairs
+        past ``kept_pairs`` turned by 0 (cos 1, sin 0: they pass unchanged)."""
+        cos, sin = self._scaled_table(size, needed, device)
+        if self.kept_pairs < self.rotary_dim // 2:
+            half = self.rotary_dim // 2
+            dropped = (torch.arange(self.rotary_dim, device=device) % half) >= self.kept_pairs
+            cos, sin = cos.masked_fill(dropped, 1.0), sin.masked_fill(dropped, 0.0)
+        return cos, sin
+
+    def _scaled_table(self, size: int, needed: int, device: torch.device) -> Rotation:
         """cos/sin [size, rot] for positions 0..size-1 under this scheme's scaling."""
         params = self.params
         # float64 like the angles: m / s rounded to float32 would be off by 1e-4 at 10,000

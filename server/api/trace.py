@@ -98,8 +98,22 @@ class TraceResponse(BaseModel):
         "4 significant digits; null when the request's attention is false"
     )
     position_bias: list[list[list[float]]] | None = Field(
-        description="[heads][T][q+1] the additive score bias of alibi and t5, the causal lower "
-        "triangle (row q lists keys 0..q; later keys are masked); 4 significant digits; null "
+        description="[heads][T][q+1] the additive score bias of alibi, t5 and fire, the causal "
+        "lower triangle (row q lists keys 0..q; later keys are masked); 4 significant digits; "
+        "null for the other schemes"
+    )
+    layer_bias: list[list[list[list[float]]]] | None = Field(
+        description="[layers][heads][T][q+1] the score bias a data-dependent scheme (fox, cope) "
+        "added in each layer, from that layer's own inputs, as the causal lower triangle; "
+        "4 significant digits; null for the other schemes"
+    )
+    forget_gates: list[list[list[float]]] | None = Field(
+        description="[layers][heads][T] fox's forget gate f_t in (0, 1) of each token: the key "
+        "at j loses log f_t for every later token t up to the query; null for the other schemes"
+    )
+    contextual_positions: list[list[list[list[float]]]] | None = Field(
+        description="[layers][heads][T][q+1] cope's position of key k seen from query q, the sum "
+        "of its gates over keys k..q, as the causal lower triangle; 4 significant digits; null "
         "for the other schemes"
     )
     rotation: list[list[float]] | None = Field(

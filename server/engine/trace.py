@@ -6,7 +6,10 @@ given an :class:`~model.transformer.AttentionRecorder` — yields the logits at 
 each layer's attention weights. The positional pieces come from the model's own scheme module
 (``embedding``, ``rotation``, ``attention_bias``), and the next-token stages from
 :func:`model.sampling.sampling_stages`, which runs the sampler's own filter steps. Nothing here
-re-implements a part of the model. Sizes and rounding: ``server.api.trace``'s docstring.
+re-implements a part of the model. The data-dependent schemes' pieces (fox's forget gates,
+cope's contextual positions, and the bias each layer added) are what that forward recorded
+(``AttentionRecorder.layer_biases``), with or without the attention weights. Sizes and
+rounding: ``server.api.trace``'s docstring.
 """
 
 from __future__ import annotations
@@ -55,7 +58,7 @@ def trace_document(
     positions = positions_table(len(prompt_ids), device)  # [1, T]
     scheme = model.positional
     with torch.inference_mode():
-        recorder = AttentionRecorder() if attention else None
+        recorder = AttentionRecorder(weights=attention)
         logits = model(ids.unsqueeze(0), recorder=recorder)[0, :, :vocab].float()  # [T, V]
         token_vectors = model.token_embedding(ids).float()  # [T, d_model]
         position_vectors = scheme.embedding(positions)  # [1, T, d_model] or None
@@ -85,14 +88,29 @@ def trace_document(
             "position_vectors": None if vectors is None else _rounded(vectors),
         },
         # [L, H, T, T] (a batch of one)
-        "attention": None if recorder is None else _lower_triangle(torch.cat(recorder.weights)),
+        "attention": _lower_triangle(torch.cat(recorder.weights)) if attention else None,
         "position_bias": None if bias is None else _lower_triangle(bias[0].float()),
+        **_layer_pieces(recorder),
         "rotation": None if rotation is None else _angles(rotation),
         "next_token": {
             "greedy": params.greedy,
             "stages": [_stage(stage.name, stage.probs, top, names) for stage in stages],
         },
         "surprisal": [None, *(-logprobs.cpu() / math.log(2)).tolist()],
+    }
+
+
+def _layer_pieces(recorder: AttentionRecorder) -> dict[str, Any]:
+    """layer_bias, forget_gates and contextual_positions from what each layer recorded (a batch
+    of one): each None unless the scheme gives it."""
+    layers = recorder.layer_biases
+    biases = [layer.bias for layer in layers]
+    gates = [layer.gates for layer in layers if layer.gates is not None]
+    positions = [layer.positions for layer in layers if layer.positions is not None]
+    return {
+        "layer_bias": _lower_triangle(torch.cat(biases)) if biases else None,
+        "forget_gates": _array(torch.cat(gates)) if gates else None,
+        "contextual_positions": _lower_triangle(torch.cat(positions)) if positions else None,
     }
 
 

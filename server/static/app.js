@@ -458,8 +458,21 @@ function positionNote(scheme) {
     rope: "rope adds no vector to the embeddings: it rotates each head's queries and keys by an angle proportional to the position (panel 3, right).",
     alibi: "alibi adds no vector: it subtracts slope × distance from every attention score (panel 3, right).",
     t5: "t5 adds no vector: it adds a learned value per distance bucket to every attention score (panel 3, right).",
+    fire: "fire adds no vector: a small learned function of the log distance over the log query position is added to every attention score (panel 3, right).",
+    fox: "fox adds no vector: each token closes a forget gate per layer and head, and a key loses log f for every later token (panel 3, right: the layer's bias).",
+    cope: "cope adds no vector: a key's position counts only the keys the query gates in, σ(q·k), and q·e[that position] is added to the score (panel 3, right).",
   }[scheme] ?? "";
 }
+
+const BIAS_MEANING = {
+  alibi: "−slope × distance",
+  t5: "learned value per distance bucket",
+  fire: "learned function of the interpolated distance",
+};
+const LAYER_BIAS_MEANING = {
+  fox: "Σ log f over the tokens after the key",
+  cope: "q·e[contextual position]",
+};
 
 function note(text) {
   const paragraph = document.createElement("p");
@@ -511,9 +524,13 @@ function drawAttention() {
 
   const side = $("position-chart");
   if (trace.position_bias) {
-    const what = trace.scheme === "alibi" ? "−slope × distance" : "learned value per distance bucket";
     side.replaceChildren(heatmap(trace.position_bias[head], {
-      title: `${trace.scheme} score bias, head ${head}: ${what} (all layers)`,
+      title: `${trace.scheme} score bias, head ${head}: ${BIAS_MEANING[trace.scheme] ?? "bias"} (all layers)`,
+      scheme: "PuOr", type: "diverging", pivot: 0, label: "added to the score", size,
+    }));
+  } else if (trace.layer_bias) {
+    side.replaceChildren(heatmap(trace.layer_bias[layer][head], {
+      title: `${trace.scheme} score bias, layer ${layer}, head ${head}: ${LAYER_BIAS_MEANING[trace.scheme] ?? "bias"}`,
       scheme: "PuOr", type: "diverging", pivot: 0, label: "added to the score", size,
     }));
   } else if (trace.rotation) {
@@ -621,8 +638,27 @@ function drawPositional(trace) {
       distance: length - 1 - key, value, head: `head ${head}`,
     })));
     right.replaceChildren(distancePlot(points, {
-      title: `score bias vs distance (${trace.scheme === "alibi" ? "−slope × distance" : "learned per bucket"})`,
+      title: `score bias vs distance (${BIAS_MEANING[trace.scheme] ?? "bias"})`,
       y: "added to the score", stroke: "head",
+    }));
+  } else if (trace.forget_gates || trace.contextual_positions) {
+    // Data-dependent: what this prompt made of positions, in layer 0 (per head).
+    const gates = trace.forget_gates;
+    left.replaceChildren(gates
+      ? gateChart(gates)
+      : heatmap(trace.contextual_positions[0][0], {
+        title: "cope, layer 0, head 0: the position of each key seen from each query",
+        scheme: "Viridis", label: "contextual position", size: 330,
+      }));
+    const perHead = gates ? trace.layer_bias[0] : trace.contextual_positions[0];
+    const points = perHead.flatMap((matrix, head) => matrix[length - 1].map((value, key) => ({
+      distance: length - 1 - key, value, head: `head ${head}`,
+    })));
+    right.replaceChildren(distancePlot(points, {
+      title: gates
+        ? "layer 0: the last query's bias vs distance (Σ log f; a straight line would be alibi)"
+        : "layer 0: the last query's contextual position vs distance (the diagonal counts every token)",
+      y: gates ? "added to the score" : "contextual position", stroke: "head",
     }));
   } else if (trace.rotation) {
     left.replaceChildren(rotationChart(trace.rotation, 330, "rope: the rotation angle per position and dimension pair (mod 2π)"));
@@ -638,6 +674,21 @@ function drawPositional(trace) {
   left.dataset.drawn = String(Number(left.dataset.drawn || 0) + 1);
 }
 
+// fox's forget gates [layers][heads][T] as a (layer, head) × position heatmap.
+function gateChart(gates) {
+  const cells = gates.flatMap((heads, layer) => heads.flatMap((row, head) => row.map((value, position) => ({
+    row: `layer ${layer} head ${head}`, position, value,
+  }))));
+  return Plot.plot({
+    title: "fox: the forget gate f of each token, per layer and head (1 = remember everything)",
+    width: 520, height: 60 + 16 * gates.length * gates[0].length, marginLeft: 110,
+    x: { type: "band", domain: d3.range(gates[0][0].length), label: "position →", tickFormat: (i) => (i % 16 === 0 ? i : "") },
+    y: { label: null },
+    color: { type: "linear", scheme: "Greens", domain: [0, 1], legend: true, label: "f" },
+    marks: [Plot.cell(cells, { x: "position", y: "row", fill: "value", inset: 0, title: (d) => `${d.row}, position ${d.position}: ${d.value.toFixed(3)}` })],
+  });
+}
+
 function biasRaster(matrix, head, size) {
   const length = matrix.length;
   const cells = matrix.flatMap((row, q) => row.map((value, k) => ({ q, k, value })));
@@ -647,7 +698,7 @@ function biasRaster(matrix, head, size) {
     y: { domain: [0, length], label: "↓ query", ticks: 4, reverse: true },
     // Each head on its own scale, from its most negative bias to 0 (white): alibi's slopes
     // differ by powers of two, and one shared scale would leave the gentle heads blank.
-    color: { type: "linear", scheme: "Purples", reverse: true, domain: [d3.min(cells, (d) => d.value), 0], legend: true, label: "bias", width: size },
+    color: { type: "linear", scheme: "Purples", reverse: true, domain: [d3.min(cells, (d) => d.value), Math.max(0, d3.max(cells, (d) => d.value))], legend: true, label: "bias", width: size },
     marks: [Plot.raster(cells, { x: (d) => d.k + 0.5, y: (d) => d.q + 0.5, fill: "value", width: length, height: length, interpolate: "none", imageRendering: "pixelated" })],
   });
 }

@@ -179,6 +179,25 @@ def test_encodings_draws_a_scheme_and_redraws_for_another(watched: Watched) -> N
     assert page.locator("#figures img[src*=synthetic]").count() == 6
 
 
+def test_the_data_dependent_schemes_and_fire_draw_what_they_compute(watched: Watched) -> None:
+    """fox: its forget gates and its layer bias against distance; cope: its contextual positions
+    and their profile; fire: a bias per head. Inside: the chosen layer's bias beside attention."""
+    page = watched.open()
+    heads = 4  # the tiny checkpoints'
+    open_encodings(page, "fox")
+    assert page.locator("#encoding-chart svg g[aria-label=cell] rect").count() > 0  # gates
+    assert page.locator("#distance-chart svg g[aria-label=line] path").count() == heads
+    open_encodings(page, "cope")
+    assert page.locator("#encoding-chart svg g[aria-label=cell] rect").count() > 0  # positions
+    assert page.locator("#distance-chart svg g[aria-label=line] path").count() == heads
+    open_encodings(page, "fire")
+    assert page.locator("#encoding-chart svg g[aria-label=raster] image").count() == heads
+    length = inside(page, "fox")
+    bias_cells = page.locator("#position-chart svg g[aria-label=cell] rect")
+    assert bias_cells.count() == length * (length + 1) // 2  # the layer's causal bias
+    assert "layer 0" in page.inner_text("#position-chart")
+
+
 def test_a_server_with_an_api_key_asks_for_it_once(browser: Any, checkpoints: Any) -> None:
     """With ORDINAL_API_KEY set the page's /v1 calls get a 401: it asks for the key, then
     sends it on every call (the page itself and its assets need none)."""

@@ -34,6 +34,11 @@ SCHEME_SETTINGS: dict[str, dict[str, Any]] = {
     "t5": {"num_buckets": 8, "max_distance": 24},
     "mds": {"rank": 8, "scale": 1.0},
     "lowrank": {"rank": 4},
+    "fox": {},
+    "cope": {"n_positions": 16},  # few enough rows that every one is reached (and trained)
+    # randomise() redraws L's multiplier as N(0, 0.3²): × 100 keeps some queries of a test's
+    # 24-31 tokens below L, so that L matters (and gets a gradient).
+    "fire": {"threshold": 100.0},
 }
 
 

@@ -259,3 +259,33 @@ def test_a_growing_cache_holds_what_a_full_one_holds_and_shrinks_when_empty() ->
         growing.reset(row)
     growing.release()
     assert growing.allocated == (1, 2) and not growing.keys.any()
+
+
+def test_a_key_state_is_kept_like_the_keys_through_writes_growth_and_moves() -> None:
+    """FoX's per-head scalar per slot: written where the plan says (ragged rows too), returned
+    for every slot so far, kept when the cache grows, moved with its row; no other scheme's
+    cache holds one."""
+    cache = KVCache(tiny_config("fox"), 3, 12, reserve=(1, 2))
+    assert cache.states.shape == (LAYERS, 1, HEADS, 2)
+    assert KVCache(CONFIG, 3, 12).states.numel() == 0
+    with pytest.raises(ValueError, match="no key state"):
+        KVCache(CONFIG, 3, 12).write_key_state(0, cache.positions(slice(0, 1), 1), torch.ones(1))
+    cache.reserve_rows(3)
+    written = torch.zeros(3, HEADS, 12)
+    for counts in ([3, 1, 5], [1, 1, 1], [2, 4, 0]):
+        start = cache.lengths.clone()
+        plan = cache.positions(slice(0, 3), max(counts), torch.tensor(counts))
+        state = torch.randn(3, HEADS, max(counts))
+        for layer in range(LAYERS):
+            seen = cache.write_key_state(layer, plan, state + layer)
+            assert seen.shape == (3, HEADS, plan.key_length)
+        cache.commit(plan)
+        for row, count in enumerate(counts):
+            written[row, :, start[row] : start[row] + count] = state[row, :, :count]
+        for row, length in enumerate(cache.lengths.tolist()):
+            for layer in range(LAYERS):
+                got = cache.states[layer, row, :, :length]
+                assert torch.equal(got, written[row, :, :length] + layer)
+    assert cache.allocated == (3, 10)  # grown from 1 × 2: rows 1 → 3, length 2 → 5 → 10
+    cache.move_row(2, 0)
+    assert torch.equal(cache.states[:, 0, :, :5], cache.states[:, 2, :, :5])

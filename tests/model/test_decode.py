@@ -94,7 +94,16 @@ def check_layout(batch: DecodeBatch, active: list[Sequence]) -> None:
 
 
 @pytest.mark.parametrize(
-    ("scheme", "grow"), [("rope", True), ("learned", False), ("alibi", True), ("t5", False)]
+    ("scheme", "grow"),
+    [
+        ("rope", True),
+        ("learned", False),
+        ("alibi", True),
+        ("t5", False),
+        ("fox", True),  # its key state travels with rows that move, grow and reset
+        ("cope", False),
+        ("fire", True),
+    ],
 )
 def test_rows_joining_leaving_and_prefilled_in_chunks_decode_as_alone(
     scheme: str, grow: bool

@@ -334,3 +334,24 @@ def test_lengths_up_to_8x_and_rope_variants_on_the_same_weights(one_checkpoint: 
 def test_bad_lengths_or_variants_are_usage_errors(bad: list[str]) -> None:
     with pytest.raises(SystemExit):
         eval_args("some/checkpoint", *bad)
+
+
+def test_the_table_names_renamed_checkpoints_and_states_a_bases_budget(tmp_path: Path) -> None:
+    """prope is rope with a fraction, drope is none trained from rope: the table says which
+    scheme each folder holds and, for drope, the base's budget before its own."""
+    results = {"1x": {"window": 32, "bpc": 2.5, "supported": True}}
+    reports = []
+    for name, scheme in [("rope", "rope"), ("prope", "rope"), ("drope", "none")]:
+        (tmp_path / name).mkdir()
+        metrics: dict[str, Any] = {"tokens_seen": 400_000, "wall_seconds": 60.0}
+        if name == "drope":
+            metrics["init"] = {"scheme": "rope", "tokens_seen": 8_200_000, "wall_seconds": 600.0}
+        (tmp_path / name / "metrics.json").write_text(json.dumps(metrics))
+        report = {"checkpoint": str(tmp_path / name), "scheme": scheme, "parameters": 1000}
+        reports.append({**report, "results": results})
+    rows = model.evaluate.results_table(reports).splitlines()[2:]
+    assert rows == [
+        "| rope | 1,000 | 0.4 M | 1.0 min | 2.500 |",
+        "| prope (rope) | 1,000 | 0.4 M | 1.0 min | 2.500 |",
+        "| drope (none) | 1,000 | 8.2 M + 0.4 M | 10.0 min + 1.0 min | 2.500 |",
+    ]

@@ -383,10 +383,26 @@ def test_tables_cannot_go_past_max_positions(requirements: dict[str, Requirement
     assert requirements["binary"].position_limit == 2**16
 
 
-def test_every_scheme_but_none_is_unique(requirements: dict[str, RequirementRow]) -> None:
-    assert requirements["none"].unique is False
-    assert all(row.unique for name, row in requirements.items() if name != "none")
+def test_every_scheme_with_a_position_only_signal_is_unique(
+    requirements: dict[str, RequirementRow],
+) -> None:
+    # none has no positional signal; fox and cope have one only through the content (their bias
+    # comes from each layer's inputs), so nothing position-only tells their positions apart.
+    silent = {name for name, scheme in SCHEMES.items() if name == "none" or scheme.data_dependent}
+    assert silent == {"none", "fox", "cope"}
+    for name in silent:
+        assert requirements[name].unique is False, name
+    assert all(row.unique for name, row in requirements.items() if name not in silent)
     assert all(row.length_independent for row in requirements.values())
+
+
+def test_fire_sees_the_query_position_unless_it_reads_the_raw_distance() -> None:
+    """Progressive interpolation divides by ψ(max(L, i)): the bias of a distance changes with
+    the query once i passes L; without the division (normalise off) it is a function of i − j."""
+    normalised = measure_requirements(build("fire", SMALL, threshold=4.0), SMALL.context_length)
+    assert normalised.relative_recoverable is False
+    raw = measure_requirements(build("fire", SMALL, normalise=False), SMALL.context_length)
+    assert raw.relative_recoverable is True and raw.relative_error < 1e-6
 
 
 @pytest.mark.parametrize("max_positions", [16, 37, 100])

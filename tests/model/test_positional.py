@@ -548,6 +548,51 @@ def test_rope_table_is_reused_and_grows_geometrically(monkeypatch: pytest.Monkey
     assert torch.equal(torch.cat([s[0, 0] for _, s in rotations]), sin)
 
 
+def test_rope_fraction_one_is_rope_exactly() -> None:
+    rope = random_model("rope", seed=40)
+    full_fraction = Transformer(tiny_config("rope", positional={"scheme": "rope", "fraction": 1.0}))
+    full_fraction.load_state_dict(rope.state_dict())
+    positions = torch.arange(300).unsqueeze(0)
+    for mine, theirs in zip(
+        full_fraction.positional.rotation(positions),
+        rope.positional.rotation(positions),
+        strict=True,
+    ):
+        assert torch.equal(mine, theirs)
+    tokens = random_tokens(2, 40, seed=41)
+    with torch.no_grad():
+        assert torch.equal(full_fraction.eval()(tokens), rope(tokens))
+
+
+@pytest.mark.parametrize(
+    ("head_dim", "fraction", "kept"), [(8, 0.75, 3), (32, 0.75, 12), (32, 0.5, 8)]
+)
+def test_rope_fraction_keeps_the_fastest_frequencies_and_stills_the_rest(
+    head_dim: int, fraction: float, kept: int
+) -> None:
+    """p-RoPE: the kept pairs turn at rope's own frequencies base^(−2i/d) (not re-spaced over
+    fewer dims, as rotary_fraction does); the dropped pairs, the slowest, do not turn at all."""
+    config = tiny_config("rope", d_model=4 * head_dim)
+    rope = build_scheme(config)
+    partial = build_scheme(config.replace(positional={"scheme": "rope", "fraction": fraction}))
+    positions = torch.tensor([[0, 1, 5, 47, 48, 1000]])
+    half = head_dim // 2
+    kept_columns = (torch.arange(head_dim) % half) < kept
+    (cos, sin), (rope_cos, rope_sin) = partial.rotation(positions), rope.rotation(positions)
+    assert torch.equal(cos[..., kept_columns], rope_cos[..., kept_columns])
+    assert torch.equal(sin[..., kept_columns], rope_sin[..., kept_columns])
+    assert (cos[..., ~kept_columns] == 1).all() and (sin[..., ~kept_columns] == 0).all()
+    x = torch.randn(1, 4, 6, head_dim, generator=torch.Generator().manual_seed(42))
+    assert torch.equal(partial.rotate(x, positions)[..., ~kept_columns], x[..., ~kept_columns])
+
+
+@pytest.mark.parametrize("fraction", [0.0, -0.5, 1.5, 0.1])
+def test_rope_fraction_out_of_range_is_refused(fraction: float) -> None:
+    """Outside (0, 1], or so small that no pair of the 4 a head of 8 dims has is kept."""
+    with pytest.raises(ConfigError, match=r"positional\.fraction"):
+        Transformer(tiny_config("rope", positional={"scheme": "rope", "fraction": fraction}))
+
+
 def test_rope_rotation_of_no_positions_is_empty() -> None:
     cos, sin = rope_scheme().rotation(torch.zeros(2, 0, dtype=torch.long))
     assert cos.shape == sin.shape == (2, 1, 0, 8)

@@ -3,8 +3,9 @@ run equals an uninterrupted one (AdamW; and the shipped preset's Muon recipe, QK
 for bit), no draw of the sampler (speech or line starts, any seed) reaches the validation plays,
 the mds scheme gets the training corpus's speech-aligned geometry whatever the sampler, a bad
 config is a one-line error, two processes under ``torchrun`` (gloo, DDP) follow one process's loss
-curve with the same global batch, and ``make checkpoints`` rebuilds checkpoints with its recipe
-(on the tiny preset).
+curve with the same global batch, ``make checkpoints`` rebuilds checkpoints with its recipe
+(on the tiny preset), DroPE (``--scheme none --init``) starts from the base's weights and records
+it, and each scheme of the second round (fox, cope, fire, rope at fraction 0.75) trains.
 
 Training runs on a slice of the training split (monkeypatched ``load_corpus``) so the whole file
 takes seconds; the code under test is unchanged: it trains its tokenizer, encodes, samples and
@@ -33,13 +34,14 @@ import torch
 
 import model.config
 import model.train
-from model.checkpoint import load_checkpoint
+from model.checkpoint import WEIGHTS_FILE, check_weights, load_checkpoint
 from model.corpus import Corpus, load_corpus
 from model.data import IGNORE_INDEX, TrainingSequences, boundary_sequences, encode_documents
 from model.geometry.corpus import measure_corpus
 from model.geometry.metrics import pairwise_distances
 from model.tokenizer import load_tokenizer, special_ids
-from model.train import METRICS_FILE, STATE_FILE, prepare_tokenizer
+from model.train import METRICS_FILE, STATE_FILE, prepare_tokenizer, start_from_checkpoint
+from model.transformer import Transformer
 from ordinal import build_parser, main, train_options
 
 REPO = Path(__file__).resolve().parents[2]
@@ -305,6 +307,7 @@ def test_make_checkpoints_rebuilds_with_the_preset_on_the_tiny_one(tmp_path: Pat
     command = [
         *("make", "--no-print-directory", "-o", ".venv/.installed", "checkpoints"),
         *("PRESET=tiny", "SCHEMES=rope alibi", f"CHECKPOINT_DIR={checkpoints}", f"RUNS={runs}"),
+        "DROPE_FLAGS=--steps 3 --warmup-steps 1",
         *(f"ORDINAL={sys.executable} -m ordinal", f"PY={sys.executable}"),  # not .venv's
     ]
     environment = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
@@ -323,6 +326,15 @@ def test_make_checkpoints_rebuilds_with_the_preset_on_the_tiny_one(tmp_path: Pat
     assert (runs / "tokenizer.json").exists()
     assert (checkpoints / "loss_by_position.png").exists()
     assert "rope" in (checkpoints / "results.md").read_text()
+    # the two recipes that are not schemes: p-RoPE, and DroPE from the rope just built
+    prope, _ = load_checkpoint(checkpoints / "prope", device="cpu")
+    assert prope.config.positional == {"scheme": "rope", "fraction": 0.75}
+    drope, _ = load_checkpoint(checkpoints / "drope", device="cpu")
+    assert drope.config.scheme == "none"
+    metrics = json.loads((checkpoints / "drope" / METRICS_FILE).read_text())
+    assert metrics["init"]["checkpoint"] == str(checkpoints / "rope") and metrics["step"] == 3
+    table = (checkpoints / "results.md").read_text()
+    assert "| prope (rope) |" in table and "| drope (none) |" in table
 
 
 @pytest.mark.parametrize("starts", ["speech", "line"])
@@ -376,6 +388,103 @@ def test_bad_config_file_is_a_one_line_error(
     assert err.startswith("ordinal train: error:") and named in err
     assert "Traceback" not in err
     assert not (tmp_path / "ck").exists()
+
+
+DROPE_STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def drope_run(full_run: tuple[dict[str, Any], Path], tmp_path_factory: pytest.TempPathFactory):
+    """DroPE on the tiny rope run: the same architecture with ``none``, from its weights, a few
+    steps of recalibration (no --tokenizer: the base's own is used)."""
+    _, rope_folder = full_run
+    folder = tmp_path_factory.mktemp("drope")
+    flags = [
+        *("--scheme", "none", "--init", str(rope_folder / "ck"), "--out", str(folder / "ck")),
+        *("--state-dir", str(folder / "state"), *TINY_MODEL, "--vocab-size", str(VOCAB)),
+        *("--context-length", str(CONTEXT), "--steps", str(DROPE_STEPS)),
+        *("--batch-size", str(BATCH), "--eval-every", "4", "--eval-windows", "4"),
+        *("--threads", "1", "--warmup-steps", "1"),
+    ]
+    assert main(["train", *flags]) == 0
+    return folder
+
+
+def test_drope_loads_as_none_and_records_its_origin(
+    full_run: tuple[dict[str, Any], Path], drope_run: Path
+) -> None:
+    rope_metrics, rope_folder = full_run
+    model, tokenizer = load_checkpoint(drope_run / "ck", device="cpu")
+    assert model.config.scheme == "none" and model.config.positional == {"scheme": "none"}
+    rope, rope_tokenizer = load_checkpoint(rope_folder / "ck", device="cpu")
+    assert tokenizer.get_vocab() == rope_tokenizer.get_vocab()
+    origin = json.loads((drope_run / "ck" / METRICS_FILE).read_text())["init"]
+    digest = check_weights(rope_folder / "ck" / WEIGHTS_FILE, rope.config)
+    assert digest is not None
+    assert origin == {
+        "checkpoint": str(rope_folder / "ck"),
+        "scheme": "rope",
+        "positional": {"scheme": "rope"},
+        "sha256": digest,
+        "step": STEPS,
+        "tokens_seen": rope_metrics["tokens_seen"],
+        "wall_seconds": pytest.approx(rope_metrics["wall_seconds"]),
+    }
+
+
+def test_drope_starts_from_the_bases_weights_without_its_positions(
+    full_run: tuple[dict[str, Any], Path], drope_run: Path
+) -> None:
+    """Before any step the model is the rope checkpoint, rotation removed: every weight equal,
+    the logits not (rope mattered); its first training loss is the trained model's, far below
+    the untrained start of the rope run."""
+    rope_metrics, rope_folder = full_run
+    rope = load_checkpoint(rope_folder / "ck", device="cpu").model
+    start = Transformer(rope.config.replace(positional={"scheme": "none"}, dtype="float32"))
+    start_from_checkpoint(start, rope_folder / "ck")
+    for name, tensor in rope.state_dict().items():
+        assert torch.equal(start.state_dict()[name], tensor), name
+    tokens = torch.randint(VOCAB, (2, CONTEXT), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert not torch.allclose(start.eval()(tokens), rope(tokens), atol=1e-3)
+    drope_metrics = json.loads((drope_run / "ck" / METRICS_FILE).read_text())
+    assert drope_metrics["tokens_seen"] == DROPE_STEPS * BATCH * CONTEXT
+    assert losses(drope_metrics)[0] < losses(rope_metrics)[0] - 0.5
+
+
+def test_init_with_another_architecture_is_a_one_line_error(
+    full_run: tuple[dict[str, Any], Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _, rope_folder = full_run
+    argv = ["train", "--scheme", "none", "--init", str(rope_folder / "ck")]
+    argv += ["--out", str(tmp_path / "ck"), *TINY_MODEL, "--vocab-size", str(VOCAB)]
+    assert main([*argv, "--context-length", str(CONTEXT), "--d-ff", "128"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("ordinal train: error: --init") and "d_ff is 64" in err
+    assert "Traceback" not in err and not (tmp_path / "ck").exists()
+    assert main([*argv, "--init", str(tmp_path / "nowhere")]) == 2
+    assert "is not a checkpoint" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("scheme", "positional"),
+    [("fox", None), ("cope", None), ("fire", None), ("rope", '{"fraction": 0.75}')],
+)
+def test_the_new_schemes_train_on_the_tiny_preset(
+    small_corpus: Corpus, tmp_path: Path, scheme: str, positional: str | None
+) -> None:
+    """A few steps of `ordinal train --preset tiny` per new scheme (rope at 0.75 is `prope`):
+    finite losses, a checkpoint that loads with the scheme and its parameters."""
+    argv = ["train", "--preset", "tiny", "--scheme", scheme, "--out", str(tmp_path / "ck")]
+    argv += ["--tokenizer", str(tmp_path / "tok.json"), "--state-dir", str(tmp_path / "state")]
+    argv += ["--steps", "3", "--threads", "1"]
+    assert main([*argv, *(["--positional", positional] if positional else [])]) == 0
+    metrics = json.loads((tmp_path / "ck" / METRICS_FILE).read_text())
+    assert len(metrics["train_loss"]) == 3 and all(math.isfinite(x) for x in losses(metrics))
+    assert "init" not in metrics
+    loaded = load_checkpoint(tmp_path / "ck", device="cpu").model
+    assert loaded.config.scheme == scheme
+    assert loaded.config.positional == {"scheme": scheme, **json.loads(positional or "{}")}
 
 
 @pytest.mark.skipif(

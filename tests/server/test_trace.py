@@ -27,6 +27,7 @@ from server.api.playground import GEOMETRY_REPORTS
 from server.api.schemas import MAX_TRACE_TOKENS
 from server.engine.trace import round_significant
 from tests.server.conftest import Running
+from tests.test_shipped_checkpoints import SHIPPED_SCHEMES
 
 PROMPT = "To be, or not to be, that is the question"
 # About 45 tokens: past t5's max_distance (24), within the table schemes' 64 positions.
@@ -138,6 +139,11 @@ def test_first_layer_attention_is_the_models_own(
         if bias is not None:
             scores = scores + bias
         future = torch.ones(len(ids), len(ids), dtype=torch.bool).triu(1)
+        if model.positional.data_dependent:  # fox, cope: the bias of the layer's own inputs
+            state = model.positional.key_state(0, block.attention_norm(x))
+            inside = model.positional.layer_bias(0, queries, keys, state, ~future)
+            assert inside is not None
+            scores = scores + inside.bias
         expected = scores.masked_fill(future, float("-inf")).softmax(-1)[0]
     torch.testing.assert_close(square(result["attention"][0]), expected, **ROUNDED)
 
@@ -189,6 +195,72 @@ def test_rope_rotation_is_position_times_frequency(server: Running, client: http
     expected = torch.arange(len(result["tokens"])).double().unsqueeze(1) * frequencies
     torch.testing.assert_close(angles, expected, atol=1e-4, rtol=1e-5)
     assert result["position_bias"] is None
+
+
+def test_fox_gates_are_the_sigmoid_of_the_gate_projection_and_sum_into_the_bias(
+    server: Running, client: httpx.Client
+) -> None:
+    """Layer 0's f_t = σ(w·x_t + b), recomputed here from its normalised input; in every layer,
+    the bias of query q for key k is the sum of log f over the tokens k+1..q."""
+    result = trace(client, model="fox")
+    model = model_of(server, "fox")
+    ids, _, x, _ = inputs_of(model, result)
+    gates = torch.tensor(result["forget_gates"])  # [L, H, T]
+    assert gates.shape == (model.config.n_layers, model.config.n_heads, len(ids))
+    assert result["position_bias"] is None and result["contextual_positions"] is None
+    scheme = model.positional
+    with torch.inference_mode():
+        hidden = model.blocks[0].attention_norm(x)[0]  # [T, d]
+        logits = hidden @ scheme.gate_weight[0].T + scheme.gate_bias[0]  # [T, H]
+    torch.testing.assert_close(gates[0], torch.sigmoid(logits).T, atol=1e-6, rtol=1e-5)
+    for layer, triangle in enumerate(result["layer_bias"]):
+        bias, log_gates = square(triangle).double(), gates[layer].log().double()  # [H, T(, T)]
+        for query in (0, 3, len(ids) - 1):
+            for key in range(query + 1):
+                expected = log_gates[:, key + 1 : query + 1].sum(-1)
+                torch.testing.assert_close(bias[:, query, key], expected, rtol=5e-4, atol=1e-5)
+
+
+def test_cope_positions_sum_the_gates_of_the_keys_from_each_key_to_the_query(
+    server: Running, client: httpx.Client
+) -> None:
+    result = trace(client, model="cope")
+    model = model_of(server, "cope")
+    ids, _, x, _ = inputs_of(model, result)
+    positions = square(result["contextual_positions"][0])  # layer 0: [H, T, T]
+    assert result["forget_gates"] is None and result["position_bias"] is None
+    assert len(result["layer_bias"]) == model.config.n_layers
+    with torch.inference_mode():
+        block = model.blocks[0]
+        qkv = block.attention.qkv(block.attention_norm(x))
+        heads, head_dim = model.config.n_heads, model.config.head_dim
+        queries, keys, _ = qkv.view(1, len(ids), 3, heads, head_dim).permute(2, 0, 3, 1, 4)
+        gates = torch.sigmoid(queries[0] @ keys[0].transpose(-2, -1) / math.sqrt(head_dim))
+    for query in range(len(ids)):
+        for key in range(query + 1):
+            expected = gates[:, query, key : query + 1].sum(-1)
+            torch.testing.assert_close(positions[:, query, key], expected, **ROUNDED)
+
+
+def test_fire_bias_is_its_mlp_of_the_interpolated_distance(
+    server: Running, client: httpx.Client
+) -> None:
+    result = trace(client, model="fire", prompt=LONG_PROMPT)
+    scheme = model_of(server, "fire").positional
+    length = len(result["tokens"])
+    assert result["layer_bias"] is None and result["rotation"] is None
+    distance = torch.arange(length).unsqueeze(1) - torch.arange(length)
+    with torch.inference_mode():
+        inputs = scheme.interpolated_distance(
+            torch.arange(length).unsqueeze(0), torch.arange(length)
+        )
+        expected = scheme.mlp_out(torch.relu(scheme.mlp_in(inputs.unsqueeze(-1))))[0]  # [T, T, H]
+    bias = result["position_bias"]
+    for head in range(scheme.config.n_heads):
+        got = square(bias[head], math.nan)
+        torch.testing.assert_close(
+            got[distance >= 0], expected[..., head][distance >= 0], **ROUNDED
+        )
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
@@ -395,6 +467,9 @@ def test_the_schema_is_in_the_openapi_spec(client: httpx.Client) -> None:
         "embedding",
         "attention",
         "position_bias",
+        "layer_bias",
+        "forget_gates",
+        "contextual_positions",
         "rotation",
         "next_token",
         "surprisal",
@@ -461,7 +536,9 @@ def test_geometry_serves_the_report_and_its_figures(client: httpx.Client, corpus
     assert response.headers["content-type"] == "application/json"
     assert response.content == (folder / "report.json").read_bytes()  # byte for byte
     report = response.json()
-    assert {row["scheme"] for row in report["requirements"]} == set(SCHEMES)
+    # synthetic measures every scheme untrained; shakespeare, the shipped checkpoints
+    expected = set(SCHEMES) if corpus == "synthetic" else set(SHIPPED_SCHEMES)
+    assert {row["scheme"] for row in report["requirements"]} == expected
     for figure in report["figures"]:
         png = client.get(f"/v1/geometry/{corpus}/{figure}")
         assert png.status_code == 200 and png.headers["content-type"] == "image/png"
@@ -516,7 +593,7 @@ def shipped(tmp_path_factory: pytest.TempPathFactory) -> Any:
         yield running
 
 
-@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("scheme", SHIPPED_SCHEMES)
 def test_the_shipped_models_trace_causal_attention_and_normalised_stages(
     shipped: Running, scheme: str
 ) -> None:

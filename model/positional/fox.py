@@ -1,0 +1,70 @@
+"""FoX, the Forgetting Transformer (Lin et al., ICLR 2025): a data-dependent ALiBi.
+
+Each layer and head computes a forget gate per token from the layer's input x_t,
+f_t = σ(w·x_t + b) ∈ (0, 1), and the score of query i for key j gets D_ij = Σ_{l=j+1..i} log f_l:
+a key loses log f_l for every token l that came after it, so a head that keeps f near 1 sees
+far (NoPE), one that closes its gate forgets fast (ALiBi's decay, chosen by the content).
+No positional vector is added anywhere, so any length is accepted.
+
+Each token's log f is its ``key_state``: the KV cache keeps it beside the token's key, and every
+forward sums the kept gates of the keys a query may see, so a cached step computes exactly what
+the full forward does. D_ij is a sum over the tokens between key and query (a reversed cumulative
+sum along the keys), not a difference of two running totals, which would lose digits to
+cancellation once the totals grow long.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from model.positional.base import LayerBias, PositionalScheme, sum_back_to_each_key
+
+
+@dataclass(frozen=True)
+class FoxParams:
+    # The gates' bias at initialisation: 0 starts every gate near 1/2 (the paper's default
+    # initialisation); a larger value starts nearer NoPE (σ(3) ≈ 0.95: a slow forgetting).
+    bias_init: float = 0.0
+
+
+def forgetting_bias(log_gates: Tensor, allowed: Tensor) -> Tensor:
+    """D_ij = Σ_{l=j+1..i} log f_l for every key j that query i may see → [B, H, Tq, Tk].
+
+    ``log_gates`` [B, H, Tk] per key, ``allowed`` [B|1, 1, Tq, Tk] bool. The sum runs over the
+    keys the query may see after j (the query's own included), from the query back: row i of
+    the reversed cumulative sum of the gates it may see, shifted by one key.
+    """
+    from_key = sum_back_to_each_key(log_gates.unsqueeze(-2), allowed)  # Σ over l ≥ j
+    return F.pad(from_key[..., 1:], (0, 1))  # Σ over l > j (nothing after the last key)
+
+
+class ForgettingPositions(PositionalScheme):
+    name = "fox"
+    Params = FoxParams
+    data_dependent = True
+    keeps_key_state = True
+
+    def __init__(self, config, params: FoxParams) -> None:
+        super().__init__(config, params)
+        layers, heads = config.n_layers, config.n_heads
+        # Every layer has its own gate per head: [layers, heads, d_model] and [layers, heads].
+        self.gate_weight = nn.Parameter(torch.randn(layers, heads, config.d_model) * 0.02)
+        self.gate_bias = nn.Parameter(torch.full((layers, heads), float(params.bias_init)))
+
+    def key_state(self, layer: int, hidden: Tensor) -> Tensor:
+        """log f_t → [B, H, T] in float32 (it is summed over many tokens)."""
+        logits = hidden.float() @ self.gate_weight[layer].float().T + self.gate_bias[layer].float()
+        return F.logsigmoid(logits).transpose(1, 2)
+
+    def layer_bias(
+        self,
+        layer: int,
+        queries: Tensor,
+        keys: Tensor,
+        key_state: Tensor | None,
+        allowed: Tensor,
+    ) -> LayerBias:
+        assert key_state is not None  # the model hands every layer its keys' states
+        return LayerBias(forgetting_bias(key_state, allowed), gates=key_state.exp())
