@@ -109,6 +109,24 @@ class Exported:
 # What maps exactly
 
 
+# The schemes the custom-code port (remote/modeling_ordinal.py) computes, and positional settings
+# it does not, with the value each must keep (tests/model/interop checks this against the port).
+PORTED_SCHEMES = (
+    "none", "integer", "binary", "sinusoidal", "learned", "rope", "alibi", "t5", "mds", "lowrank"
+)  # fmt: skip
+UNPORTED_SETTINGS: dict[str, dict[str, Any]] = {"rope": {"fraction": 1.0}}
+
+
+def unported_positional(config: ModelConfig) -> str | None:
+    """Why no export computes ``config``'s positional scheme exactly, or None."""
+    if config.scheme not in PORTED_SCHEMES:
+        return f"scheme {config.scheme!r} has no Hugging Face export yet (ported: {PORTED_SCHEMES})"
+    for name, kept in UNPORTED_SETTINGS.get(config.scheme, {}).items():
+        if config.positional.get(name, kept) != kept:
+            return f"{config.scheme}'s {name} {config.positional[name]!r} is not exported yet"
+    return None
+
+
 def unexported_fields(config: ModelConfig) -> list[str]:
     """Config fields no export reads, set to something other than their default."""
     return [
@@ -354,6 +372,9 @@ def export_model(model: Transformer, tokenizer: Tokenizer, target: str = "auto")
     unknown = unexported_fields(model.config)
     if unknown:
         raise ExportError(f"no export knows the config field(s) {unknown}")
+    why_not = unported_positional(model.config)
+    if why_not is not None:
+        raise ExportError(why_not)
     model = model.float().cpu()
     if target == "custom":
         return custom(model, tokenizer, "custom code was asked for (--target custom)")

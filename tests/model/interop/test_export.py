@@ -34,13 +34,17 @@ from model.interop.gguf_export import export_gguf
 from model.interop.hf_export import (
     CUSTOM_ARCHITECTURE,
     FORMATS,
+    PORTED_SCHEMES,
     TARGETS,
     ExportError,
     export_folder,
+    export_model,
 )
 from model.positional import SCHEMES
+from model.tokenizer import load_tokenizer
 from model.transformer import Transformer
 from tests.model.conftest import random_model
+from tests.test_shipped_checkpoints import SHIPPED_SCHEMES
 
 REPO = Path(__file__).resolve().parents[3]
 SHIPPED = REPO / "checkpoints"
@@ -93,7 +97,7 @@ def export_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("exports")
 
 
-@pytest.mark.parametrize("scheme", list(SCHEMES))
+@pytest.mark.parametrize("scheme", SHIPPED_SCHEMES)
 def test_a_shipped_checkpoint_exports_exactly(scheme: str, export_dir: Path) -> None:
     checkpoint = SHIPPED / scheme
     out = export_dir / scheme
@@ -129,7 +133,7 @@ def test_a_shipped_checkpoint_exports_exactly(scheme: str, export_dir: Path) -> 
     )
 
 
-@pytest.mark.parametrize("scheme", list(SCHEMES))
+@pytest.mark.parametrize("scheme", SHIPPED_SCHEMES)
 def test_the_custom_code_port_is_every_scheme_on_a_left_padded_batch(
     scheme: str, export_dir: Path
 ) -> None:
@@ -220,6 +224,30 @@ def test_a_config_exports_to_the_architecture_that_is_exact(
     prompt = ids[:20]
     generated = hf_model.generate(torch.tensor([prompt]), max_new_tokens=30, do_sample=False)
     assert generated[0, 20:].tolist() == ordinal_greedy(model, prompt, 30)
+
+
+def test_the_port_lists_exactly_the_schemes_it_computes() -> None:
+    from model.interop.remote.modeling_ordinal import SCHEMES as PORT_SCHEMES
+
+    assert set(PORTED_SCHEMES) == set(PORT_SCHEMES) <= set(SCHEMES)
+
+
+@pytest.mark.parametrize(
+    ("scheme", "positional", "named"),
+    [
+        ("fox", {}, "scheme 'fox' has no Hugging Face export"),
+        ("cope", {}, "scheme 'cope' has no Hugging Face export"),
+        ("fire", {}, "scheme 'fire' has no Hugging Face export"),
+        ("rope", {"fraction": 0.75}, "rope's fraction 0.75 is not exported"),
+    ],
+)
+def test_what_no_export_computes_is_refused_by_name(
+    scheme: str, positional: dict[str, Any], named: str
+) -> None:
+    model = random_model(scheme, positional={"scheme": scheme, **positional})
+    for target in TARGETS:  # neither a native architecture nor the port: never a wrong folder
+        with pytest.raises(ExportError, match=named):
+            export_model(model, load_tokenizer(SHIPPED / "rope" / "tokenizer.json"), target)
 
 
 def test_native_refuses_what_no_native_architecture_computes(export_dir: Path) -> None:
