@@ -44,10 +44,10 @@ from torch import Tensor
 
 from model.positional import positions_table
 from model.sampling import sampling_stages
-from model.transformer import AttentionRecorder, Transformer
+from model.transformer import AttentionRecorder, Intervention, Transformer
 from server.api.completions import prompt_ids_of
 from server.api.errors import APIError
-from server.api.schemas import MAX_TRACE_TOKENS, TraceRequest
+from server.api.schemas import DEFAULT_LENS_TOP, MAX_TRACE_TOKENS, TraceRequest
 from server.api.service import ServedModel
 
 SIGNIFICANT_DIGITS = 4  # of the attention weights, the biases and the positional vectors
@@ -93,6 +93,17 @@ class TraceNextToken(BaseModel):
     )
 
 
+class TraceLens(BaseModel):
+    """Each layer's output read as the last layer's is (final norm, unembedding)."""
+
+    ids: list[list[list[int]]] = Field(
+        description="[layers][T][3] the most probable next tokens after each layer, descending; "
+        "the last layer's are the served distribution's"
+    )
+    probs: list[list[list[float]]] = Field(description="[layers][T][3] their probabilities")
+    texts: list[list[list[str]]] = Field(description="[layers][T][3] their text")
+
+
 class TraceResponse(BaseModel):
     """What one forward pass over the prompt shows (T = prompt tokens, counting <|bos|>)."""
 
@@ -124,6 +135,7 @@ class TraceResponse(BaseModel):
     surprisal: list[float | None] = Field(
         description="[T] −log₂ p(token | prefix) of each prompt token (null for <|bos|>)"
     )
+    logit_lens: TraceLens | None = Field(description="null unless the request's logit_lens is true")
 
 
 # ---- computing it ---------------------------------------------------------------------------
@@ -142,7 +154,45 @@ async def create_trace(body: TraceRequest, served: ServedModel) -> bytes:
             code="context_length_exceeded",
         )
     body.sampling_params(served.vocab)  # a bad field is a 400 here, not a failure in the engine
+    check_interventions(body, served, len(prompt_ids))
     return await served.engine.trace(prompt_ids, body.model_dump_json().encode())
+
+
+def check_interventions(body: TraceRequest, served: ServedModel, length: int) -> None:
+    """A 400 naming the field for a layer or head the model lacks, or an offset that takes the
+    last of ``length`` positions past the scheme's table (as a too-long prompt would)."""
+    info = served.info
+    for index, ref in enumerate(body.ablate):
+        for field, value, count in (
+            ("layer", ref.layer, info.n_layers),
+            ("head", ref.head, info.n_heads),
+        ):
+            if value >= count:
+                raise APIError(
+                    400,
+                    f"ablate[{index}].{field} is {value}, but model '{served.name}' has "
+                    f"{count} {field}s (0..{count - 1})",
+                    param="ablate",
+                )
+    if body.drop_positional != "all":
+        for index, layer in enumerate(body.drop_positional):
+            if layer >= info.n_layers:
+                raise APIError(
+                    400,
+                    f"drop_positional[{index}] is {layer}, but model '{served.name}' has "
+                    f"{info.n_layers} layers (0..{info.n_layers - 1})",
+                    param="drop_positional",
+                )
+    last = body.position_offset + length - 1
+    if info.max_positions is not None and last >= info.max_positions:
+        raise APIError(
+            400,
+            f"position_offset {body.position_offset} puts the prompt's last token at position "
+            f"{last}, out of range for the '{info.scheme}' scheme, which has a table of "
+            f"max_positions={info.max_positions} (0..{info.max_positions - 1})",
+            param="position_offset",
+            code="context_length_exceeded",
+        )
 
 
 class Traceable(Protocol):
@@ -168,11 +218,13 @@ def trace_document(body: TraceRequest, served: Traceable, prompt_ids: list[int])
     model, vocab, names = served.model, served.vocab, served.token_strings
     device = next(model.parameters()).device
     ids = torch.tensor(prompt_ids, device=device)  # [T]
-    positions = positions_table(len(prompt_ids), device)  # [1, T]
+    intervention = intervention_of(body, model.config.n_layers)
+    positions = positions_table(len(prompt_ids), device) + body.position_offset  # [1, T]
     scheme = model.positional
     with torch.inference_mode():
-        recorder = AttentionRecorder() if body.attention else None
-        logits = model(ids.unsqueeze(0), recorder=recorder)[0, :, :vocab].float()  # [T, V]
+        recorder = AttentionRecorder() if body.attention or body.logit_lens else None
+        logits = model(ids.unsqueeze(0), recorder=recorder, intervention=intervention)
+        logits = logits[0, :, :vocab].float()  # [T, V]
         token_vectors = model.token_embedding(ids).float()  # [T, d_model]
         position_vectors = scheme.embedding(positions)  # [1, T, d_model] or None
         rotation = scheme.rotation(positions)  # (cos, sin) [1, 1, T, rot] or None
@@ -195,14 +247,16 @@ def trace_document(body: TraceRequest, served: Traceable, prompt_ids: list[int])
         "n_layers": model.config.n_layers,
         "n_heads": model.config.n_heads,
         "tokens": [{"id": token, "text": names[token]} for token in prompt_ids],
-        "positions": list(range(len(prompt_ids))),
+        "positions": positions[0].tolist(),
         "embedding": {
             "token_norm": _array(token_vectors.norm(dim=-1)),
             "position_norm": None if vectors is None else _array(vectors.norm(dim=-1)),
             "position_vectors": None if vectors is None else _rounded(vectors),
         },
         # [L, H, T, T] (a batch of one)
-        "attention": None if recorder is None else _lower_triangle(torch.cat(recorder.weights)),
+        "attention": _lower_triangle(torch.cat(recorder.weights))
+        if recorder is not None and body.attention
+        else None,
         "position_bias": None if bias is None else _lower_triangle(bias[0].float()),
         "rotation": None if rotation is None else _angles(rotation),
         "next_token": {
@@ -210,6 +264,36 @@ def trace_document(body: TraceRequest, served: Traceable, prompt_ids: list[int])
             "stages": [_stage(stage.name, stage.probs, top, names) for stage in stages],
         },
         "surprisal": [None, *(-logprobs.cpu() / math.log(2)).tolist()],
+        "logit_lens": _lens(model, recorder.residuals, vocab, names)
+        if recorder is not None and body.logit_lens
+        else None,
+    }
+
+
+def intervention_of(body: TraceRequest, n_layers: int) -> Intervention | None:
+    """The request's changes to the forward pass, or None when it asks for none."""
+    dropped = range(n_layers) if body.drop_positional == "all" else body.drop_positional
+    if not (body.position_offset or body.ablate or dropped):
+        return None
+    return Intervention(
+        position_offset=body.position_offset,
+        ablate=frozenset((ref.layer, ref.head) for ref in body.ablate),
+        drop_positional=frozenset(dropped),
+    )
+
+
+def _lens(
+    model: Transformer, residuals: list[Tensor], vocab: int, names: list[str]
+) -> dict[str, Any]:
+    """Each block's output [1, T, d] through the final norm and the unembedding: per layer and
+    position the DEFAULT_LENS_TOP most probable tokens (the last layer's are the served ones)."""
+    with torch.inference_mode():
+        logits = model.unembed(torch.cat(residuals))[..., :vocab].float()  # [L, T, V]
+        probs, ids = logits.softmax(dim=-1).topk(min(DEFAULT_LENS_TOP, vocab), dim=-1)
+    return {
+        "ids": ids.cpu().numpy().astype(np.int32),
+        "probs": _array(probs),
+        "texts": [[[names[token] for token in row] for row in layer] for layer in ids.tolist()],
     }
 
 
