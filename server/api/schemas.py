@@ -314,6 +314,11 @@ class TraceRequest(PromptRequest):
         description="include every layer's attention weights (most of the response: "
         "layers × heads × T(T+1)/2 numbers); false answers attention null",
     )
+    attention_encoding: Literal["lists", "uint8"] = Field(
+        "lists",
+        description='"uint8": attention comes as attention_uint8, a quarter of the bytes, for a '
+        "page that draws it",
+    )
     position_offset: int = Field(
         0,
         ge=0,

@@ -34,6 +34,7 @@ are traced on the whole prefix the sampler saw; the views that draw no attention
 
 from __future__ import annotations
 
+import base64
 import math
 from typing import Any, Protocol
 
@@ -121,6 +122,11 @@ class TraceResponse(BaseModel):
         description="[layers][heads][T][q+1] softmax weights, the causal lower triangle: row q "
         "lists keys 0..q (the masked keys after q have weight 0 and are left out) and sums to 1; "
         "4 significant digits; null when the request's attention is false"
+    )
+    attention_uint8: str | None = Field(
+        description="with attention_encoding uint8: base64 of [layers][heads][T(T+1)/2] bytes, "
+        "each weight × 255 rounded (±0.002), the lower triangles row by row (query 0's key 0, "
+        "query 1's keys 0..1, ...); attention is then null"
     )
     position_bias: list[list[list[float]]] | None = Field(
         description="[heads][T][q+1] the additive score bias of alibi and t5, the causal lower "
@@ -254,9 +260,7 @@ def trace_document(body: TraceRequest, served: Traceable, prompt_ids: list[int])
             "position_vectors": None if vectors is None else _rounded(vectors),
         },
         # [L, H, T, T] (a batch of one)
-        "attention": _lower_triangle(torch.cat(recorder.weights))
-        if recorder is not None and body.attention
-        else None,
+        **_attention(recorder.weights if recorder and body.attention else None, body),
         "position_bias": None if bias is None else _lower_triangle(bias[0].float()),
         "rotation": None if rotation is None else _angles(rotation),
         "next_token": {
@@ -268,6 +272,19 @@ def trace_document(body: TraceRequest, served: Traceable, prompt_ids: list[int])
         if recorder is not None and body.logit_lens
         else None,
     }
+
+
+def _attention(weights: list[Tensor] | None, body: TraceRequest) -> dict[str, Any]:
+    """The attention fields: each layer's weights [1, H, T, T] as rounded lists or as uint8."""
+    if weights is None:
+        return {"attention": None, "attention_uint8": None}
+    stacked = torch.cat(weights)  # [L, H, T, T] (a batch of one)
+    if body.attention_encoding == "lists":
+        return {"attention": _lower_triangle(stacked), "attention_uint8": None}
+    length = stacked.shape[-1]
+    rows, keys = torch.tril_indices(length, length)  # row-major: query q's keys 0..q in turn
+    levels = (stacked[..., rows, keys] * 255).round().to(torch.uint8)  # [L, H, T(T+1)/2]
+    return {"attention": None, "attention_uint8": base64.b64encode(levels.cpu().numpy()).decode()}
 
 
 def intervention_of(body: TraceRequest, n_layers: int) -> Intervention | None:
