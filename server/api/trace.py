@@ -284,7 +284,10 @@ def _attention(weights: list[Tensor] | None, body: TraceRequest) -> dict[str, An
     length = stacked.shape[-1]
     rows, keys = torch.tril_indices(length, length)  # row-major: query q's keys 0..q in turn
     levels = (stacked[..., rows, keys] * 255).round().to(torch.uint8)  # [L, H, T(T+1)/2]
-    return {"attention": None, "attention_uint8": base64.b64encode(levels.cpu().numpy()).decode()}
+    return {
+        "attention": None,
+        "attention_uint8": base64.b64encode(levels.cpu().numpy().tobytes()).decode(),
+    }
 
 
 def intervention_of(body: TraceRequest, n_layers: int) -> Intervention | None:
