@@ -165,13 +165,23 @@ const probColour = (p) => {
 const SURPRISAL_MAX = 14; // bits
 const surprisalColour = (bits) => {
   const colour = d3.color(d3.interpolateViridis(1 - Math.min(bits, SURPRISAL_MAX) / SURPRISAL_MAX));
-  colour.opacity = 0.55;
+  colour.opacity = 0.35; // light enough that dark text keeps a 4.5:1 contrast on every shade
   return colour.formatRgb();
 };
 
+// Plot names its mark groups with aria-label on plain <g> elements, which ARIA permits only on
+// elements with a role: they are groups.
+function accessible(node) {
+  for (const group of node.querySelectorAll("g[aria-label]:not([role])")) group.setAttribute("role", "group");
+  return node;
+}
+
+const plot = (options) => accessible(Plot.plot(options));
+
 function legend(target, options) {
-  const node = Plot.legend({ width: 220, ...options });
-  node.style.opacity = options.opacity ?? 1;
+  const node = accessible(Plot.legend({ width: 220, ...options }));
+  // Only the colour ramp is faded (as the tokens are); the text keeps its contrast.
+  for (const ramp of node.querySelectorAll("image, rect")) ramp.style.opacity = options.opacity ?? 1;
   $(target).replaceChildren(node);
 }
 
@@ -269,7 +279,6 @@ function tokenSpan(text, title, background) {
   span.className = "tok";
   span.textContent = text.replace(/\n/g, "↵\n");
   span.title = title;
-  span.setAttribute("aria-label", `${visible(text)}: ${title}`);
   span.style.background = background;
   return span;
 }
@@ -277,6 +286,7 @@ function tokenSpan(text, title, background) {
 function clickable(span, action) {
   span.tabIndex = 0;
   span.setAttribute("role", "button");
+  span.setAttribute("aria-label", `${visible(span.textContent)}: ${span.title}`);
   span.addEventListener("click", action);
   span.addEventListener("keydown", (event) => {
     if (event.key === "Enter" || event.key === " ") { event.preventDefault(); action(); }
@@ -460,7 +470,7 @@ function stagesChart(trace, chosen = null) {
     }
   }
   const order = [...shown].map(([id, text]) => `${visible(text)} ·${id}`);
-  return Plot.plot({
+  return plot({
     width: Math.max(620, 150 * stages.length),
     height: 28 + 19 * shown.size,
     marginLeft: 90,
@@ -676,7 +686,7 @@ function drawPipeline(trace, baseline) {
   // 1. tokens and their surprisal (the unchanged pass as ticks, when an experiment is on)
   const surprisal = trace.surprisal.map((bits, position) => ({ position, bits: bits ?? 0, token: labels[position] }));
   const before = baseline ? baseline.surprisal.map((bits, position) => ({ position, bits: bits ?? 0 })) : [];
-  $("tokens-chart").replaceChildren(Plot.plot({
+  $("tokens-chart").replaceChildren(plot({
     width: Math.min(1100, Math.max(560, 22 * length)),
     height: length <= 48 ? 210 : 170,
     marginBottom: length <= 48 ? 70 : 34,
@@ -697,7 +707,7 @@ function drawPipeline(trace, baseline) {
       ? [{ position: trace.positions[position], norm: trace.embedding.position_norm[position], kind: "positional vector" }]
       : []),
   ]);
-  const parts = [Plot.plot({
+  const parts = [plot({
     width: 420, height: 260,
     x: { label: "position" }, y: { label: "‖vector‖", grid: true, zero: true },
     color: { legend: true, domain: ["token embedding", "positional vector"], range: ["#3b5bdb", "#c2410c"] },
@@ -962,7 +972,7 @@ function vectorHeatmap(vectors, width, height, title) {
   // A symmetric domain at the 99th percentile of |value|, so that a few large entries do not
   // wash out the rest (integer's grow without bound).
   const extent = d3.quantile(cells, 0.99, (d) => Math.abs(d.value)) || 1;
-  return Plot.plot({
+  return plot({
     title, width, height, marginLeft: 44,
     x: { label: "dimension", ticks: 8 }, y: { label: "position", reverse: false, ticks: 8 },
     color: { type: "linear", scheme: "RdBu", domain: [-extent, extent], clamp: true, legend: true, label: "value added" },
@@ -976,7 +986,7 @@ function rotationChart(rotation, height, title) {
     position, pair, angle: ((angle % (2 * Math.PI)) + 2 * Math.PI) % (2 * Math.PI),
   })));
   const every = rotation.length <= 24 ? 2 : 16;
-  return Plot.plot({
+  return plot({
     title, width: 360, height, marginLeft: 44, padding: 0,
     x: { type: "band", label: "dimension pair (fast → slow) →", tickFormat: (i) => (i % 4 === 0 ? i : "") },
     y: { type: "band", label: "↓ position", tickFormat: (i) => (i % every === 0 ? i : "") },
@@ -1120,7 +1130,7 @@ function drawPositional(trace) {
 function biasRaster(matrix, head, size) {
   const length = matrix.length;
   const cells = matrix.flatMap((row, q) => row.map((value, k) => ({ q, k, value })));
-  return Plot.plot({
+  return plot({
     title: `head ${head}`, width: size + 40, height: size + 40, marginLeft: 34, marginBottom: 34,
     x: { domain: [0, length], label: "key →", ticks: 4 },
     y: { domain: [0, length], label: "↓ query", ticks: 4, reverse: true },
@@ -1132,7 +1142,7 @@ function biasRaster(matrix, head, size) {
 }
 
 function distancePlot(points, { title, y, stroke }) {
-  return Plot.plot({
+  return plot({
     title, width: 440, height: 330, marginLeft: 50,
     x: { label: "distance (positions) →" }, y: { label: y, grid: true },
     color: stroke ? { legend: true } : undefined,
@@ -1149,7 +1159,7 @@ function drawReport(report, scheme) {
   const lines = report.schemes.flatMap((entry) => (entry.dot_product_by_offset ?? [])
     .map((value, offset) => ({ offset, value, label: entry.label, chosen: entry.scheme === scheme }))
     .filter((d) => d.value !== null));
-  $("profile-chart").replaceChildren(Plot.plot({
+  $("profile-chart").replaceChildren(plot({
     title: `measured: mean PE_i·PE_i+k / mean ‖PE_i‖² (${scheme} in colour)`,
     width: 460, height: 300, marginLeft: 44,
     x: { label: "offset k →" }, y: { label: "dot product", grid: true },
@@ -1228,7 +1238,7 @@ async function compare() {
     const column = document.createElement("div");
     column.className = "column";
     column.dataset.model = name;
-    const heading = document.createElement("h3");
+    const heading = document.createElement("h2");
     heading.innerHTML = "<b></b><span></span>";
     heading.firstChild.textContent = name;
     heading.lastChild.textContent = `trained at ${entry.context_length}`;
@@ -1332,7 +1342,7 @@ function drawCurves(runs) {
   });
   const means = drawn.map((run) => `${run.name} ${d3.mean(run.curve.slice(1), (lp) => -lp / Math.LN2).toFixed(2)}`);
   const trained = [...new Set(drawn.map((run) => run.entry.context_length))];
-  const figure = Plot.plot({
+  const figure = plot({
     width: 900, height: 220, marginLeft: 40,
     x: { label: "position →" }, y: { label: "bits (mean of the last 16)", grid: true, zero: true },
     color: { legend: true, scheme: "observable10", domain: runs.map((run) => run.name) },
