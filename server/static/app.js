@@ -637,6 +637,33 @@ function drawEffect(trace, baseline, experiment) {
     (change === null ? "" : ` Attention rows: mean total variation ${change.toFixed(4)}.`);
 }
 
+// The README's experiments, one click each, on a prompt whose next token is uncertain (the
+// shipped models give its top token about 0.2), so that every change shows.
+const UNCERTAIN_PROMPT = "JULIET:\nO Romeo, Romeo! wherefore art thou";
+const PRESETS = {
+  "offset-learned": { model: "learned", offset: 20 },
+  "offset-rope": { model: "rope", offset: 20 },
+  "drop-alibi": { model: "alibi", drop: "all" },
+  lens: { model: "rope", lens: true },
+  filters: { model: "rope", settings: { temperature: 1, top_k: 5, top_p: 0.5, min_p: 0, repetition_penalty: 1 } },
+};
+
+function applyPreset(name) {
+  const preset = PRESETS[name];
+  if (!modelInfo(preset.model)) return;
+  $("model").value = preset.model;
+  $("model").dispatchEvent(new Event("change"));
+  $("prompt").value = UNCERTAIN_PROMPT;
+  $("offset").value = String(preset.offset ?? 0);
+  $("offset-value").textContent = $("offset").value;
+  $("lens").checked = Boolean(preset.lens);
+  for (const [id, value] of Object.entries(preset.settings ?? {})) $(id).value = String(value);
+  showSliderValues();
+  state.pending = { drop: preset.drop === "all" ? ["0", "1", "2", "3", "4", "5", "6", "7"] : [], ablate: [], layer: null, head: null };
+  restoreExperiment();
+  runTrace();
+}
+
 function fillExperimentControls(trace) {
   const drop = $("drop");
   if (drop.dataset.layers !== String(trace.n_layers)) {
@@ -663,7 +690,9 @@ function fillExperimentControls(trace) {
     ablate.replaceChildren(keep, ...rows);
     ablate.dataset.shape = shape;
   }
-  restoreExperiment();
+  const traced = JSON.stringify(interventions());
+  restoreExperiment(); // the URL's or a preset's boxes, which did not exist before this trace
+  if (JSON.stringify(interventions()) !== traced) scheduleTrace();
 }
 
 function checkbox(text, data, name) {
@@ -1448,6 +1477,9 @@ async function start() {
   $("compare").addEventListener("click", compare);
   $("trace").addEventListener("click", runTrace);
   $("compare-stop").addEventListener("click", stopRunning);
+  for (const button of document.querySelectorAll("#presets button")) {
+    button.addEventListener("click", () => applyPreset(button.dataset.preset));
+  }
   for (const id of ["layer", "head"]) $(id).addEventListener("change", () => { drawAttention(); saveState(); });
   $("swap-order").addEventListener("click", swapWordOrder);
   $("long-prompt").addEventListener("click", () => { $("prompt").value = LONG_PROMPT; });
