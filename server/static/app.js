@@ -1061,7 +1061,7 @@ const REQUIREMENT_COLUMNS = [
 ];
 const DIAGNOSTICS = [
   ["stress", "stress"],
-  ["scale_free_stress", "scale-free stress"],
+  ["scale_free_stress", "stress after the best rescaling"],
   ["monotonicity_violation_rate", "monotonicity violations"],
   ["min_separation", "min separation"],
 ];
@@ -1147,7 +1147,7 @@ function drawPositional(trace) {
     // q·k of one unit vector rotated at two positions d apart: the mean over pairs of cos(d·θ).
     const points = trace.rotation.map((angles, distance) => ({ distance, value: d3.mean(angles, Math.cos) }));
     right.replaceChildren(distancePlot(points, {
-      title: "dot product vs distance: (R(i)·u)·(R(i+d)·u) for a unit all-equal u", y: "dot product",
+      title: "how alike two positions d apart look after rope's rotation (mean cos of d × each frequency)", y: "dot product",
     }));
   } else {
     left.replaceChildren(note(positionNote(trace.scheme)));

@@ -174,3 +174,34 @@ def test_a_head_switch_at_256_tokens_draws_in_under_200_ms(
     assert page.get_attribute("#attention-chart", "data-head") == "2"
     context.close()
     assert max(timings) < 200, timings
+
+
+def test_a_branch_is_the_completion_whose_prompt_ends_with_the_forced_token(
+    watched: Watched, playground: Running
+) -> None:
+    page = watched.open()
+    page.select_option("#model", "rope")
+    set_value(page, "#prompt", PROMPT)
+    set_value(page, "#max_tokens", 12)
+    set_value(page, "#seed", 3)
+    set_value(page, "#temperature", 1.5)  # many alternatives survive the filters
+    page.click("#generate")
+    page.wait_for_selector("#generate:not([disabled])")
+    page.focus("#output .tok >> nth=2")  # reachable by keyboard: Enter explains it
+    page.keyboard.press("Enter")
+    page.wait_for_selector("#alternatives .branches button")
+    forced = page.inner_text("#alternatives .branches button >> nth=0")
+    page.click("#alternatives .branches button >> nth=0")
+    page.wait_for_selector("#branch [data-done=true]")
+    branch = page.locator("#branch [data-done=true]")
+    prompt = json.loads(branch.get_attribute("data-prompt") or "[]")
+    settings = page.evaluate(
+        "({temperature: 1.5, top_k: +top_k.value, top_p: +top_p.value, "
+        "min_p: +min_p.value, repetition_penalty: +repetition_penalty.value})"
+    )
+    body = {"model": "rope", "prompt": prompt, "max_tokens": 12 - 2 - 1, "seed": 3, **settings}
+    expected = httpx.post(f"{playground.url}/v1/completions", json=body).json()
+    shown = branch.inner_text().replace("↵", "")
+    first = branch.locator(".tok.diverge").inner_text().replace("↵", "")
+    assert first and first in forced  # the forced token, marked as the first difference
+    assert shown == first + expected["choices"][0]["text"]
