@@ -27,6 +27,16 @@ tokens  before (full T×T, f32)   now                     now, attention off
 256     9.07 MB / 10.7 MB        5.01 MB / 5.83 MB       55 kB / 950 kB
 ======  =======================  ======================  ===================
 
+The playground asks for ``attention_encoding: "uint8"``: the same triangles as bytes (each weight
+× 255, rounded), base64 — 0.76 MB of JSON for rope at 256 tokens instead of 4.9 MB, and the
+whole trace answers in about 100 ms in-process (``bench/trace.py``); the API gzips it.
+
+Interventions (``position_offset``, ``ablate``, ``drop_positional``) are a
+:class:`~model.transformer.Intervention` handed to that same forward, and the logit lens reads
+the recorder's residual streams through :meth:`~model.transformer.Transformer.unembed`: every
+field of the response is that of the changed pass. Their limits (layers, heads, a table's last
+row) are checked here, in the API process, from the model's ``ModelInfo``.
+
 The limit stays at 256 so that the Generate view's alternatives (prompt + default 120 tokens)
 are traced on the whole prefix the sampler saw; the views that draw no attention ask with
 ``attention: false``.

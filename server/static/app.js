@@ -1,7 +1,7 @@
 // The ordinal playground. It talks only to this server: /v1/models, /v1/tokenize,
 // /v1/completions (streamed, Server-Sent Events), /v1/trace and /v1/geometry. Charts are Observable Plot
-// marks (cell = heatmap, bar = bars, line), on the d3 vendored beside it; the page draws no
-// SVG or canvas of its own.
+// marks (bar, line, raster), on the d3 vendored beside it, except the attention and bias
+// heatmaps: up to 256 × 256 cells per head, drawn to canvas as one pixel per cell, scaled.
 /* global d3, Plot */
 
 const $ = (id) => document.getElementById(id);
@@ -466,6 +466,7 @@ function stagesChart(trace, chosen = null) {
         token: `${visible(text)} ·${id}`,
         prob: probs.get(id) ?? 0,
         chosen: id === chosen,
+        dropped: !probs.has(id), // a filter of this stage (or an earlier one) removed it
       });
     }
   }
@@ -483,8 +484,8 @@ function stagesChart(trace, chosen = null) {
     marks: [
       Plot.barX(rows, { fx: "stage", y: "token", x: "prob", fill: "chosen", tip: true }),
       Plot.text(rows, {
-        fx: "stage", y: "token", x: "prob", text: (d) => (d.prob >= 0.005 ? d.prob.toFixed(2) : ""),
-        dx: 3, textAnchor: "start", fontSize: 9,
+        fx: "stage", y: "token", x: "prob", text: (d) => (d.dropped ? "✕ dropped" : d.prob >= 0.005 ? d.prob.toFixed(2) : ""),
+        dx: 3, textAnchor: "start", fontSize: 9, fill: (d) => (d.dropped ? "#b42318" : "currentColor"),
       }),
       Plot.ruleX([0]),
     ],
