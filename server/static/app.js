@@ -904,7 +904,7 @@ function drawAttention() {
     const what = trace.scheme === "alibi" ? "−slope × distance" : "learned value per distance bucket";
     side.replaceChildren(biasHeatmap(trace.position_bias[head], size, `${trace.scheme} score bias, head ${head}: ${what} (all layers)`));
   } else if (trace.rotation) {
-    if (side.dataset.scheme !== "rope" || side.dataset.length !== String(length)) {
+    if (side.dataset.scheme !== "rope" || side.dataset.length !== `${trace.positions[0]}+${length}`) {
       side.replaceChildren(rotationChart(trace.rotation, size + 60, "rope: rotation angle per dimension pair (mod 2π), all heads and layers"));
     }
   } else {
@@ -915,7 +915,7 @@ function drawAttention() {
     ));
   }
   side.dataset.scheme = trace.rotation ? "rope" : trace.scheme;
-  side.dataset.length = String(length);
+  side.dataset.length = `${trace.positions[0]}+${length}`; // rope's angles: redrawn for a new offset
   target.dataset.ms = String(performance.now() - started);
   target.dataset.drawn = String(Number(target.dataset.drawn || 0) + 1);
 }
