@@ -50,6 +50,8 @@ nginx:
 # The playground has no build step; this refreshes its vendored chart libraries from npm.
 D3_VERSION := 7.9.2
 PLOT_VERSION := 0.6.17
+# axe-core is not loaded by the page: the browser tests inject it to check accessibility.
+AXE_VERSION := 4.14.1
 ui:
 	rm -rf .ui-vendor && mkdir .ui-vendor
 	cd .ui-vendor && npm pack --silent d3@$(D3_VERSION) @observablehq/plot@$(PLOT_VERSION) && \
@@ -59,6 +61,8 @@ ui:
 	cp .ui-vendor/observablehq-plot-$(PLOT_VERSION)/package/dist/plot.umd.min.js \
 		server/static/vendor/plot.v$(PLOT_VERSION).umd.min.js
 	cp .ui-vendor/observablehq-plot-$(PLOT_VERSION)/package/LICENSE server/static/vendor/LICENSE.plot
+	cp .ui-vendor/axe-core-$(AXE_VERSION)/package/axe.min.js server/static/vendor/axe.v$(AXE_VERSION).min.js
+	cp .ui-vendor/axe-core-$(AXE_VERSION)/package/LICENSE server/static/vendor/LICENSE.axe
 	rm -rf .ui-vendor
 
 lint: $(STAMP)

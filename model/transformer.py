@@ -57,6 +57,9 @@ class AttentionRecorder:
         self.keep_weights = weights
         self.weights: list[Tensor] = []
         self.layer_biases: list[LayerBias] = []
+        # Each block's output [B, T, d_model], the residual stream the logit lens reads
+        # (Transformer.unembed); the last one is what the served logits are computed from.
+        self.residuals: list[Tensor] = []
 
     def record(
         self,
@@ -82,6 +85,36 @@ class AttentionRecorder:
         elif mask.mask is not None:
             scores = scores + mask.mask.float()
         self.weights.append(scores.softmax(dim=-1))
+
+
+@dataclass(frozen=True)
+class Intervention:
+    """Pass one to an uncached :meth:`Transformer.forward` to change it, testing what a scheme
+    claims (tracing only, ``/v1/trace``).
+
+    ``position_offset`` k: every position is shifted by k, as if the prompt started at k (a
+    relative scheme's logits do not change; an absolute scheme's do). ``ablate``: these
+    (layer, head) pairs have their attention output zeroed before the output projection.
+    ``drop_positional``: in these layers the scheme's signal is removed (no rotation, no score
+    bias); an added vector enters the residual stream once, before layer 0, so it is left out
+    when layer 0 is dropped. Dropping every layer runs the weights as the ``none`` scheme.
+    """
+
+    position_offset: int = 0
+    ablate: frozenset[tuple[int, int]] = frozenset()
+    drop_positional: frozenset[int] = frozenset()
+
+    def head_gates(self, layer: int, n_heads: int, device: torch.device) -> Tensor | None:
+        """[H, 1, 1]: 0 for this layer's ablated heads, 1 for the others; None if none is."""
+        heads = [head for ablated_layer, head in self.ablate if ablated_layer == layer]
+        if not heads:
+            return None
+        gates = torch.ones(n_heads, 1, 1, device=device)
+        gates[heads] = 0.0
+        return gates
+
+
+NO_INTERVENTION = Intervention()
 
 
 def _store_column_major(linear: nn.Linear) -> None:
@@ -132,9 +165,11 @@ class Attention(nn.Module):
         layer: int,
         recorder: AttentionRecorder | None = None,
         scheme: PositionalScheme | None = None,
+        head_gates: Tensor | None = None,
     ) -> Tensor:
         """``x`` [B, T, d_model] → [B, T, d_model]; ``recorder`` keeps the weights if given;
-        ``scheme``'s per-layer hooks (fox, cope) add their bias to ``mask``."""
+        ``scheme``'s per-layer hooks (fox, cope) add their bias to ``mask``; ``head_gates``
+        [H, 1, 1] scale each head's output (an Intervention's ablation)."""
         batch, length, width = x.shape
         heads, kv_heads = self.n_heads, self.n_kv_heads
         qkv = self.qkv(x).view(batch, length, heads + 2 * kv_heads, self.head_dim)
@@ -167,7 +202,9 @@ class Attention(nn.Module):
             is_causal=mask.is_causal,
             dropout_p=self.dropout if self.training else 0.0,
             enable_gqa=kv_heads != heads,
-        )
+        )  # [B, H, T, hd]
+        if head_gates is not None:
+            out = out * head_gates.to(out.dtype)
         out = self.proj(out.transpose(1, 2).reshape(batch, length, width))
         return F.dropout(out, self.dropout) if self.training else out
 
@@ -262,6 +299,7 @@ class Transformer(nn.Module):
         new_counts: Tensor | None = None,
         last_only: bool = False,
         recorder: AttentionRecorder | None = None,
+        intervention: Intervention | None = None,
     ) -> Tensor:
         """Logits for ``tokens`` [B, T] → [B, T, vocab] (or [B, vocab] with ``last_only``).
 
@@ -271,12 +309,17 @@ class Transformer(nn.Module):
         ``new_counts`` [B] marks a ragged batch: row b has only its first new_counts[b] tokens,
         the rest is right-padding that is neither stored nor attended to.
         ``recorder`` (tracing) collects each layer's attention weights; see AttentionRecorder.
+        ``intervention`` (tracing, no cache) changes the pass; see Intervention.
         """
         batch, length = tokens.shape
         device = tokens.device
+        if intervention is not None and cache is not None:
+            raise ValueError("an intervention changes an uncached forward pass only")
+        change = intervention or NO_INTERVENTION
         if cache is None:
             plan = None
             positions = torch.arange(length, device=device).unsqueeze(0)  # [1, T]
+            positions = positions + change.position_offset
             key_positions = positions[0]
         else:
             plan = cache.positions(rows or slice(0, batch), length, new_counts)
@@ -290,14 +333,21 @@ class Transformer(nn.Module):
 
         x = self.token_embedding(tokens)
         position_vectors = self.positional.embedding(positions)
-        if position_vectors is not None:
+        if position_vectors is not None and 0 not in change.drop_positional:
             x = x + position_vectors.to(x.dtype)
         if self.training:
             x = F.dropout(x, self.config.dropout)
         rotation = self.positional.rotation(positions)
         mask = self._attention_mask(positions, key_positions, plan, x.dtype)
         for layer, block in enumerate(self.blocks):
-            x = block(x, rotation, mask, cache, plan, layer, recorder, self.positional)
+            gates = change.head_gates(layer, self.config.n_heads, device)
+            if layer in change.drop_positional:  # uncached: the plain causal mask, as `none`'s
+                plain = AttentionMask(None, is_causal=True)
+                x = block(x, None, plain, cache, plan, layer, recorder, None, gates)
+            else:
+                x = block(x, rotation, mask, cache, plan, layer, recorder, self.positional, gates)
+            if recorder is not None:
+                recorder.residuals.append(x)
         if cache is not None:
             assert plan is not None  # planned above, with the cache
             cache.commit(plan)
@@ -308,6 +358,11 @@ class Transformer(nn.Module):
         elif last_only:
             x = x[:, -1]
         return self.lm_head(x)
+
+    def unembed(self, hidden: Tensor) -> Tensor:
+        """The logit lens: residual streams [..., d_model] → logits [..., vocab], read through
+        the final norm and the unembedding exactly as the last block's output is."""
+        return self.lm_head(self.final_norm(hidden))
 
     def _attention_mask(
         self, positions: Tensor, key_positions: Tensor, plan: CacheWrite | None, dtype: torch.dtype

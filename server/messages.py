@@ -111,6 +111,8 @@ class ModelInfo(msgspec.Struct):
     context_length: int  # the length it was trained at
     max_positions: int | None  # the scheme's own cap (None: none)
     max_context: int
+    n_layers: int
+    n_heads: int
     parameters: int
     load_seconds: float
 

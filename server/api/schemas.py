@@ -285,6 +285,15 @@ MAX_TRACE_TOKENS = 256
 DEFAULT_TRACE_TOP = 20
 
 
+MAX_POSITION_OFFSET = 2**20  # past any table; a formula scheme is still exact in float32 there
+DEFAULT_LENS_TOP = 3
+
+
+class HeadRef(StrictBody):
+    layer: int = Field(ge=0, description="0 is the first block")
+    head: int = Field(ge=0)
+
+
 class TraceRequest(PromptRequest):
     """``POST /v1/trace``: one forward pass over the prompt, and the next token's distribution
     through each sampling stage for these settings (validated exactly like completions).
@@ -292,6 +301,11 @@ class TraceRequest(PromptRequest):
     ``top``: how many of the most probable tokens each stage lists (capped at the vocabulary;
     the whole vocabulary lists every token). ``attention``: false leaves the attention weights
     out, for a caller that wants only the positional pieces or the next token.
+
+    The interventions (``position_offset``, ``ablate``, ``drop_positional``) change the forward
+    pass itself (``model.transformer.Intervention``): every field of the response, attention
+    and surprisal included, is that of the changed pass. Layers and heads past the model's are
+    a 400, and so is an offset that takes a position past a table's last row.
     """
 
     top: int = Field(DEFAULT_TRACE_TOP, ge=1, le=2**16)
@@ -299,6 +313,32 @@ class TraceRequest(PromptRequest):
         True,
         description="include every layer's attention weights (most of the response: "
         "layers × heads × T(T+1)/2 numbers); false answers attention null",
+    )
+    attention_encoding: Literal["lists", "uint8"] = Field(
+        "lists",
+        description='"uint8": attention comes as attention_uint8, a quarter of the bytes, for a '
+        "page that draws it",
+    )
+    position_offset: int = Field(
+        0,
+        ge=0,
+        le=MAX_POSITION_OFFSET,
+        description="shift every position by k, as if the prompt started at position k",
+    )
+    ablate: list[HeadRef] = Field(
+        default_factory=list,
+        max_length=4096,
+        description="heads whose attention output is zeroed",
+    )
+    drop_positional: list[Annotated[int, Field(ge=0)]] | Literal["all"] = Field(
+        default_factory=list,
+        description='layers (or "all") where the scheme\'s positional signal is removed: no '
+        "rotation, no score bias, and no added vector when layer 0 is dropped",
+    )
+    logit_lens: bool = Field(
+        False,
+        description="every layer's residual stream read through the final norm and the "
+        "unembedding: its top tokens at each position",
     )
 
 

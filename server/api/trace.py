@@ -22,6 +22,16 @@ tokens  before (full T×T, f32)   now                     now, attention off
 256     9.07 MB / 10.7 MB        5.01 MB / 5.83 MB       55 kB / 950 kB
 ======  =======================  ======================  ===================
 
+The playground asks for ``attention_encoding: "uint8"``: the same triangles as bytes (each weight
+× 255, rounded), base64 — 0.76 MB of JSON for rope at 256 tokens instead of 4.9 MB, and the
+whole trace answers in about 100 ms in-process (``bench/trace.py``); the API gzips it.
+
+Interventions (``position_offset``, ``ablate``, ``drop_positional``) are a
+:class:`~model.transformer.Intervention` handed to that same forward, and the logit lens reads
+the recorder's residual streams through :meth:`~model.transformer.Transformer.unembed`: every
+field of the response is that of the changed pass. Their limits (layers, heads, a table's last
+row) are checked here, in the API process, from the model's ``ModelInfo``.
+
 The limit stays at 256 so that the Generate view's alternatives (prompt + default 120 tokens)
 are traced on the whole prefix the sampler saw; the views that draw no attention ask with
 ``attention: false``.
@@ -35,7 +45,7 @@ from pydantic import BaseModel, Field
 
 from server.api.completions import prompt_ids_of
 from server.api.errors import APIError
-from server.api.schemas import MAX_TRACE_TOKENS, TraceRequest
+from server.api.schemas import DEFAULT_LENS_TOP, MAX_TRACE_TOKENS, TraceRequest
 from server.api.service import ServedModel
 
 # ---- the response, as documented in the OpenAPI spec ---------------------------------------
@@ -79,6 +89,17 @@ class TraceNextToken(BaseModel):
     )
 
 
+class TraceLens(BaseModel):
+    """Each layer's output read as the last layer's is (final norm, unembedding)."""
+
+    ids: list[list[list[int]]] = Field(
+        description="[layers][T][3] the most probable next tokens after each layer, descending; "
+        "the last layer's are the served distribution's"
+    )
+    probs: list[list[list[float]]] = Field(description="[layers][T][3] their probabilities")
+    texts: list[list[list[str]]] = Field(description="[layers][T][3] their text")
+
+
 class TraceResponse(BaseModel):
     """What one forward pass over the prompt shows (T = prompt tokens, counting <|bos|>)."""
 
@@ -96,6 +117,11 @@ class TraceResponse(BaseModel):
         description="[layers][heads][T][q+1] softmax weights, the causal lower triangle: row q "
         "lists keys 0..q (the masked keys after q have weight 0 and are left out) and sums to 1; "
         "4 significant digits; null when the request's attention is false"
+    )
+    attention_uint8: str | None = Field(
+        description="with attention_encoding uint8: base64 of [layers][heads][T(T+1)/2] bytes, "
+        "each weight × 255 rounded (±0.002), the lower triangles row by row (query 0's key 0, "
+        "query 1's keys 0..1, ...); attention is then null"
     )
     position_bias: list[list[list[float]]] | None = Field(
         description="[heads][T][q+1] the additive score bias of alibi, t5 and fire, the causal "
@@ -124,6 +150,7 @@ class TraceResponse(BaseModel):
     surprisal: list[float | None] = Field(
         description="[T] −log₂ p(token | prefix) of each prompt token (null for <|bos|>)"
     )
+    logit_lens: TraceLens | None = Field(description="null unless the request's logit_lens is true")
 
 
 # ---- computing it ---------------------------------------------------------------------------
@@ -142,14 +169,61 @@ async def create_trace(body: TraceRequest, served: ServedModel) -> bytes:
             code="context_length_exceeded",
         )
     params = body.sampling_params(served.vocab)  # a bad field is a 400 here, not in the engine
+    check_interventions(body, served, len(prompt_ids))
+    n_layers = served.info.n_layers
     args = {
         "prompt_ids": prompt_ids,
         "params": asdict(params),
         "attention": body.attention,
         "top": body.top,
         "limit": limit,
+        "position_offset": body.position_offset,
+        "ablate": [(ref.layer, ref.head) for ref in body.ablate],
+        "drop_positional": list(
+            range(n_layers) if body.drop_positional == "all" else body.drop_positional
+        ),
+        "logit_lens": body.logit_lens,
+        "lens_top": DEFAULT_LENS_TOP,
+        "attention_encoding": body.attention_encoding,
     }
     return await served.engine.call("trace", args)
+
+
+def check_interventions(body: TraceRequest, served: ServedModel, length: int) -> None:
+    """A 400 naming the field for a layer or head the model lacks, or an offset that takes the
+    last of ``length`` positions past the scheme's table (as a too-long prompt would)."""
+    info = served.info
+    for index, ref in enumerate(body.ablate):
+        for field, value, count in (
+            ("layer", ref.layer, info.n_layers),
+            ("head", ref.head, info.n_heads),
+        ):
+            if value >= count:
+                raise APIError(
+                    400,
+                    f"ablate[{index}].{field} is {value}, but model '{served.name}' has "
+                    f"{count} {field}s (0..{count - 1})",
+                    param="ablate",
+                )
+    if body.drop_positional != "all":
+        for index, layer in enumerate(body.drop_positional):
+            if layer >= info.n_layers:
+                raise APIError(
+                    400,
+                    f"drop_positional[{index}] is {layer}, but model '{served.name}' has "
+                    f"{info.n_layers} layers (0..{info.n_layers - 1})",
+                    param="drop_positional",
+                )
+    last = body.position_offset + length - 1
+    if info.max_positions is not None and last >= info.max_positions:
+        raise APIError(
+            400,
+            f"position_offset {body.position_offset} puts the prompt's last token at position "
+            f"{last}, out of range for the '{info.scheme}' scheme, which has a table of "
+            f"max_positions={info.max_positions} (0..{info.max_positions - 1})",
+            param="position_offset",
+            code="context_length_exceeded",
+        )
 
 
 def trace_limit(served: ServedModel) -> int:

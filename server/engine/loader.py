@@ -60,6 +60,8 @@ class LoadedModel:
             context_length=config.context_length,
             max_positions=self.model.positional.max_positions,
             max_context=self.max_context,
+            n_layers=config.n_layers,
+            n_heads=config.n_heads,
             parameters=self.model.num_parameters(),
             load_seconds=self.load_seconds,
         )

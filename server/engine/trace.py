@@ -14,7 +14,9 @@ rounding: ``server.api.trace``'s docstring.
 
 from __future__ import annotations
 
+import base64
 import math
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -24,7 +26,7 @@ from torch import Tensor
 from model.positional import positions_table
 from model.sampling import sampling_stages
 from model.sampling_params import SamplingParams
-from model.transformer import AttentionRecorder, Transformer
+from model.transformer import AttentionRecorder, Intervention, Transformer
 
 SIGNIFICANT_DIGITS = 4  # of the attention weights, the biases and the positional vectors
 
@@ -48,18 +50,36 @@ def trace_document(
     attention: bool,
     top: int,
     limit: int,
+    position_offset: int = 0,
+    ablate: Sequence[Sequence[int]] = (),
+    drop_positional: Sequence[int] = (),
+    logit_lens: bool = False,
+    lens_top: int = 3,
+    attention_encoding: str = "lists",
 ) -> dict[str, Any]:
     """The trace of ``prompt_ids`` (already checked against ``limit``, the most tokens a trace
     of this model takes), as a dict orjson writes (numpy arrays included). ``top``: how many
-    tokens each sampling stage lists; ``attention``: whether to record the attention weights."""
+    tokens each sampling stage lists; ``attention``: whether to record the attention weights
+    (``attention_encoding`` "lists" or "uint8"). The interventions (``position_offset``,
+    ``ablate`` as (layer, head) pairs, ``drop_positional`` layers; checked in the API process)
+    change that one forward, and every field is that of the changed pass; ``logit_lens`` adds
+    each layer's ``lens_top`` most probable next tokens."""
     model, vocab, names = served.model, served.vocab, served.token_strings
     device = next(model.parameters()).device
     ids = torch.tensor(prompt_ids, device=device)  # [T]
-    positions = positions_table(len(prompt_ids), device)  # [1, T]
+    positions = positions_table(len(prompt_ids), device) + position_offset  # [1, T]
     scheme = model.positional
+    intervention = None
+    if position_offset or ablate or drop_positional:
+        intervention = Intervention(
+            position_offset=position_offset,
+            ablate=frozenset((layer, head) for layer, head in ablate),
+            drop_positional=frozenset(drop_positional),
+        )
     with torch.inference_mode():
         recorder = AttentionRecorder(weights=attention)
-        logits = model(ids.unsqueeze(0), recorder=recorder)[0, :, :vocab].float()  # [T, V]
+        logits = model(ids.unsqueeze(0), recorder=recorder, intervention=intervention)
+        logits = logits[0, :, :vocab].float()  # [T, V]
         token_vectors = model.token_embedding(ids).float()  # [T, d_model]
         position_vectors = scheme.embedding(positions)  # [1, T, d_model] or None
         rotation = scheme.rotation(positions)  # (cos, sin) [1, 1, T, rot] or None
@@ -81,14 +101,14 @@ def trace_document(
         "n_layers": model.config.n_layers,
         "n_heads": model.config.n_heads,
         "tokens": [{"id": token, "text": names[token]} for token in prompt_ids],
-        "positions": list(range(len(prompt_ids))),
+        "positions": positions[0].tolist(),
         "embedding": {
             "token_norm": _array(token_vectors.norm(dim=-1)),
             "position_norm": None if vectors is None else _array(vectors.norm(dim=-1)),
             "position_vectors": None if vectors is None else _rounded(vectors),
         },
         # [L, H, T, T] (a batch of one)
-        "attention": _lower_triangle(torch.cat(recorder.weights)) if attention else None,
+        **_attention(recorder.weights if attention else None, attention_encoding),
         "position_bias": None if bias is None else _lower_triangle(bias[0].float()),
         **_layer_pieces(recorder),
         "rotation": None if rotation is None else _angles(rotation),
@@ -97,6 +117,40 @@ def trace_document(
             "stages": [_stage(stage.name, stage.probs, top, names) for stage in stages],
         },
         "surprisal": [None, *(-logprobs.cpu() / math.log(2)).tolist()],
+        "logit_lens": _lens(model, recorder.residuals, vocab, names, lens_top)
+        if logit_lens
+        else None,
+    }
+
+
+def _attention(weights: list[Tensor] | None, encoding: str) -> dict[str, Any]:
+    """The attention fields: each layer's weights [1, H, T, T] as rounded lists or as uint8."""
+    if weights is None:
+        return {"attention": None, "attention_uint8": None}
+    stacked = torch.cat(weights)  # [L, H, T, T] (a batch of one)
+    if encoding == "lists":
+        return {"attention": _lower_triangle(stacked), "attention_uint8": None}
+    length = stacked.shape[-1]
+    rows, keys = torch.tril_indices(length, length)  # row-major: query q's keys 0..q in turn
+    levels = (stacked[..., rows, keys] * 255).round().to(torch.uint8)  # [L, H, T(T+1)/2]
+    return {
+        "attention": None,
+        "attention_uint8": base64.b64encode(levels.cpu().numpy().tobytes()).decode(),
+    }
+
+
+def _lens(
+    model: Transformer, residuals: list[Tensor], vocab: int, names: list[str], top: int
+) -> dict[str, Any]:
+    """Each block's output [1, T, d] through the final norm and the unembedding: per layer and
+    position the ``top`` most probable tokens (the last layer's are the served ones)."""
+    with torch.inference_mode():
+        logits = model.unembed(torch.cat(residuals))[..., :vocab].float()  # [L, T, V]
+        probs, ids = logits.softmax(dim=-1).topk(min(top, vocab), dim=-1)
+    return {
+        "ids": ids.cpu().numpy().astype(np.int32),
+        "probs": _array(probs),
+        "texts": [[[names[token] for token in row] for row in layer] for layer in ids.tolist()],
     }
 
 

@@ -66,8 +66,14 @@ class Watched:
 
 
 @pytest.fixture
-def watched(browser: Any, playground: Running) -> Iterator[Watched]:
-    context = browser.new_context(viewport={"width": 1400, "height": 900})
+def viewport() -> dict[str, int]:
+    """The window size; a test parametrizes it to run at another (a phone: 390 × 844)."""
+    return {"width": 1400, "height": 900}
+
+
+@pytest.fixture
+def watched(browser: Any, playground: Running, viewport: dict[str, int]) -> Iterator[Watched]:
+    context = browser.new_context(viewport=viewport, has_touch=viewport["width"] < 800)
     page = context.new_page()
     watched = Watched(page, playground.url + "/")
 

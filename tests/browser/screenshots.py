@@ -1,4 +1,5 @@
-"""Screenshots of each playground view for the README, taken against a running server.
+"""Screenshots of each playground view for the README, at 1400 × 900 and at a phone's 390 × 844
+(``-phone`` in the name), taken against a running server.
 
     .venv/bin/ordinal serve --port 8765 &     # the shipped checkpoints
     .venv/bin/python -m tests.browser.screenshots --url http://127.0.0.1:8765 --out docs/playground
@@ -16,22 +17,42 @@ from playwright.sync_api import Page, sync_playwright
 
 from tests.browser.pages import launch, open_encodings, open_inside, set_value
 
-PROMPT = "ROMEO:\nBut soft, what light through yonder window breaks? It is the"
+PROMPT = "JULIET:\nO Romeo, Romeo! wherefore art thou"
+PHONE = {"width": 390, "height": 844}
+SIZES = {"": {"width": 1400, "height": 900}, "-phone": PHONE}
 
 
-def generate(page: Page, out: Path) -> None:
+def shoot(page: Page, out: Path, name: str) -> None:
+    """A full-page picture, the settings folded away on a phone."""
+    if page.evaluate("document.body.classList.contains('settings-open')"):
+        page.click("#settings-toggle")
+    page.screenshot(path=out / name, full_page=True)
+
+
+def settings(page: Page) -> None:
+    """Unfold the settings where a phone folds them, so that they can be set."""
+    if page.is_visible("#settings-toggle") and not page.is_visible("#model"):
+        page.click("#settings-toggle")
+
+
+def generate(page: Page, out: Path, suffix: str) -> None:
+    settings(page)
     page.select_option("#model", "rope")
     set_value(page, "#prompt", PROMPT)
-    set_value(page, "#max_tokens", 80)
+    set_value(page, "#max_tokens", 60)
+    set_value(page, "#seed", 5)  # a continuation of 60 tokens on the shipped rope model
     page.click("#generate")
     page.wait_for_selector("#generate:not([disabled])", timeout=60_000)
     page.click("#output .tok:not(:empty) >> nth=3")
     page.wait_for_selector("#alternatives svg", timeout=30_000)
-    page.screenshot(path=out / "generate.png", full_page=True)
+    page.click("#alternatives .branches button >> nth=0")
+    page.wait_for_selector("#branch [data-done=true]", timeout=60_000)
+    shoot(page, out, f"generate{suffix}.png")
 
 
-def compare(page: Page, out: Path) -> None:
+def compare(page: Page, out: Path, suffix: str) -> None:
     page.click("button[data-view=compare]")
+    settings(page)
     page.click("#no-models")
     for name in ("rope", "alibi", "none", "learned", "t5", "sinusoidal"):
         page.check(f"#compare-models input[value={name}]")
@@ -39,32 +60,40 @@ def compare(page: Page, out: Path) -> None:
     set_value(page, "#max_tokens", 60)
     page.click("#compare")
     page.wait_for_selector("#compare:not([disabled])", timeout=120_000)
-    page.screenshot(path=out / "compare.png", full_page=True)
+    shoot(page, out, f"compare{suffix}.png")
 
 
-def inside(page: Page, out: Path, model: str, name: str) -> None:
-    open_inside(page, model, PROMPT)
-    page.select_option("#layer", "1")
-    page.wait_for_timeout(500)
-    page.screenshot(path=out / name, full_page=True)
+def inside(page: Page, out: Path, preset: str, name: str) -> None:
+    settings(page)
+    open_inside(page, "rope", PROMPT)
+    page.click(f"#presets button[data-preset={preset}]")
+    page.wait_for_function(
+        "document.querySelector('#trace-stats').textContent.includes('tokens')", timeout=30_000
+    )
+    page.wait_for_timeout(1500)
+    shoot(page, out, name)
 
 
-def encodings(page: Page, out: Path, model: str, name: str) -> None:
-    open_encodings(page, model)
+def encodings(page: Page, out: Path, suffix: str) -> None:
+    settings(page)
+    open_encodings(page, "alibi")
+    # lazy images below a phone's first screen would never load: a full-page picture wants them
+    page.eval_on_selector_all("#figures img", "images => images.forEach(i => i.loading = 'eager')")
     page.wait_for_function(  # the report's figures have loaded
         "[...document.querySelectorAll('#figures img')].every(i => i.complete && i.naturalWidth)",
         timeout=30_000,
     )
-    page.screenshot(path=out / name, full_page=True)
+    shoot(page, out, f"encodings{suffix}.png")
 
 
+INSIDE = {"offset-rope": "inside-rope", "offset-learned": "inside-learned", "lens": "inside-lens"}
 SHOTS = {
-    "generate": lambda page, out: generate(page, out),
-    "inside": lambda page, out: [
-        inside(page, out, model, f"inside-{model}.png") for model in ("rope", "alibi", "learned")
+    "generate": generate,
+    "inside": lambda page, out, suffix: [
+        inside(page, out, preset, f"{name}{suffix}.png") for preset, name in INSIDE.items()
     ],
-    "encodings": lambda page, out: encodings(page, out, "alibi", "encodings.png"),
-    "compare": lambda page, out: compare(page, out),
+    "encodings": encodings,
+    "compare": compare,
 }
 
 
@@ -79,11 +108,13 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     with sync_playwright() as playwright:
         browser = launch(playwright)
-        page = browser.new_page(viewport={"width": 1400, "height": 900})
-        for view in args.only:
-            page.goto(args.url + "/")  # each view from a fresh page
-            page.wait_for_selector("body[data-ready=true]")
-            SHOTS[view](page, args.out)
+        for suffix, viewport in SIZES.items():
+            page = browser.new_page(viewport=viewport, has_touch=viewport is PHONE)
+            for view in args.only:
+                page.goto(args.url + "/")  # each view from a fresh page
+                page.wait_for_selector("body[data-ready=true]")
+                SHOTS[view](page, args.out, suffix)
+            page.close()
         browser.close()
     for path in sorted(args.out.glob("*.png")):
         print(path, path.stat().st_size)

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from model.cache import CacheFull, KVCache
 from model.positional import SCHEMES
-from model.transformer import Transformer
+from model.transformer import AttentionRecorder, Intervention, Transformer
 from tests.model.conftest import ALL_SCHEMES, random_model, random_tokens
 
 ATOL = 1e-4
@@ -281,3 +281,26 @@ def test_grouped_query_attention_shares_each_key_head_between_its_query_heads() 
     tokens = random_tokens(2, 10, seed=10)
     with torch.no_grad():
         torch.testing.assert_close(grouped(tokens), multi_head(tokens), atol=1e-5, rtol=0)
+
+
+def test_an_intervention_changes_only_an_uncached_pass() -> None:
+    """The interventions (tracing) have no meaning for a cached decode: refused, not ignored."""
+    model = random_model("rope", seed=6)
+    tokens = random_tokens(1, 8, seed=7)
+    change = Intervention(position_offset=3)
+    with pytest.raises(ValueError, match="uncached"):
+        model(tokens, KVCache(model.config, 1, 8), intervention=change)
+    with torch.no_grad():  # an empty intervention is the plain pass, bit for bit
+        torch.testing.assert_close(model(tokens, intervention=Intervention()), model(tokens))
+
+
+def test_the_logit_lens_of_the_last_block_is_the_logits() -> None:
+    model = random_model("alibi", seed=8)
+    tokens = random_tokens(2, 9, seed=9)
+    recorder = AttentionRecorder()
+    with torch.no_grad():
+        logits = model(tokens, recorder=recorder)
+        lens = model.unembed(torch.stack(recorder.residuals))  # [L, B, T, V]
+    assert len(recorder.residuals) == model.config.n_layers
+    torch.testing.assert_close(lens[-1], logits, atol=0, rtol=0)
+    assert not torch.allclose(lens[0], logits)  # earlier layers read differently
