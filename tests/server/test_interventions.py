@@ -24,10 +24,14 @@ from model.transformer import Transformer
 from tests.server.conftest import Running
 from tests.server.test_trace import PROMPT, model_of, stage
 
-RELATIVE = ("rope", "alibi", "t5", "none")
+# fox and cope see positions only through the content (gates), so they are relative too.
+RELATIVE = ("rope", "alibi", "t5", "none", "fox", "cope")
 ABSOLUTE = ("integer", "binary", "sinusoidal", "learned", "mds", "lowrank")
+# FIRE's distance is normalised by max(L, i): relative while every query stays below L, not
+# past it, so an offset claims neither (its bias is tested against T5's and ALiBi's instead).
+NEITHER = ("fire",)
 OFFSETS = (1, 7, 100)
-assert set(RELATIVE + ABSOLUTE) == set(SCHEMES)
+assert set(RELATIVE + ABSOLUTE + NEITHER) == set(SCHEMES)
 
 
 def trace(client: httpx.Client, model: str, **body: Any) -> dict[str, Any]:
