@@ -26,6 +26,7 @@ from importlib import import_module
 from pathlib import Path
 from typing import Any
 
+import model.positional
 from model.config import (
     DEFAULT_PRESET,
     MODEL_SIZE_FLAGS,
@@ -36,22 +37,8 @@ from model.config import (
 )
 from model.device import DEVICES, DTYPES
 
-# model.positional.SCHEMES and model.geometry.report.CORPORA, in their order.
-SCHEMES = (
-    "none",
-    "integer",
-    "binary",
-    "sinusoidal",
-    "learned",
-    "rope",
-    "alibi",
-    "t5",
-    "mds",
-    "lowrank",
-    "fox",
-    "cope",
-    "fire",
-)
+SCHEMES = tuple(model.positional.SCHEMES)  # the registry's names (its classes load on use)
+# model.geometry.report.CORPORA, in its order.
 CORPORA = ("synthetic", "shakespeare")
 # What --data (and geometry's --corpus PATH) reads: model.text_corpus.
 DATA_FORMS = "a text file, a folder of .txt files, or .jsonl with a text field"

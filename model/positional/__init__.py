@@ -8,48 +8,78 @@ unknown key or a bad value is an error that names it.
 from __future__ import annotations
 
 import dataclasses
+import importlib
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from model.errors import ConfigError
-from model.positional.alibi import AlibiPositions
-from model.positional.base import LayerBias, PositionalScheme, PositionOutOfRange, positions_table
-from model.positional.binary import BinaryPositions
-from model.positional.cope import ContextualPositions
-from model.positional.fire import FirePositions
-from model.positional.fox import ForgettingPositions
-from model.positional.integer import IntegerPositions
-from model.positional.learned import LearnedPositions
-from model.positional.lowrank import LowRankPositions
-from model.positional.mds import MdsPositions
-from model.positional.none import NoPositions
-from model.positional.rope import RotaryPositions
-from model.positional.sinusoidal import SinusoidalPositions
-from model.positional.t5 import T5Positions
 
 if TYPE_CHECKING:
     from model.config import ModelConfig
-
-SCHEMES: dict[str, type[PositionalScheme]] = {
-    scheme.name: scheme
-    for scheme in (
-        NoPositions,
-        IntegerPositions,
-        BinaryPositions,
-        SinusoidalPositions,
-        LearnedPositions,
-        RotaryPositions,
-        AlibiPositions,
-        T5Positions,
-        MdsPositions,
-        LowRankPositions,
-        ForgettingPositions,
-        ContextualPositions,
-        FirePositions,
+    from model.positional.base import (
+        LayerBias,
+        PositionalScheme,
+        PositionOutOfRange,
+        positions_table,
     )
+    from model.positional.mds import MdsPositions
+
+    TABLE_SCHEMES: tuple[str, ...]
+
+# Each scheme's name → "module:class" in this package, in the order tables list them. The class
+# is imported on first use (as litgpt's config resolves its classes), so the names are known
+# without torch: ``ordinal --help`` lists them from here. A new scheme is its module and a line.
+_CLASSES = {
+    "none": "none:NoPositions",
+    "integer": "integer:IntegerPositions",
+    "binary": "binary:BinaryPositions",
+    "sinusoidal": "sinusoidal:SinusoidalPositions",
+    "learned": "learned:LearnedPositions",
+    "rope": "rope:RotaryPositions",
+    "alibi": "alibi:AlibiPositions",
+    "t5": "t5:T5Positions",
+    "mds": "mds:MdsPositions",
+    "lowrank": "lowrank:LowRankPositions",
+    "fox": "fox:ForgettingPositions",
+    "cope": "cope:ContextualPositions",
+    "fire": "fire:FirePositions",
 }
 
-# Schemes whose positions are a table with a hard cap at max_positions (each says so itself).
-TABLE_SCHEMES = tuple(name for name, scheme in SCHEMES.items() if scheme.is_table)
+
+class SchemeRegistry(Mapping[str, "type[PositionalScheme]"]):
+    """``SCHEMES[name]`` is the scheme's class, imported when first asked for; iterating gives
+    the names alone (no import)."""
+
+    def __getitem__(self, name: str) -> type[PositionalScheme]:
+        module, cls = _CLASSES[name].split(":")
+        scheme: type[PositionalScheme] = getattr(
+            importlib.import_module(f"{__name__}.{module}"), cls
+        )
+        assert scheme.name == name, f"{cls} is registered as {name!r}, names itself {scheme.name}"
+        return scheme
+
+    def __contains__(self, name: object) -> bool:  # without importing the class
+        return name in _CLASSES
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(_CLASSES)
+
+    def __len__(self) -> int:
+        return len(_CLASSES)
+
+
+SCHEMES = SchemeRegistry()
+
+
+def __getattr__(name: str) -> Any:
+    """The torch-side names this package re-exports, imported on first use."""
+    if name == "TABLE_SCHEMES":  # positions are a table capped at max_positions (each says so)
+        return tuple(scheme for scheme in SCHEMES if SCHEMES[scheme].is_table)
+    if name in ("LayerBias", "PositionalScheme", "PositionOutOfRange", "positions_table"):
+        return getattr(importlib.import_module(f"{__name__}.base"), name)
+    if name == "MdsPositions":
+        return SCHEMES["mds"]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def scheme_params(config: ModelConfig) -> Any:
@@ -85,6 +115,7 @@ __all__ = [
     "SCHEMES",
     "TABLE_SCHEMES",
     "LayerBias",
+    "MdsPositions",
     "PositionOutOfRange",
     "PositionalScheme",
     "build_scheme",

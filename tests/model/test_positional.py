@@ -21,6 +21,7 @@ import model.positional
 from model.cache import KVCache
 from model.config import ConfigError
 from model.positional import (
+    SCHEMES,
     TABLE_SCHEMES,
     PositionOutOfRange,
     build_scheme,
@@ -968,3 +969,12 @@ def test_yarn_ramp_bounds_are_checked() -> None:
         RopeParams(scaling="yarn", scaling_factor=2.0, beta_fast=1.0, beta_slow=2.0)
     with pytest.raises(ValueError, match="original_context"):
         RopeParams(scaling="yarn", scaling_factor=2.0, original_context=0)
+
+
+def test_the_registry_names_each_class_as_it_names_itself_and_imports_it_on_use() -> None:
+    """``SCHEMES`` lists the names without importing a scheme (``ordinal --help`` reads them);
+    each entry's class is that scheme, and membership never imports."""
+    assert [SCHEMES[name].name for name in SCHEMES] == list(SCHEMES)
+    assert "xpos" not in SCHEMES and "rope" in SCHEMES
+    with pytest.raises(KeyError):
+        SCHEMES["xpos"]
