@@ -26,7 +26,7 @@ from model.config import ModelConfig
 from model.positional import SCHEMES
 from model.tokenizer import train_tokenizer
 from model.transformer import Transformer
-from server.api.app import create_app
+from server.api.app import create_app, serving
 from server.api.client import Launcher, ModelClient
 from server.api.service import Service
 from server.api.settings import Settings
@@ -119,7 +119,7 @@ def running_server(
         preload=("server.api.client", "tests.server.engine_control"),
     )
     app = create_app(settings, launcher)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", **serving(settings)))
     sock = free_socket()
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
