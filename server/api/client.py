@@ -17,6 +17,12 @@ again as soon as it is loaded.
 left with a 503 ("shutting down"), sends it, and exits. The API process waits up to
 ``STOP_TIMEOUT`` seconds for its last frames, closes the socket, then up to ``STOP_TIMEOUT``
 more for it to exit before killing it.
+
+**If the engine stops stepping** (stopped, deadlocked, stuck in native code): every step sends
+its stats, at least every ``stream_interval``, so while work waits its frames are the engine's
+heartbeat. :attr:`EngineClient.stalled` is true once none has come for ``stall_timeout`` seconds
+while a job or trace waits (``/health`` then answers 503), and the supervisor kills the process,
+which restarts it as above.
 """
 
 from __future__ import annotations
@@ -139,8 +145,12 @@ class EngineClient:
         *,
         capacity: int,
         launcher: Launcher | None = None,
+        stall_timeout: float = 10.0,
     ) -> None:
         self.config = config
+        self.stall_timeout = stall_timeout
+        self.last_heard = time.monotonic()  # the last frame from the engine process
+        self._waiting_since: float | None = None  # since when jobs or traces have been waiting
         self.metrics = metrics
         self.listener = listener
         self.launcher = launcher or Launcher()
@@ -164,6 +174,18 @@ class EngineClient:
     async def start(self) -> None:
         self._supervisor = asyncio.create_task(self._supervise())
 
+    @property
+    def stalled(self) -> bool:
+        """Work has waited ``stall_timeout`` s without a frame from the engine process."""
+        if not (self._jobs or self._traces) or self._waiting_since is None:
+            return False
+        quiet = time.monotonic() - max(self.last_heard, self._waiting_since)
+        return quiet > self.stall_timeout
+
+    def _work_added(self) -> None:
+        if self._waiting_since is None or not (self._jobs or self._traces):
+            self._waiting_since = time.monotonic()
+
     def check_up(self) -> None:
         if self._stopping:
             raise busy("the server is shutting down", status=503)
@@ -171,6 +193,7 @@ class EngineClient:
             raise busy("the engine is restarting", status=503)
 
     def submit(self, model: ModelClient, job: Job) -> None:
+        self._work_added()
         job.id = self._next_id()
         self._jobs[job.id] = (model, job)
         self._send(job.message(job.id, model.name))
@@ -186,6 +209,7 @@ class EngineClient:
 
     async def trace(self, model: str, prompt_ids: list[int], request: bytes) -> bytes:
         self.check_up()
+        self._work_added()
         trace_id = self._next_id()
         future = self._traces[trace_id] = asyncio.get_running_loop().create_future()
         self._send(Trace(trace_id, model, prompt_ids, request))
@@ -221,10 +245,13 @@ class EngineClient:
         delay = RESTART_DELAY
         while not self._stopping:
             started = time.monotonic()
+            watchdog = asyncio.create_task(self._watch())
             try:
                 await self._serve_one()
             except Exception:
                 logger.exception("the engine process failed")
+            finally:
+                watchdog.cancel()
             if self._stopping:
                 return
             self._lost()
@@ -234,6 +261,18 @@ class EngineClient:
             logger.error("the engine process stopped; restarting it in %.1f s", delay)
             await asyncio.sleep(delay)
             delay = min(2 * delay, MAX_RESTART_DELAY)
+
+    async def _watch(self) -> None:
+        """Kill the engine process once it has stalled: its socket closes, and it restarts."""
+        while True:
+            await asyncio.sleep(min(0.25, self.stall_timeout / 4))
+            if self.stalled and self.process is not None and self.process.is_alive():
+                logger.error(
+                    "the engine process has not stepped for %.1f s while work waits: killing it",
+                    self.stall_timeout,
+                )
+                self.process.kill()
+                return
 
     async def _serve_one(self) -> None:
         """Start an engine process and read it until its socket closes."""
@@ -255,6 +294,7 @@ class EngineClient:
         theirs.close()
         reader, writer = await asyncio.open_unix_connection(sock=ours)
         self._writer = writer
+        self.last_heard = time.monotonic()
         writer.write(frame(self.config))
         try:
             await self._read(reader)
@@ -266,7 +306,9 @@ class EngineClient:
         with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
             while True:
                 (length,) = HEADER.unpack(await reader.readexactly(HEADER.size))
-                self._dispatch(self._decoder.decode(await reader.readexactly(length)))
+                payload = await reader.readexactly(length)
+                self.last_heard = time.monotonic()
+                self._dispatch(self._decoder.decode(payload))
 
     async def _reap(self, timeout: float) -> None:
         """Wait for the engine process to exit; kill it if it has not within ``timeout`` s."""

@@ -244,7 +244,12 @@ class Service:
         )
         capacity = settings.max_batch_size + settings.max_queue
         self.engine = EngineClient(
-            config, self.metrics, self, capacity=capacity, launcher=self._launcher
+            config,
+            self.metrics,
+            self,
+            capacity=capacity,
+            launcher=self._launcher,
+            stall_timeout=settings.engine_stall_timeout,
         )
         await self.engine.start()
 
@@ -287,13 +292,15 @@ class Service:
             await self.engine.close()
 
     def health(self) -> tuple[bool, dict[str, Any]]:
-        """(at least one model ready, the ``/health`` document)."""
+        """(at least one model ready and the engine stepping, the ``/health`` document)."""
         states = {status.state for status in self.status.values()}
+        models = {name: status.describe() for name, status in self.status.items()}
+        if self.engine is not None and self.engine.stalled:
+            return False, {"status": "stalled", "models": models}
         if self.ready:
             overall = "ok" if states == {ModelState.READY} else "degraded"
         else:
             overall = "loading" if ModelState.LOADING in states else "failed"
-        models = {name: status.describe() for name, status in self.status.items()}
         return self.ready, {"status": overall, "models": models}
 
     def get(self, name: str | None) -> ServedModel:
