@@ -101,11 +101,13 @@ class Listener(Protocol):
 class ModelClient:
     """One model's engine as the routes see it (``ServedModel.engine``): submit, cancel, trace."""
 
-    def __init__(self, name: str, client: EngineClient, capacity: int) -> None:
+    def __init__(self, name: str, client: EngineClient, capacity: int, max_traces: int) -> None:
         self.name = name
         self.client = client
         self.metrics: ModelMetrics = client.metrics.for_model(name)
         self.capacity = capacity  # jobs in the engine: decoding or waiting
+        self.max_traces = max_traces  # traces in the engine: running or queued
+        self.tracing = 0  # of those, in flight now
         self.in_flight = 0  # jobs submitted whose last event has not arrived
         self.closing = 0  # of those, cancelled here and not yet dropped by the engine
 
@@ -130,8 +132,19 @@ class ModelClient:
             self.closing += 1
 
     async def trace(self, prompt_ids: list[int], request: bytes) -> bytes:
-        """The JSON of a trace of ``prompt_ids`` (``request``: the TraceRequest's JSON)."""
-        return await self.client.trace(self.name, prompt_ids, request)
+        """The JSON of a trace of ``prompt_ids`` (``request``: the TraceRequest's JSON); a 429
+        APIError (Retry-After) while ``max_traces`` traces of this model are in the engine."""
+        self.client.check_up()
+        if self.tracing >= self.max_traces:
+            raise busy(
+                f"model '{self.name}' is tracing {self.max_traces} prompts already (the most it "
+                "queues); retry shortly"
+            )
+        self.tracing += 1
+        try:
+            return await self.client.trace(self.name, prompt_ids, request)
+        finally:
+            self.tracing -= 1
 
 
 class EngineClient:
@@ -146,6 +159,7 @@ class EngineClient:
         capacity: int,
         launcher: Launcher | None = None,
         stall_timeout: float = 10.0,
+        max_traces: int = 4,
     ) -> None:
         self.config = config
         self.stall_timeout = stall_timeout
@@ -155,6 +169,7 @@ class EngineClient:
         self.listener = listener
         self.launcher = launcher or Launcher()
         self.capacity = capacity  # per model: jobs decoding or waiting
+        self.max_traces = max_traces  # per model: traces running or queued
         self.models: dict[str, ModelClient] = {}
         self.process: multiprocessing.process.BaseProcess | None = None
         self.exitcode: int | None = None  # the last engine process's, once it has exited
@@ -347,7 +362,7 @@ class EngineClient:
             self._outputs(message)
         elif isinstance(message, ModelLoaded):
             name = message.info.name
-            engine = self.models[name] = ModelClient(name, self, self.capacity)
+            engine = self.models[name] = ModelClient(name, self, self.capacity, self.max_traces)
             self.listener.loaded(message.info, engine)
         elif isinstance(message, ModelFailed):
             self.listener.failed(message.name, message.message)

@@ -93,7 +93,13 @@ class GuardedProtocol(HttpToolsProtocol):
             self._arm_header_timer()
 
     def _make_room(self) -> None:
-        idle = [c for c in self.connections if c is not self and getattr(c, "idle", False)]
+        idle = [
+            connection
+            for connection in self.connections
+            if isinstance(connection, GuardedProtocol)
+            and connection is not self
+            and connection.idle
+        ]
         if not idle:
             return
         oldest = min(idle, key=lambda connection: connection.idle_since)

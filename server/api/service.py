@@ -250,6 +250,7 @@ class Service:
             capacity=capacity,
             launcher=self._launcher,
             stall_timeout=settings.engine_stall_timeout,
+            max_traces=settings.max_traces,
         )
         await self.engine.start()
 

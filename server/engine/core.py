@@ -10,7 +10,11 @@ The API process (``server.api.client``) starts this process and talks to it over
    frame of ordinary tokens may wait up to that long to travel with later ones; a job's first
    and last tokens, failures and answers to cancellations never wait.
 
-Traces (``POST /v1/trace``) run here too, between steps, so the weights exist once. The process
+Traces (``POST /v1/trace``) run here too, so the weights exist once: queued as they arrive,
+they run one a turn of the loop, after the steps. A trace is one forward of at most
+``MAX_TRACE_TOKENS`` (256, the default prefill chunk) with its attention recorded, so the
+streams decoding meanwhile wait about one prefill chunk between two tokens, however many traces
+are queued (the API process bounds that per model: ``max_traces``, then 429). The process
 ignores SIGINT (the API process decides when to stop: a ``Shutdown`` message) and exits when its
 socket closes, so it never outlives the API process.
 """
@@ -24,6 +28,7 @@ import signal
 import socket
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 
 import msgspec
@@ -64,10 +69,11 @@ class EngineCore:
         self._loaded: queue.SimpleQueue[LoadedModel | ModelFailed | None] = queue.SimpleQueue()
         self._loading = True
         self._last_send = 0.0
+        self._traces: deque[Trace] = deque()  # waiting to run, in arrival order
 
     @property
     def busy(self) -> bool:
-        return any(not engine.idle for engine in self.engines.values())
+        return bool(self._traces) or any(not engine.idle for engine in self.engines.values())
 
     def run(self) -> None:
         """Serve until a ``Shutdown`` arrives or the API process goes away."""
@@ -88,6 +94,7 @@ class EngineCore:
                 for engine in list(self.engines.values()):
                     if not engine.idle:
                         engine.step()
+                self._run_traces()
                 self._send()
 
     def _load(self) -> None:
@@ -118,7 +125,7 @@ class EngineCore:
             for engine in self.engines.values():
                 engine.cancel(message.id)
         elif isinstance(message, Trace):
-            self._trace(message)
+            self._traces.append(message)
 
     def _engine_for(self, message: Submit | Trace) -> ModelEngine | None:
         """The engine of the message's model, or None after answering 503 for it."""
@@ -127,6 +134,11 @@ class EngineCore:
             failed = Failed(message.id, 503, f"model '{message.model}' is not loaded")
             self.outbox.add(failed, urgent=True)
         return engine
+
+    def _run_traces(self) -> None:
+        """The trace waiting first, if any: one a turn of the loop, between the steps."""
+        if self._traces:
+            self._trace(self._traces.popleft())
 
     def _trace(self, message: Trace) -> None:
         if (engine := self._engine_for(message)) is None:
