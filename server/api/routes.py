@@ -14,6 +14,7 @@ from model.generate import encode_prompt
 from server.api.chat import create_chat_completion
 from server.api.completions import create_completion
 from server.api.errors import APIError, busy, error_responses
+from server.api.offload import off_loop
 from server.api.schemas import (
     ChatRequest,
     CompletionRequest,
@@ -106,9 +107,9 @@ async def tokenize(body: TokenizeRequest, request: Request) -> Response:
     served = _service(request).get(body.model)
     tokenizer = served.tokenizer
     if body.add_special_tokens:
-        ids = encode_prompt(tokenizer, body.prompt)
+        ids = await off_loop(encode_prompt, tokenizer, body.prompt)
     else:
-        ids = tokenizer.encode(body.prompt).ids
+        ids = (await off_loop(tokenizer.encode, body.prompt)).ids
     limit = served.max_context
     return _json({"model": served.name, "tokens": ids, "count": len(ids), "max_context": limit})
 

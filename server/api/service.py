@@ -8,6 +8,7 @@ while the others serve. ``/health`` is 200 while at least one model is ready.
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 from enum import StrEnum
@@ -24,6 +25,7 @@ from model.transformer import Transformer
 from server.api.client import EngineClient, Launcher, ModelClient
 from server.api.errors import APIError, busy
 from server.api.metrics import Metrics
+from server.api.offload import most_prompt_bytes
 from server.api.settings import Settings
 from server.messages import EngineConfig, ModelInfo
 
@@ -142,6 +144,12 @@ class ServedModel:
     @property
     def max_context(self) -> int:
         return self.info.max_context
+
+    @functools.cached_property
+    def max_prompt_bytes(self) -> int:
+        """The longest prompt text (UTF-8) that could fit the context; longer is refused
+        before it is tokenised."""
+        return most_prompt_bytes(self.max_context, self.token_bytes, list(SPECIAL_TOKENS))
 
     def describe(self) -> dict[str, Any]:
         """The model's entry in ``GET /v1/models``."""

@@ -84,3 +84,28 @@ def test_a_trace_flood_leaves_eight_streams_their_pace(server: Running) -> None:
     assert statuses[429] > 0  # ...at most max_traces (4) of them queued at once
     assert set(statuses) == {200, 429}
     assert np.percentile(gaps, 99) < GAP_P99, f"p99 {np.percentile(gaps, 99):.3f} s"
+
+
+MEGABYTE_PROMPT = "To be, or not to be, that is the question. " * 23_000  # 989,000 bytes
+
+
+def test_megabyte_prompts_leave_the_streams_their_pace(server: Running) -> None:
+    statuses: Counter[tuple[str, int]] = Counter()
+
+    def send(stop: threading.Event) -> None:
+        with httpx.Client(base_url=server.url, timeout=60) as client:
+            for path in ("/v1/completions", "/v1/tokenize") * 2:
+                if stop.is_set():
+                    return
+                response = client.post(path, json={"prompt": MEGABYTE_PROMPT})
+                statuses[path, response.status_code] += 1
+                if path == "/v1/completions":  # refused before it is tokenised
+                    error = response.json()["error"]
+                    assert error["code"] == "context_length_exceeded", error
+                else:  # tokenised, off the event loop
+                    assert response.json()["count"] > 100_000
+
+    gaps, tokens = gaps_beside(server.url, send, attackers=4)
+    assert tokens == STREAMS * STREAM["max_tokens"]
+    assert statuses[("/v1/completions", 400)] >= 4 and statuses[("/v1/tokenize", 200)] >= 1
+    assert np.percentile(gaps, 99) < GAP_P99, f"p99 {np.percentile(gaps, 99):.3f} s"
