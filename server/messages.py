@@ -17,6 +17,7 @@ from __future__ import annotations
 import select
 import socket
 import struct
+import threading
 from typing import Any
 
 import msgspec
@@ -85,6 +86,13 @@ class ModelInfo(msgspec.Struct):
     max_context: int
     parameters: int
     load_seconds: float
+
+
+class ModelLoading(msgspec.Struct, tag=True, array_like=True):
+    """The engine starts loading a checkpoint: if the process dies before the model is loaded
+    or failed, that checkpoint killed it (and is not loaded again)."""
+
+    name: str
 
 
 class ModelLoaded(msgspec.Struct, tag=True, array_like=True):
@@ -172,7 +180,7 @@ class TraceDone(msgspec.Struct, tag=True, array_like=True):
 
 
 ToEngine = Submit | Cancel | Trace | Shutdown
-FromEngine = ModelLoaded | ModelFailed | Outputs | TraceDone
+FromEngine = ModelLoading | ModelLoaded | ModelFailed | Outputs | TraceDone
 
 _encoder = msgspec.msgpack.Encoder()
 
@@ -184,7 +192,8 @@ def frame(message: msgspec.Struct) -> bytes:
 
 
 class Channel:
-    """The engine process's end of the socket: blocking sends, polled receives."""
+    """The engine process's end of the socket: blocking sends (whole frames, from any thread),
+    polled receives."""
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
@@ -192,9 +201,12 @@ class Channel:
         self._buffer = bytearray()
         self._decoder = msgspec.msgpack.Decoder(ToEngine)
         self.closed = False  # the other end has gone
+        self._sending = threading.Lock()
 
     def send(self, message: msgspec.Struct) -> None:
-        self.sock.sendall(frame(message))
+        data = frame(message)
+        with self._sending:
+            self.sock.sendall(data)
 
     def config(self) -> EngineConfig:
         """The first message: what to load."""

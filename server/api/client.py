@@ -52,6 +52,7 @@ from server.messages import (
     ModelFailed,
     ModelInfo,
     ModelLoaded,
+    ModelLoading,
     Outputs,
     Shutdown,
     Trace,
@@ -181,6 +182,8 @@ class EngineClient:
         self._supervisor: asyncio.Task[None] | None = None
         self._stopping = False
         self._decoder = msgspec.msgpack.Decoder(FromEngine)
+        self._loading: str | None = None  # the checkpoint the engine is reading now
+        self.crashed: dict[str, str] = {}  # checkpoints that killed an engine: not loaded again
 
     @property
     def pid(self) -> int | None:
@@ -271,6 +274,7 @@ class EngineClient:
                 return
             self._lost()
             await self._reap(5.0)
+            self._blame_loading()
             if time.monotonic() - started >= STABLE_AFTER:
                 delay = RESTART_DELAY
             logger.error("the engine process stopped; restarting it in %.1f s", delay)
@@ -310,7 +314,7 @@ class EngineClient:
         reader, writer = await asyncio.open_unix_connection(sock=ours)
         self._writer = writer
         self.last_heard = time.monotonic()
-        writer.write(frame(self.config))
+        writer.write(frame(self._config_now()))
         try:
             await self._read(reader)
         finally:
@@ -339,6 +343,24 @@ class EngineClient:
         process.close()
         self.process = None
 
+    def _blame_loading(self) -> None:
+        """The checkpoint the dead engine was reading killed it (out of memory, a crash in
+        native code): it fails, and the next engine does not load it."""
+        name, self._loading = self._loading, None
+        if name is None:
+            return
+        self.crashed[name] = (
+            f"the engine process died while loading it (exit code {self.exitcode}); it is not "
+            "loaded again until the server restarts"
+        )
+        logger.error("model '%s' %s", name, self.crashed[name])
+        self.listener.failed(name, self.crashed[name])
+
+    def _config_now(self) -> EngineConfig:
+        """The configuration, without the checkpoints that killed an engine."""
+        models = [(name, folder) for name, folder in self.config.models if name not in self.crashed]
+        return msgspec.structs.replace(self.config, models=models)
+
     def _lost(self) -> None:
         """The engine died: every job and trace in flight fails (503), every model is down."""
         error = APIError(503, ENGINE_DIED, code="engine_restarting")
@@ -354,17 +376,25 @@ class EngineClient:
         self._traces.clear()
         self.models.clear()
         self.listener.lost()
+        for name, message in self.crashed.items():  # these stay failed
+            self.listener.failed(name, message)
 
     # ---- what the engine says ------------------------------------------------------------
 
     def _dispatch(self, message: FromEngine) -> None:
         if isinstance(message, Outputs):
             self._outputs(message)
+        elif isinstance(message, ModelLoading):
+            self._loading = message.name
         elif isinstance(message, ModelLoaded):
             name = message.info.name
+            if name == self._loading:
+                self._loading = None
             engine = self.models[name] = ModelClient(name, self, self.capacity, self.max_traces)
             self.listener.loaded(message.info, engine)
         elif isinstance(message, ModelFailed):
+            if message.name == self._loading:
+                self._loading = None
             self.listener.failed(message.name, message.message)
         elif isinstance(message, TraceDone):
             self._answer_trace(message.id, message.body)

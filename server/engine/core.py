@@ -46,6 +46,7 @@ from server.messages import (
     Failed,
     ModelFailed,
     ModelLoaded,
+    ModelLoading,
     Shutdown,
     Submit,
     ToEngine,
@@ -99,7 +100,9 @@ class EngineCore:
 
     def _load(self) -> None:
         torch.set_num_threads(1)  # the decode loop's thread count is its own
-        for result in load_all(self.config):
+        for result in load_all(
+            self.config, announce=lambda name: self.channel.send(ModelLoading(name))
+        ):
             self._loaded.put(result)
         self._loaded.put(None)
 

@@ -8,7 +8,7 @@ The API process holds only tokenizers and what :class:`~server.messages.ModelInf
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -74,11 +74,16 @@ def prepare(
     )
 
 
-def load_all(config: EngineConfig) -> Iterator[LoadedModel | ModelFailed]:
-    """Each configured model in turn, loaded, or why it failed (then its rope variants)."""
+def load_all(
+    config: EngineConfig, announce: Callable[[str], None] | None = None
+) -> Iterator[LoadedModel | ModelFailed]:
+    """Each configured model in turn, loaded, or why it failed (then its rope variants).
+    ``announce(name)`` is called before each checkpoint is read."""
     device = resolve_device(config.device)
     root = Path(config.checkpoints)
     for name, folder in config.models:
+        if announce is not None:
+            announce(name)
         started = time.perf_counter()
         try:
             model, tokenizer = load_checkpoint(folder, device, config.dtype)

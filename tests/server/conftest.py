@@ -105,16 +105,20 @@ def free_socket() -> socket.socket:
 
 @contextmanager
 def running_server(
-    settings: Settings, wait_ready: bool = True, hold_loading: bool = False
+    settings: Settings,
+    wait_ready: bool = True,
+    hold_loading: bool = False,
+    crash_loading: str | None = None,
 ) -> Iterator[Running]:
     """Serve ``settings`` with uvicorn in a background thread until the block ends; the
     engine process runs under ``tests.server.engine_control`` (``running.control``), forked
     from a server process that imported torch once for the whole session. ``hold_loading``:
-    its models load only once ``running.control.call("release_loading")``."""
+    its models load only once ``running.control.call("release_loading")``; ``crash_loading``:
+    every engine is killed when it starts loading that model (``engine_control``)."""
     ours, theirs = multiprocessing.get_context("forkserver").Pipe()
     launcher = Launcher(
         "tests.server.engine_control:run_controlled",
-        (theirs, hold_loading),
+        (theirs, hold_loading, crash_loading),
         method="forkserver",
         preload=("server.api.client", "tests.server.engine_control"),
     )
