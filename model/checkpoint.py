@@ -69,7 +69,7 @@ import shutil
 import sys
 import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, BinaryIO, NamedTuple
 
@@ -142,13 +142,17 @@ def save_checkpoint(
     tokenizer: Tokenizer,
     dtype: str | None = None,
     *,
+    json_files: Mapping[str, Any] | None = None,
     on_step: Callable[[str], None] | None = None,
 ) -> None:
     """Write ``model`` and ``tokenizer`` to the folder ``path``, replacing it atomically.
 
-    ``dtype`` is the storage dtype (default: the config's). Other files already in the folder
-    (metrics.json, eval.json, …) are carried over into the new one. ``on_step`` is called with
-    the name of each step of the save protocol once it is done (see the module docstring).
+    ``dtype`` is the storage dtype (default: the config's). ``json_files`` (name → data) are
+    written into the new folder, so they change in the same swap as the weights (training's
+    metrics.json). Other files already in the folder (metrics.json, eval.json, …) are carried
+    over into the new one, but not hidden ones: the ``.NAME.*.tmp`` of an atomic write that was
+    killed is no part of the checkpoint. ``on_step`` is called with the name of each step of the
+    save protocol once it is done (see the module docstring).
     """
     path = Path(path)
     step = on_step or _no_hook
@@ -169,9 +173,12 @@ def save_checkpoint(
             config.save(staging / CONFIG_FILE)
             _write_file(staging / WEIGHTS_FILE, weights)
             tokenizer.save(str(staging / TOKENIZER_FILE))
+            for name, data in (json_files or {}).items():
+                write_json_atomic(staging / name, data)
             if path.is_dir():
                 for extra in path.iterdir():
-                    if extra.name not in CHECKPOINT_FILES and extra.is_file():
+                    carried = not (staging / extra.name).exists() and extra.is_file()
+                    if carried and extra.name not in CHECKPOINT_FILES and extra.name[0] != ".":
                         shutil.copy2(extra, staging / extra.name)
             if not (staging / TOKENIZER_CONFIG_FILE).exists():  # a checkpoint's own is kept
                 write_json_atomic(

@@ -46,7 +46,6 @@ from model.config import (
     TrainConfig,
     preset,
     write_atomic,
-    write_json_atomic,
 )
 from model.corpus import load_corpus
 from model.data import (
@@ -515,13 +514,17 @@ class TrainingRun:
         return validation_loss(self.model, self.data.val_inputs, self.data.val_targets, self.device)
 
     def save(self, metrics: dict[str, Any], step: int) -> None:
-        """The checkpoint folder, its metrics.json and the resumable state, each atomically."""
+        """The checkpoint folder with its metrics.json (one atomic swap: the metrics never lag
+        the weights), then the resumable state, atomically."""
         metrics["tokens_per_second"] = metrics["tokens_seen"] / metrics["wall_seconds"]
         metrics["step"] = step
         save_checkpoint(
-            self.args.out, self.model, self.data.tokenizer, dtype=self.args.storage_dtype
+            self.args.out,
+            self.model,
+            self.data.tokenizer,
+            dtype=self.args.storage_dtype,
+            json_files={METRICS_FILE: metrics},
         )
-        write_json_atomic(self.args.out / METRICS_FILE, metrics)
         _save_state(self.state_path, self.model, self.optimizers, metrics, step)
 
 
