@@ -74,13 +74,17 @@ class CatchUnexpected:
 
 class RequireApiKey:
     """401 for a protected request without ``Authorization: Bearer <key>``, before its body is
-    read. ``scope`` "api" protects /v1/*; "all" every path but /health, which probes need."""
+    read. ``scope`` "api" protects /v1/*; "all" every path but /health, which probes need, and
+    the playground's page and static files (``GET /``, ``/static/*``: files of this repository,
+    no data), which then ask for the key and send it with every request they make."""
 
     def __init__(self, app: ASGIApp, key: str, scope: str = "api") -> None:
         self.app, self.expected, self.everything = app, f"Bearer {key}".encode(), scope == "all"
 
     def _protects(self, path: str) -> bool:
-        return path != "/health" if self.everything else path.startswith("/v1/")
+        if self.everything:
+            return path not in ("/health", "/") and not path.startswith("/static/")
+        return path.startswith("/v1/")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and self._protects(scope["path"]):

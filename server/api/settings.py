@@ -109,8 +109,9 @@ class Settings(BaseSettings):
     auth_scope: Literal["api", "all"] = Field(
         "api",
         description=(
-            "what the API key protects: api = /v1/*; all = every route but /health (also "
-            "/metrics, /docs, /openapi.json and the playground)"
+            "what the API key protects: api = /v1/*; all = every route but /health and the "
+            "playground's page and static files (also /metrics, /docs, /openapi.json; the page "
+            "asks for the key)"
         ),
     )
     rope_variants: CommaList = Field(
