@@ -5,15 +5,22 @@ Loading
 The safetensors header is read with the library's own reader (``safe_open``): every tensor's
 name, shape and dtype is checked against the config before any weight is used, and the message
 names the file and the first bad tensor. A file the library refuses to open (cut short, a corrupt
-header, not safetensors at all) is a :class:`CheckpointError` naming the file.
+header, not safetensors at all) is a :class:`CheckpointError` naming the file. The shapes a config
+expects come from a one-block model on the meta device, repeated per block, so a config with
+10,000 layers is refused in milliseconds. Before the file is even opened (``safe_open`` maps it
+whole), its size is checked against what the config's tensors take, and those against the memory
+available (:func:`check_size`); only once the header matches is the file read: its
+checksum streamed over in chunks, the tensors copied one by one out of the memory-mapped file
+(``safe_open``), so a load never holds the file whole.
 
 The metadata of ``model.safetensors`` holds ``sha256``: the SHA-256 of the file's data section,
 the bytes after the 8-byte header length and the JSON header, i.e. every tensor's bytes. The data
 section does not depend on the metadata (safetensors orders the tensors by dtype and name), so the
 digest is taken from one serialisation and written into a second, and the save checks that both
-have the same data section. Loading recomputes it over the very bytes the tensors are built from
-and refuses a file whose weights changed; a file without a checksum (saved before it existed, or
-by hand) still loads, with a :class:`UnverifiedWeightsWarning`.
+have the same data section. Loading recomputes it over the file the tensors are then read from
+(the same inode and modification time, checked after) and refuses a file whose weights changed;
+a file without a checksum (saved before it existed, or by hand) still loads, with a
+:class:`UnverifiedWeightsWarning`.
 
 Saving protocol
 ---------------
@@ -55,19 +62,19 @@ import ctypes
 import errno
 import functools
 import hashlib
+import math
 import os
 import re
 import shutil
 import sys
 import threading
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, BinaryIO, NamedTuple
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import load as load_tensors
 from safetensors.torch import save as serialise_tensors
 from tokenizers import Tokenizer
 
@@ -81,6 +88,7 @@ from model.transformer import Transformer
 
 CHECKPOINT_FILES = (CONFIG_FILE, WEIGHTS_FILE, TOKENIZER_FILE)
 SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit on a header
 CHECKSUM_KEY = "sha256"  # in the safetensors metadata: hex SHA-256 of the data section
 
 # The steps of a save, in the order they happen (see the module docstring).
@@ -122,15 +130,19 @@ def save_checkpoint(
     dtype: str | None = None,
     *,
     tokenizer_config: dict[str, Any] | None = None,
+    json_files: Mapping[str, Any] | None = None,
     on_step: Callable[[str], None] | None = None,
 ) -> None:
     """Write ``model`` and ``tokenizer`` to the folder ``path``, replacing it atomically.
 
-    ``dtype`` is the storage dtype (default: the config's). Other files already in the folder
-    (metrics.json, eval.json, …) are carried over into the new one. ``tokenizer_config``, if
-    given, is the new tokenizer_config.json (else the folder's own is kept, or the default chat
-    template written). ``on_step`` is called with the name of each step of the save protocol
-    once it is done (see the module docstring).
+    ``dtype`` is the storage dtype (default: the config's). ``json_files`` (name → data) are
+    written into the new folder, so they change in the same swap as the weights (training's
+    metrics.json). Other files already in the folder (metrics.json, eval.json, …) are carried
+    over into the new one, but not hidden ones: the ``.NAME.*.tmp`` of an atomic write that was
+    killed is no part of the checkpoint. ``tokenizer_config``, if given, is the new
+    tokenizer_config.json (else the folder's own is kept, or the default chat template written).
+    ``on_step`` is called with the name of each step of the save protocol once it is done (see
+    the module docstring).
     """
     path = Path(path)
     config = model.config if dtype is None else model.config.replace(dtype=dtype)
@@ -144,9 +156,12 @@ def save_checkpoint(
         config.save(staging / CONFIG_FILE)
         _write_file(staging / WEIGHTS_FILE, weights)
         tokenizer.save(str(staging / TOKENIZER_FILE))
+        for name, data in (json_files or {}).items():
+            write_json_atomic(staging / name, data)
         if path.is_dir():
             for extra in path.iterdir():
-                if extra.name not in CHECKPOINT_FILES and extra.is_file():
+                carried = not (staging / extra.name).exists() and extra.is_file()
+                if carried and extra.name not in CHECKPOINT_FILES and extra.name[0] != ".":
                     shutil.copy2(extra, staging / extra.name)
         if tokenizer_config is not None:
             write_json_atomic(staging / TOKENIZER_CONFIG_FILE, tokenizer_config)
@@ -359,8 +374,7 @@ def load_checkpoint(
     except ConfigError as error:
         raise CheckpointError(f"{path / CONFIG_FILE}: {error}") from None
 
-    model = Transformer(config)  # its own tensors' shapes are what the file must hold
-    tensors = read_weights(path / WEIGHTS_FILE, model)
+    tensors = read_weights(path / WEIGHTS_FILE, config)  # checked before a model is built
     if config.tie_embeddings:
         tensors["lm_head.weight"] = tensors["token_embedding.weight"]
 
@@ -371,15 +385,19 @@ def load_checkpoint(
             f"vocab_size is {config.vocab_size}"
         )
 
+    model = Transformer(config)
     model.load_state_dict(tensors)
     model.to(device=device or resolve_device("auto"), dtype=resolve_dtype(dtype))
     return LoadedCheckpoint(model.eval(), tokenizer)
 
 
-def read_weights(weights_path: Path, model: Transformer) -> dict[str, torch.Tensor]:
-    """The tensors in ``weights_path`` (CPU), once they match ``model`` and their checksum."""
-    expected_digest = check_weights(weights_path, model)
-    raw = weights_path.read_bytes()
+def read_weights(weights_path: Path, config: ModelConfig) -> dict[str, torch.Tensor]:
+    """The tensors in ``weights_path`` (CPU), once they match ``config``, fit the memory
+    available and match their checksum; the file is never read whole."""
+    expected_digest = check_weights(weights_path, config)
+    with open(weights_path, "rb") as handle:
+        before = os.fstat(handle.fileno())
+        digest = data_digest(handle)
     if expected_digest is None:
         warnings.warn(
             f"{weights_path} has no SHA-256 checksum: its weights cannot be verified "
@@ -387,14 +405,59 @@ def read_weights(weights_path: Path, model: Transformer) -> dict[str, torch.Tens
             UnverifiedWeightsWarning,
             stacklevel=3,
         )
-    elif hashlib.sha256(data_section(raw)).hexdigest() != expected_digest:
+    elif digest != expected_digest:
         raise CheckpointError(
             f"{weights_path}: weights do not match their SHA-256 checksum (the file is corrupt)"
         )
     try:
-        return load_tensors(raw)
+        with safe_open(str(weights_path), framework="pt") as weights:
+            tensors = {name: weights.get_tensor(name) for name in weights.keys()}  # noqa: SIM118
     except SafetensorError as error:  # replaced since check_weights read it
         raise _unreadable(weights_path, error) from None
+    after = os.stat(weights_path)
+    if (after.st_ino, after.st_mtime_ns) != (before.st_ino, before.st_mtime_ns):
+        raise CheckpointError(f"{weights_path} was replaced while it was being loaded")
+    return tensors
+
+
+def data_digest(handle: BinaryIO, chunk: int = 1 << 20) -> str:
+    """The SHA-256 of a safetensors file's data section, read ``chunk`` bytes at a time."""
+    header_length = int.from_bytes(handle.read(8), "little")
+    handle.seek(8 + header_length)
+    digest = hashlib.sha256()
+    while block := handle.read(chunk):
+        digest.update(block)
+    return digest.hexdigest()
+
+
+def available_memory() -> int | None:
+    """Bytes of memory a new allocation may take (Linux's MemAvailable; None elsewhere)."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return None
+
+
+def check_size(weights_path: Path, config: ModelConfig, shapes: dict[str, tuple[int, ...]]) -> None:
+    """A CheckpointError, before the file is opened, when it is far larger than the tensors of
+    ``config`` (``shapes``) or when those need more memory than is available: mapping or
+    loading it would fail, or get the process killed by the kernel."""
+    needed = (
+        sum(math.prod(shape) for shape in shapes.values()) * resolve_dtype(config.dtype).itemsize
+    )
+    size = os.path.getsize(weights_path)
+    if size > needed + MAX_HEADER_BYTES:
+        raise CheckpointError(
+            f"{weights_path} is {size / 2**30:.1f} GiB but the tensors of its config take "
+            f"{needed / 2**30:.3f} GiB"
+        )
+    available = available_memory()
+    if available is not None and needed > available:
+        raise CheckpointError(
+            f"{weights_path}: the weights need {needed / 2**30:.1f} GiB but only "
+            f"{available / 2**30:.1f} GiB of memory is available"
+        )
 
 
 def with_positional(model: Transformer, overrides: dict[str, Any]) -> Transformer:
@@ -415,12 +478,14 @@ def with_positional(model: Transformer, overrides: dict[str, Any]) -> Transforme
     return variant
 
 
-def check_weights(weights_path: Path, model: Transformer) -> str | None:
-    """Check names, shapes and dtypes in ``weights_path`` against ``model`` (the shapes of its
-    stored tensors, the dtype its config says they are stored in).
+def check_weights(weights_path: Path, config: ModelConfig) -> str | None:
+    """Check names, shapes and dtypes in ``weights_path`` against ``config``, before any model
+    of it is built (a config of 10,000 layers fails here in milliseconds, allocating nothing).
 
     Returns the SHA-256 recorded in its metadata (None when it has none).
     """
+    expected = expected_shapes(config)
+    check_size(weights_path, config, expected)
     try:
         with safe_open(str(weights_path), framework="pt") as weights:
             metadata = weights.metadata() or {}
@@ -430,8 +495,6 @@ def check_weights(weights_path: Path, model: Transformer) -> str | None:
                 stored[name] = (tuple(tensor.get_shape()), tensor.get_dtype())
     except SafetensorError as error:
         raise _unreadable(weights_path, error) from None
-    config = model.config
-    expected = {name: tuple(tensor.shape) for name, tensor in stored_tensors(model).items()}
     missing = sorted(set(expected) - set(stored))
     if missing:
         raise CheckpointError(f"{weights_path}: tensor {missing[0]!r} is missing")
@@ -455,6 +518,23 @@ def check_weights(weights_path: Path, model: Transformer) -> str | None:
                 f"{config.dtype}"
             )
     return metadata.get(CHECKSUM_KEY)
+
+
+def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Name → shape of every tensor a checkpoint of ``config`` stores, without building its
+    ``n_layers`` blocks: a one-block model on the meta device, its block's tensors repeated."""
+    with torch.device("meta"):
+        one_block = stored_tensors(Transformer(config.replace(n_layers=1)))
+    shapes: dict[str, tuple[int, ...]] = {}
+    for name, tensor in one_block.items():
+        if name.startswith("blocks.0."):
+            rest = name.removeprefix("blocks.0.")
+            shapes.update(
+                {f"blocks.{i}.{rest}": tuple(tensor.shape) for i in range(config.n_layers)}
+            )
+        else:
+            shapes[name] = tuple(tensor.shape)
+    return shapes
 
 
 def _unreadable(weights_path: Path, error: Exception) -> CheckpointError:

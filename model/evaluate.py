@@ -27,7 +27,6 @@ digest the file's metadata holds), which ``--reuse`` compares: content, not file
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import math
 import sys
@@ -38,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from model.checkpoint import WEIGHTS_FILE, data_section, load_checkpoint
+from model.checkpoint import WEIGHTS_FILE, data_digest, load_checkpoint
 from model.corpus import load_corpus
 from model.data import IGNORE_INDEX, ValidationStream, validation_stream
 from model.device import resolve_device
@@ -148,7 +147,8 @@ def weights_digest(path: Path) -> str:
     weights = path / WEIGHTS_FILE
     if not weights.is_file():
         raise ValueError(f"{path} is not a checkpoint: {WEIGHTS_FILE} is missing")
-    return hashlib.sha256(data_section(weights.read_bytes())).hexdigest()
+    with open(weights, "rb") as handle:
+        return data_digest(handle)
 
 
 def evaluate_checkpoint(

@@ -31,7 +31,7 @@ import dataclasses
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from functools import partial
+from functools import cached_property, partial
 from typing import NamedTuple
 
 import torch
@@ -122,6 +122,14 @@ class RowSampler:
     def next_uniform(self) -> Tensor:
         """One uniform draw in [0, 1) from this row's generator. Shape [1], CPU, float32."""
         return torch.rand(1, generator=self.generator)
+
+    @cached_property
+    def bias(self) -> tuple[Tensor, Tensor]:
+        """The row's logit bias as (token ids [K] long, biases [K] float32), CPU: made once per
+        request, so a batch's table is a few tensor ops at each batch change."""
+        pairs = self.params.logit_bias
+        ids = torch.tensor([token for token, _ in pairs], dtype=torch.long)
+        return ids, torch.tensor([bias for _, bias in pairs], dtype=torch.float32)
 
 
 def raise_if_failed(failures: Mapping[int, FailureReason]) -> None:
@@ -261,10 +269,13 @@ class SamplingBatch:
         vocab = logits.shape[-1]
         if self._bias is None or self._bias.shape[-1] != vocab:
             table = torch.zeros(len(self.rows), vocab)
-            for row, sampler in enumerate(self.rows):
-                for token, bias in sampler.params.logit_bias:
-                    if token < vocab:
-                        table[row, token] = bias
+            biased = [(row, s.bias) for row, s in enumerate(self.rows) if s.params.logit_bias]
+            if biased:
+                ids = torch.cat([ids for _, (ids, _) in biased])
+                values = torch.cat([values for _, (_, values) in biased])
+                rows = torch.cat([torch.full_like(ids, row) for row, (ids, _) in biased])
+                inside = ids < vocab
+                table[rows[inside], ids[inside]] = values[inside]
             self._bias = table.to(logits.device)
         return self._bias
 

@@ -68,7 +68,7 @@ from model.data import (
     validation_stream,
 )
 from model.device import resolve_device
-from model.files import write_atomic, write_json_atomic
+from model.files import write_atomic
 from model.geometry.corpus import measure_corpus
 from model.geometry.metrics import classical_mds
 from model.positional import MdsPositions
@@ -173,7 +173,7 @@ def start_from_checkpoint(model: Transformer, folder: Path) -> dict[str, Any]:
         "checkpoint": str(folder),
         "scheme": source.config.scheme,
         "positional": source.config.positional,
-        "sha256": check_weights(folder / WEIGHTS_FILE, source),
+        "sha256": check_weights(folder / WEIGHTS_FILE, source.config),
         **{key: base[key] for key in ("step", "tokens_seen", "wall_seconds") if key in base},
     }
 
@@ -574,13 +574,17 @@ class TrainingRun:
         return validation_loss(self.model, self.data.val_inputs, self.data.val_targets, self.device)
 
     def save(self, metrics: dict[str, Any], step: int) -> None:
-        """The checkpoint folder, its metrics.json and the resumable state, each atomically."""
+        """The checkpoint folder with its metrics.json (one atomic swap: the metrics never lag
+        the weights), then the resumable state, atomically."""
         metrics["tokens_per_second"] = metrics["tokens_seen"] / metrics["wall_seconds"]
         metrics["step"] = step
         save_checkpoint(
-            self.args.out, self.model, self.data.tokenizer, dtype=self.args.storage_dtype
+            self.args.out,
+            self.model,
+            self.data.tokenizer,
+            dtype=self.args.storage_dtype,
+            json_files={METRICS_FILE: metrics},
         )
-        write_json_atomic(self.args.out / METRICS_FILE, metrics)
         _save_state(self.state_path, self.model, self.optimizers, metrics, step)
 
 

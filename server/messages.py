@@ -23,6 +23,7 @@ import re
 import select
 import socket
 import struct
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -115,6 +116,13 @@ class ModelInfo(msgspec.Struct):
     n_heads: int
     parameters: int
     load_seconds: float
+
+
+class ModelLoading(msgspec.Struct, tag=True, array_like=True):
+    """The engine starts loading a checkpoint: if the process dies before the model is loaded
+    or failed, that checkpoint killed it (and is not loaded again)."""
+
+    name: str
 
 
 class ModelLoaded(msgspec.Struct, tag=True, array_like=True):
@@ -213,7 +221,7 @@ class Returned(msgspec.Struct, tag=True, array_like=True):
 
 
 ToEngine = Submit | Cancel | Call | Shutdown
-FromEngine = ModelLoaded | ModelFailed | Outputs | Returned
+FromEngine = ModelLoading | ModelLoaded | ModelFailed | Outputs | Returned
 
 _encoder = msgspec.msgpack.Encoder()
 
@@ -225,7 +233,8 @@ def frame(message: msgspec.Struct) -> bytes:
 
 
 class Channel:
-    """The engine process's end of the socket: blocking sends, polled receives."""
+    """The engine process's end of the socket: blocking sends (whole frames, from any thread),
+    polled receives."""
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
@@ -233,9 +242,12 @@ class Channel:
         self._buffer = bytearray()
         self._decoder = msgspec.msgpack.Decoder(ToEngine)
         self.closed = False  # the other end has gone
+        self._sending = threading.Lock()
 
     def send(self, message: msgspec.Struct) -> None:
-        self.sock.sendall(frame(message))
+        data = frame(message)
+        with self._sending:
+            self.sock.sendall(data)
 
     def config(self) -> EngineConfig:
         """The first message: what to load."""

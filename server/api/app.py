@@ -7,6 +7,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI
@@ -15,8 +16,15 @@ from pydantic import ValidationError
 from starlette.middleware.gzip import GZipMiddleware
 
 from server.api.client import Launcher
+from server.api.connections import guarded_protocol
 from server.api.errors import document_errors, install_error_handlers
-from server.api.middleware import CatchUnexpected, CountRequests, LimitBody, RequireApiKey
+from server.api.middleware import (
+    AllowHosts,
+    CatchUnexpected,
+    CountRequests,
+    LimitBody,
+    RequireApiKey,
+)
 from server.api.playground import router as playground_router
 from server.api.playground import static_files
 from server.api.routes import router
@@ -66,6 +74,7 @@ def create_app(settings: Settings | None = None, launcher: Launcher | None = Non
     # text/event-stream through as it is sent.
     app.add_middleware(GZipMiddleware, minimum_size=1024, compresslevel=1)
     app.add_middleware(CatchUnexpected)  # inside CountRequests, so its 500s are counted
+    app.add_middleware(AllowHosts, allowed=settings.allowed_hosts)  # before anything is read
     app.add_middleware(CountRequests, counter=service.metrics.requests)
     return app
 
@@ -89,4 +98,12 @@ def run(args: argparse.Namespace) -> None:
     check_settings(settings)
     # uvicorn configures its own loggers only: ours (a line per model loaded or failed) too.
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(name)s: %(message)s")
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port)
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, **serving(settings))
+
+
+def serving(settings: Settings) -> dict[str, Any]:
+    """uvicorn's options for ``settings``: keep-alive and header timeouts, connection limit."""
+    return {
+        "http": guarded_protocol(settings.max_connections, settings.header_timeout),
+        "timeout_keep_alive": settings.keep_alive_timeout,
+    }

@@ -11,6 +11,7 @@ from starlette.responses import Response
 from model.chat import ChatTemplateError, Message
 from server.api.completions import Names, build_job, choice_seed, respond
 from server.api.errors import APIError
+from server.api.offload import check_prompt_size, off_loop
 from server.api.schemas import ChatRequest, CompletionRequest, SamplingRequest
 from server.api.service import Service
 from server.api.writer import ChatWriter
@@ -23,8 +24,12 @@ async def create_chat_completion(body: ChatRequest, request: Request, service: S
         Message("system" if m.role == "developer" else m.role, m.text, m.name)
         for m in body.messages
     ]
+    for message in messages:
+        check_prompt_size(message.content, served.max_prompt_bytes, served.name, "messages")
     try:
-        scene = served.chat_template.encode(served.tokenizer, messages)
+        scene = await off_loop(
+            served.chat_template.encode, served.tokenizer, messages, served.max_prompt_bytes
+        )
     except ChatTemplateError as error:
         raise APIError(400, f"messages: {error}", param="messages") from None
     room = served.max_context - len(scene.prompt_ids)
@@ -49,9 +54,9 @@ async def create_chat_completion(body: ChatRequest, request: Request, service: S
     # The client sent messages, not a prompt, and maybe max_completion_tokens: 400s name those.
     budget = "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"
     names = Names("messages", "messages: the scene", budget)
-    built = [
+    jobs = [
         build_job(completion, served, scene.prompt_ids, choice_seed(body.seed, j), names)
         for j in range(body.n)
     ]
-    writers = [ChatWriter(completion, served, ids, index) for index, (ids, _) in enumerate(built)]
-    return await respond([job for _, job in built], writers, served, request, service)
+    writers = [ChatWriter(completion, served, scene.prompt_ids, index) for index in range(body.n)]
+    return await respond(jobs, writers, served, request, service)

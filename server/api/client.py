@@ -17,6 +17,12 @@ again as soon as it is loaded.
 left with a 503 ("shutting down"), sends it, and exits. The API process waits up to
 ``STOP_TIMEOUT`` seconds for its last frames, closes the socket, then up to ``STOP_TIMEOUT``
 more for it to exit before killing it.
+
+**If the engine stops stepping** (stopped, deadlocked, stuck in native code): every step sends
+its stats, at least every ``stream_interval``, so while work waits its frames are the engine's
+heartbeat. :attr:`EngineClient.stalled` is true once none has come for ``stall_timeout`` seconds
+while a job or trace waits (``/health`` then answers 503), and the supervisor kills the process,
+which restarts it as above.
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ from server.messages import (
     ModelFailed,
     ModelInfo,
     ModelLoaded,
+    ModelLoading,
     Outputs,
     Returned,
     Shutdown,
@@ -95,11 +102,13 @@ class Listener(Protocol):
 class ModelClient:
     """One model's engine as the routes see it (``ServedModel.engine``): submit, cancel, call."""
 
-    def __init__(self, name: str, client: EngineClient, capacity: int) -> None:
+    def __init__(self, name: str, client: EngineClient, capacity: int, max_traces: int) -> None:
         self.name = name
         self.client = client
         self.metrics: ModelMetrics = client.metrics.for_model(name)
         self.capacity = capacity  # jobs in the engine: decoding or waiting
+        self.max_traces = max_traces  # traces in the engine: running or queued
+        self.tracing = 0  # of those, in flight now
         self.in_flight = 0  # jobs submitted whose last event has not arrived
         self.closing = 0  # of those, cancelled here and not yet dropped by the engine
 
@@ -125,8 +134,19 @@ class ModelClient:
 
     async def call(self, method: str, args: dict[str, Any]) -> bytes:
         """The JSON the engine function ``method`` (``server.engine.calls``) returns for
-        ``args``, its keyword arguments (MessagePack-encodable)."""
-        return await self.client.call(self.name, method, args)
+        ``args``, its keyword arguments (MessagePack-encodable); a 429 APIError (Retry-After)
+        while ``max_traces`` calls of this model are in the engine."""
+        self.client.check_up()
+        if self.tracing >= self.max_traces:
+            raise busy(
+                f"model '{self.name}' is tracing {self.max_traces} prompts already (the most it "
+                "queues); retry shortly"
+            )
+        self.tracing += 1
+        try:
+            return await self.client.call(self.name, method, args)
+        finally:
+            self.tracing -= 1
 
 
 class EngineClient:
@@ -140,12 +160,18 @@ class EngineClient:
         *,
         capacity: int,
         launcher: Launcher | None = None,
+        stall_timeout: float = 10.0,
+        max_traces: int = 4,
     ) -> None:
         self.config = config
+        self.stall_timeout = stall_timeout
+        self.last_heard = time.monotonic()  # the last frame from the engine process
+        self._waiting_since: float | None = None  # since when jobs or traces have been waiting
         self.metrics = metrics
         self.listener = listener
         self.launcher = launcher or Launcher()
         self.capacity = capacity  # per model: jobs decoding or waiting
+        self.max_traces = max_traces  # per model: traces running or queued
         self.models: dict[str, ModelClient] = {}
         self.process: multiprocessing.process.BaseProcess | None = None
         self.exitcode: int | None = None  # the last engine process's, once it has exited
@@ -157,6 +183,8 @@ class EngineClient:
         self._supervisor: asyncio.Task[None] | None = None
         self._stopping = False
         self._decoder = msgspec.msgpack.Decoder(FromEngine)
+        self._loading: str | None = None  # the checkpoint the engine is reading now
+        self.crashed: dict[str, str] = {}  # checkpoints that killed an engine: not loaded again
 
     @property
     def pid(self) -> int | None:
@@ -165,6 +193,18 @@ class EngineClient:
     async def start(self) -> None:
         self._supervisor = asyncio.create_task(self._supervise())
 
+    @property
+    def stalled(self) -> bool:
+        """Work has waited ``stall_timeout`` s without a frame from the engine process."""
+        if not (self._jobs or self._calls) or self._waiting_since is None:
+            return False
+        quiet = time.monotonic() - max(self.last_heard, self._waiting_since)
+        return quiet > self.stall_timeout
+
+    def _work_added(self) -> None:
+        if self._waiting_since is None or not (self._jobs or self._calls):
+            self._waiting_since = time.monotonic()
+
     def check_up(self) -> None:
         if self._stopping:
             raise busy("the server is shutting down", status=503)
@@ -172,6 +212,7 @@ class EngineClient:
             raise busy("the engine is restarting", status=503)
 
     def submit(self, model: ModelClient, job: Job) -> None:
+        self._work_added()
         job.id = self._next_id()
         self._jobs[job.id] = (model, job)
         self._send(job.message(job.id, model.name))
@@ -187,6 +228,7 @@ class EngineClient:
 
     async def call(self, model: str, method: str, args: dict[str, Any]) -> bytes:
         self.check_up()
+        self._work_added()
         call_id = self._next_id()
         future = self._calls[call_id] = asyncio.get_running_loop().create_future()
         self._send(Call(call_id, model, method, args))
@@ -222,19 +264,35 @@ class EngineClient:
         delay = RESTART_DELAY
         while not self._stopping:
             started = time.monotonic()
+            watchdog = asyncio.create_task(self._watch())
             try:
                 await self._serve_one()
             except Exception:
                 logger.exception("the engine process failed")
+            finally:
+                watchdog.cancel()
             if self._stopping:
                 return
             self._lost()
             await self._reap(5.0)
+            self._blame_loading()
             if time.monotonic() - started >= STABLE_AFTER:
                 delay = RESTART_DELAY
             logger.error("the engine process stopped; restarting it in %.1f s", delay)
             await asyncio.sleep(delay)
             delay = min(2 * delay, MAX_RESTART_DELAY)
+
+    async def _watch(self) -> None:
+        """Kill the engine process once it has stalled: its socket closes, and it restarts."""
+        while True:
+            await asyncio.sleep(min(0.25, self.stall_timeout / 4))
+            if self.stalled and self.process is not None and self.process.is_alive():
+                logger.error(
+                    "the engine process has not stepped for %.1f s while work waits: killing it",
+                    self.stall_timeout,
+                )
+                self.process.kill()
+                return
 
     async def _serve_one(self) -> None:
         """Start an engine process and read it until its socket closes."""
@@ -256,7 +314,8 @@ class EngineClient:
         theirs.close()
         reader, writer = await asyncio.open_unix_connection(sock=ours)
         self._writer = writer
-        writer.write(frame(self.config))
+        self.last_heard = time.monotonic()
+        writer.write(frame(self._config_now()))
         try:
             await self._read(reader)
         finally:
@@ -267,7 +326,9 @@ class EngineClient:
         with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
             while True:
                 (length,) = HEADER.unpack(await reader.readexactly(HEADER.size))
-                self._dispatch(self._decoder.decode(await reader.readexactly(length)))
+                payload = await reader.readexactly(length)
+                self.last_heard = time.monotonic()
+                self._dispatch(self._decoder.decode(payload))
 
     async def _reap(self, timeout: float) -> None:
         """Wait for the engine process to exit; kill it if it has not within ``timeout`` s."""
@@ -282,6 +343,24 @@ class EngineClient:
         self.exitcode = process.exitcode
         process.close()
         self.process = None
+
+    def _blame_loading(self) -> None:
+        """The checkpoint the dead engine was reading killed it (out of memory, a crash in
+        native code): it fails, and the next engine does not load it."""
+        name, self._loading = self._loading, None
+        if name is None:
+            return
+        self.crashed[name] = (
+            f"the engine process died while loading it (exit code {self.exitcode}); it is not "
+            "loaded again until the server restarts"
+        )
+        logger.error("model '%s' %s", name, self.crashed[name])
+        self.listener.failed(name, self.crashed[name])
+
+    def _config_now(self) -> EngineConfig:
+        """The configuration, without the checkpoints that killed an engine."""
+        models = [(name, folder) for name, folder in self.config.models if name not in self.crashed]
+        return msgspec.structs.replace(self.config, models=models)
 
     def _lost(self) -> None:
         """The engine died: every job and call in flight fails (503), every model is down."""
@@ -298,17 +377,25 @@ class EngineClient:
         self._calls.clear()
         self.models.clear()
         self.listener.lost()
+        for name, message in self.crashed.items():  # these stay failed
+            self.listener.failed(name, message)
 
     # ---- what the engine says ------------------------------------------------------------
 
     def _dispatch(self, message: FromEngine) -> None:
         if isinstance(message, Outputs):
             self._outputs(message)
+        elif isinstance(message, ModelLoading):
+            self._loading = message.name
         elif isinstance(message, ModelLoaded):
             name = message.info.name
-            engine = self.models[name] = ModelClient(name, self, self.capacity)
+            if name == self._loading:
+                self._loading = None
+            engine = self.models[name] = ModelClient(name, self, self.capacity, self.max_traces)
             self.listener.loaded(message.info, engine)
         elif isinstance(message, ModelFailed):
+            if message.name == self._loading:
+                self._loading = None
             self.listener.failed(message.name, message.message)
         elif isinstance(message, Returned):
             self._answer_call(message.id, message.body)

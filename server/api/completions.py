@@ -21,6 +21,7 @@ from model.tokenizer import encode_prompt
 from server.api.errors import APIError, error_event
 from server.api.job import Job
 from server.api.metrics import TIMEOUT
+from server.api.offload import check_prompt_size, off_loop
 from server.api.schemas import DEFAULT_MAX_TOKENS, MAX_CHOICES, CompletionRequest, Prompt
 from server.api.service import ServedModel, Service
 from server.api.sse import DONE
@@ -51,8 +52,9 @@ async def create_completion(
     writers: list[CompletionWriter] = []
     jobs: list[Job | None] = []
     for prompt in prompts:
+        prompt_ids = await prompt_ids_of(prompt, served)
         for j in range(body.n):
-            prompt_ids, job = build_job(body, served, prompt, choice_seed(body.seed, j))
+            job = build_job(body, served, prompt_ids, choice_seed(body.seed, j))
             writers.append(CompletionWriter(body, served, prompt_ids, index=len(writers)))
             jobs.append(job)
     return await respond(jobs, writers, served, request, service)
@@ -127,18 +129,18 @@ COMPLETION_NAMES = Names()
 def build_job(
     body: CompletionRequest,
     served: ServedModel,
-    prompt: Prompt,
+    prompt_ids: list[int],
     seed: int | None,
     names: Names = COMPLETION_NAMES,
-) -> tuple[list[int], Job | None]:
-    """``prompt``'s token ids and the job to run (None when there is nothing to compute).
+) -> Job | None:
+    """The job to run for ``prompt_ids`` (None when there is nothing to compute).
 
-    Raises a 400 APIError when the prompt or max_tokens does not fit the model.
+    Raises a 400 APIError when the prompt or max_tokens does not fit the model (``names``: the
+    request's own names for them).
     """
-    prompt_ids = prompt_ids_of(prompt, served)
     max_tokens = _max_tokens(body, served, len(prompt_ids), names)
     if max_tokens == 0 and body.logprobs is None:
-        return prompt_ids, None
+        return None
     job = Job(
         prompt_ids,
         body.sampling_params(served.vocab, seed=seed),
@@ -148,11 +150,12 @@ def build_job(
         logprobs=body.logprobs,
         score_prompt=body.echo and body.logprobs is not None,
     )
-    return prompt_ids, job
+    return job
 
 
-def prompt_ids_of(prompt: Prompt, served: ServedModel) -> list[int]:
-    """The prompt's token ids with <|bos|>; a 400 for an id outside the vocabulary."""
+async def prompt_ids_of(prompt: Prompt, served: ServedModel) -> list[int]:
+    """The prompt's token ids with <|bos|>; a 400 for an id outside the vocabulary, or for a
+    text too long to fit the context (refused before it is tokenised, off the event loop)."""
     if isinstance(prompt, list):
         outside = [token for token in prompt if token >= served.vocab]
         if outside:
@@ -162,7 +165,9 @@ def prompt_ids_of(prompt: Prompt, served: ServedModel) -> list[int]:
                 f"[0, {served.vocab})",
                 param="prompt",
             )
-    return encode_prompt(served.tokenizer, prompt)
+        return encode_prompt(served.tokenizer, prompt)
+    check_prompt_size(prompt, served.max_prompt_bytes, served.name)
+    return await off_loop(encode_prompt, served.tokenizer, prompt)
 
 
 def _max_tokens(

@@ -1,10 +1,12 @@
-"""Pure ASGI middleware: request counting, unexpected errors, the API key and the body limit.
+"""Pure ASGI middleware: request counting, unexpected errors, the API key, the body limit and the
+``Host`` allow-list.
 
 Pure ASGI (not BaseHTTPMiddleware) so that streamed responses pass through untouched.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import secrets
 
@@ -72,13 +74,17 @@ class CatchUnexpected:
 
 class RequireApiKey:
     """401 for a protected request without ``Authorization: Bearer <key>``, before its body is
-    read. ``scope`` "api" protects /v1/*; "all" every path but /health, which probes need."""
+    read. ``scope`` "api" protects /v1/*; "all" every path but /health, which probes need, and
+    the playground's page and static files (``GET /``, ``/static/*``: files of this repository,
+    no data), which then ask for the key and send it with every request they make."""
 
     def __init__(self, app: ASGIApp, key: str, scope: str = "api") -> None:
         self.app, self.expected, self.everything = app, f"Bearer {key}".encode(), scope == "all"
 
     def _protects(self, path: str) -> bool:
-        return path != "/health" if self.everything else path.startswith("/v1/")
+        if self.everything:
+            return path not in ("/health", "/") and not path.startswith("/static/")
+        return path.startswith("/v1/")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and self._protects(scope["path"]):
@@ -122,3 +128,54 @@ class LimitBody:
             return message
 
         await self.app(scope, limited_receive, send)
+
+
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
+
+
+def host_name(header: str) -> str:
+    """The name of a ``Host`` header: "[::1]:8000" → "::1", "Example.COM.:80" → "example.com"."""
+    header = header.strip().lower()
+    if header.startswith("["):
+        return header[1 : header.find("]")] if "]" in header else header
+    return header.rsplit(":", 1)[0].rstrip(".") if header.count(":") == 1 else header
+
+
+def is_loopback(address: str) -> bool:
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return False
+
+
+class AllowHosts:
+    """400 for a request whose ``Host`` is not served: a page that rebinds its own name to
+    127.0.0.1 reaches a local server under that foreign name, which this refuses.
+
+    ``allowed`` names the hosts served on every connection; empty, a connection that arrived
+    on a loopback address (``scope["server"]``) is served under :data:`LOOPBACK_NAMES` only,
+    and any other under any name (behind a proxy, the proxy's names are not known here).
+    """
+
+    def __init__(self, app: ASGIApp, allowed: list[str]) -> None:
+        self.app, self.allowed = app, {host_name(name) for name in allowed}
+
+    def _names(self, scope: Scope) -> set[str] | None:
+        if self.allowed:
+            return self.allowed
+        server = scope.get("server")
+        return set(LOOPBACK_NAMES) if server and is_loopback(str(server[0])) else None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and (names := self._names(scope)) is not None:
+            given = Headers(scope=scope).get("host", "")
+            if host_name(given) not in names:
+                shown = given if len(given) <= 100 else given[:100] + "…"
+                error = APIError(
+                    400,
+                    f"Host {shown!r} is not served here (allowed: {', '.join(sorted(names))}; "
+                    "see --allowed-hosts)",
+                    code="host_not_allowed",
+                )
+                return await error.response()(scope, receive, send)
+        await self.app(scope, receive, send)

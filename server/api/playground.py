@@ -53,7 +53,7 @@ async def playground() -> FileResponse:
     response_model=None,
     responses={
         200: {"model": TraceResponse, "description": "the trace"},
-        **error_responses(400, 401, 404, 413, 503),
+        **error_responses(400, 401, 404, 413, 429, 503),
     },
 )
 async def trace(body: TraceRequest, request: Request) -> Response:

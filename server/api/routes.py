@@ -14,6 +14,7 @@ from model.tokenizer import encode_prompt
 from server.api.chat import create_chat_completion
 from server.api.completions import create_completion
 from server.api.errors import APIError, busy, error_responses
+from server.api.offload import off_loop
 from server.api.schemas import (
     ChatRequest,
     CompletionRequest,
@@ -38,6 +39,13 @@ SSE_EVENT = {
 }
 
 
+UNHEALTHY = {  # /health's message for each status that is not serving
+    "loading": "the models are still loading",
+    "failed": "no model could be loaded",
+    "stalled": "the engine has stopped stepping while work waits; it is being restarted",
+}
+
+
 def _service(request: Request) -> Service:
     return request.app.state.service
 
@@ -52,15 +60,14 @@ def _json(data: Any) -> Response:
     responses={200: {"model": HealthDocument}, **error_responses(503)},
 )
 async def health(request: Request) -> Response:
-    """200 while at least one model serves; 503 before (or if none could load). The body gives
+    """200 while at least one model serves; 503 before (or if none could load), and while the
+    engine has stalled (no step for ``engine_stall_timeout`` s while work waits). The body gives
     every model's state: loading, ready, or failed with the reason."""
     service = _service(request)
     ready, document = service.health()
     if ready:
         return _json(document)
-    waiting = document["status"] == "loading"
-    reason = "the models are still loading" if waiting else "no model could be loaded"
-    error = busy(service.load_error or reason, status=503)
+    error = busy(service.load_error or UNHEALTHY[document["status"]], status=503)
     return Response(
         orjson.dumps({**error.body(), **document}),
         status_code=503,
@@ -100,9 +107,9 @@ async def tokenize(body: TokenizeRequest, request: Request) -> Response:
     served = _service(request).get(body.model)
     tokenizer = served.tokenizer
     if body.add_special_tokens:
-        ids = encode_prompt(tokenizer, body.prompt)
+        ids = await off_loop(encode_prompt, tokenizer, body.prompt)
     else:
-        ids = tokenizer.encode(body.prompt).ids
+        ids = (await off_loop(tokenizer.encode, body.prompt)).ids
     limit = served.max_context
     return _json({"model": served.name, "tokens": ids, "count": len(ids), "max_context": limit})
 

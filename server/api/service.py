@@ -8,6 +8,7 @@ while the others serve. ``/health`` is 200 while at least one model is ready.
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 from enum import StrEnum
@@ -18,10 +19,11 @@ from tokenizers import Tokenizer
 
 from model.chat import ChatTemplate
 from model.files import CONFIG_FILE, TOKENIZER_FILE
-from model.tokenizer import load_tokenizer, vocabulary_tables
+from model.tokenizer import load_tokenizer, special_ids, vocabulary_tables
 from server.api.client import EngineClient, Launcher, ModelClient
 from server.api.errors import APIError, busy
 from server.api.metrics import Metrics
+from server.api.offload import most_prompt_bytes
 from server.api.settings import Settings
 from server.messages import EngineConfig, ModelInfo, failure_message
 
@@ -98,6 +100,13 @@ class ServedModel:
     @property
     def max_context(self) -> int:
         return self.info.max_context
+
+    @functools.cached_property
+    def max_prompt_bytes(self) -> int:
+        """The longest prompt text (UTF-8) that could fit the context; longer is refused
+        before it is tokenised."""
+        specials = [self.token_strings[token] for token in special_ids(self.tokenizer)]
+        return most_prompt_bytes(self.max_context, self.token_bytes, specials)
 
     def describe(self) -> dict[str, Any]:
         """The model's entry in ``GET /v1/models``."""
@@ -191,7 +200,13 @@ class Service:
         )
         capacity = settings.max_batch_size + settings.max_queue
         self.engine = EngineClient(
-            config, self.metrics, self, capacity=capacity, launcher=self._launcher
+            config,
+            self.metrics,
+            self,
+            capacity=capacity,
+            launcher=self._launcher,
+            stall_timeout=settings.engine_stall_timeout,
+            max_traces=settings.max_traces,
         )
         await self.engine.start()
 
@@ -234,13 +249,15 @@ class Service:
             await self.engine.close()
 
     def health(self) -> tuple[bool, dict[str, Any]]:
-        """(at least one model ready, the ``/health`` document)."""
+        """(at least one model ready and the engine stepping, the ``/health`` document)."""
         states = {status.state for status in self.status.values()}
+        models = {name: status.describe() for name, status in self.status.items()}
+        if self.engine is not None and self.engine.stalled:
+            return False, {"status": "stalled", "models": models}
         if self.ready:
             overall = "ok" if states == {ModelState.READY} else "degraded"
         else:
             overall = "loading" if ModelState.LOADING in states else "failed"
-        models = {name: status.describe() for name, status in self.status.items()}
         return self.ready, {"status": overall, "models": models}
 
     def get(self, name: str | None) -> ServedModel:

@@ -97,8 +97,9 @@ class Settings(BaseSettings):
     auth_scope: Literal["api", "all"] = Field(
         "api",
         description=(
-            "what the API key protects: api = /v1/*; all = every route but /health (also "
-            "/metrics, /docs, /openapi.json and the playground)"
+            "what the API key protects: api = /v1/*; all = every route but /health and the "
+            "playground's page and static files (also /metrics, /docs, /openapi.json; the page "
+            "asks for the key)"
         ),
     )
     rope_variants: CommaList = Field(
@@ -113,6 +114,39 @@ class Settings(BaseSettings):
         default_factory=list, description="origins allowed by CORS (default: none)"
     )
     max_body_bytes: int = Field(1_000_000, ge=1, description="largest request body accepted")
+    allowed_hosts: CommaList = Field(
+        default_factory=list,
+        description=(
+            "Host header names served, e.g. ordinal.example,localhost (a foreign Host gets a "
+            "400: DNS rebinding); default: on a loopback connection only localhost, 127.0.0.1 "
+            "and ::1, any name otherwise"
+        ),
+    )
+    keep_alive_timeout: float = Field(
+        5.0, gt=0, description="seconds an idle keep-alive connection is kept open"
+    )
+    header_timeout: float = Field(
+        10.0, gt=0, description="seconds a connection may take to send its request's headers"
+    )
+    max_connections: int | None = Field(
+        None,
+        ge=1,
+        description=(
+            "open connections at most; past it the longest-idle one is closed to make room "
+            "(default: the open-file limit less 64, kept for the server's own files)"
+        ),
+    )
+    max_traces: int = Field(
+        4, ge=1, description="traces (POST /v1/trace) running or queued per model; past it 429"
+    )
+    engine_stall_timeout: float = Field(
+        10.0,
+        gt=0,
+        description=(
+            "seconds the engine may go without a step while work waits; past it /health is "
+            "503 and the engine process is restarted"
+        ),
+    )
 
     @field_validator("api_key")
     @classmethod
@@ -130,7 +164,7 @@ class Settings(BaseSettings):
             parse_rope_variant(variant)
         return value
 
-    @field_validator("models", "cors_origins", "rope_variants", mode="before")
+    @field_validator("models", "cors_origins", "rope_variants", "allowed_hosts", mode="before")
     @classmethod
     def _split_commas(cls, value: Any) -> Any:
         if isinstance(value, str):

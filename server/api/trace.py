@@ -158,7 +158,7 @@ class TraceResponse(BaseModel):
 
 async def create_trace(body: TraceRequest, served: ServedModel) -> bytes:
     """The JSON of :class:`TraceResponse` for ``body`` (400 if the prompt is too long)."""
-    prompt_ids = prompt_ids_of(body.prompt, served)
+    prompt_ids = await prompt_ids_of(body.prompt, served)
     limit = trace_limit(served)
     if len(prompt_ids) > limit:
         raise APIError(

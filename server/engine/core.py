@@ -10,8 +10,11 @@ The API process (``server.api.client``) starts this process and talks to it over
    frame of ordinary tokens may wait up to that long to travel with later ones; a job's first
    and last tokens, failures and answers to cancellations never wait.
 
-Calls (``server.engine.calls``: ``POST /v1/trace``) run here too, between steps, so the weights
-exist once. The process
+Calls (``server.engine.calls``: ``POST /v1/trace``) run here too, so the weights exist once:
+queued as they arrive, they run one a turn of the loop, after the steps. A trace is one forward
+of at most ``MAX_TRACE_TOKENS`` (256, the default prefill chunk) with its attention recorded, so
+the streams decoding meanwhile wait about one prefill chunk between two tokens, however many
+calls are queued (the API process bounds that per model: ``max_traces``, then 429). The process
 ignores SIGINT (the API process decides when to stop: a ``Shutdown`` message) and exits when its
 socket closes, so it never outlives the API process.
 """
@@ -25,6 +28,7 @@ import signal
 import socket
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 
 import msgspec
@@ -41,6 +45,7 @@ from server.messages import (
     Failed,
     ModelFailed,
     ModelLoaded,
+    ModelLoading,
     Returned,
     Shutdown,
     Submit,
@@ -63,10 +68,11 @@ class EngineCore:
         self._loaded: queue.SimpleQueue[LoadedModel | ModelFailed | None] = queue.SimpleQueue()
         self._loading = True
         self._last_send = 0.0
+        self._calls: deque[Call] = deque()  # waiting to run, in arrival order
 
     @property
     def busy(self) -> bool:
-        return any(not engine.idle for engine in self.engines.values())
+        return bool(self._calls) or any(not engine.idle for engine in self.engines.values())
 
     def run(self) -> None:
         """Serve until a ``Shutdown`` arrives or the API process goes away."""
@@ -87,11 +93,14 @@ class EngineCore:
                 for engine in list(self.engines.values()):
                     if not engine.idle:
                         engine.step()
+                self._run_calls()
                 self._send()
 
     def _load(self) -> None:
         torch.set_num_threads(1)  # the decode loop's thread count is its own
-        for result in load_all(self.config):
+        for result in load_all(
+            self.config, announce=lambda name: self.channel.send(ModelLoading(name))
+        ):
             self._loaded.put(result)
         self._loaded.put(None)
 
@@ -117,7 +126,7 @@ class EngineCore:
             for engine in self.engines.values():
                 engine.cancel(message.id)
         elif isinstance(message, Call):
-            self._call(message)
+            self._calls.append(message)
 
     def _engine_for(self, message: Submit | Call) -> ModelEngine | None:
         """The engine of the message's model, or None after answering 503 for it."""
@@ -126,6 +135,11 @@ class EngineCore:
             failed = Failed(message.id, 503, f"model '{message.model}' is not loaded")
             self.outbox.add(failed, urgent=True)
         return engine
+
+    def _run_calls(self) -> None:
+        """The call waiting first, if any: one a turn of the loop, between the steps."""
+        if self._calls:
+            self._call(self._calls.popleft())
 
     def _call(self, message: Call) -> None:
         if (engine := self._engine_for(message)) is None:

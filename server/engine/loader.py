@@ -11,7 +11,7 @@ failure does: the server still starts, and ``/health`` says why nothing serves.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -107,8 +107,11 @@ def engine_device(name: str) -> torch.device:
     return device
 
 
-def load_all(config: EngineConfig) -> Iterator[LoadedModel | ModelFailed]:
-    """Each configured model in turn, loaded, or why it failed (then its rope variants)."""
+def load_all(
+    config: EngineConfig, announce: Callable[[str], None] | None = None
+) -> Iterator[LoadedModel | ModelFailed]:
+    """Each configured model in turn, loaded, or why it failed (then its rope variants).
+    ``announce(name)`` is called before each checkpoint is read."""
     root = Path(config.checkpoints)
     try:
         device = engine_device(config.device)
@@ -117,6 +120,8 @@ def load_all(config: EngineConfig) -> Iterator[LoadedModel | ModelFailed]:
             yield ModelFailed(name, failure_message(error, root))
         return
     for name, folder in config.models:
+        if announce is not None:
+            announce(name)
         started = time.perf_counter()
         try:
             model, tokenizer = load_checkpoint(folder, device, config.dtype)

@@ -517,3 +517,43 @@ def test_a_save_killed_at_each_step_leaves_a_loadable_checkpoint(
     save_checkpoint(path, newest, tiny_tokenizer)
     assert same_weights(load(path), newest)
     assert sorted(p.name for p in folder.iterdir()) == ["ckpt"]
+
+
+class Killed(BaseException):
+    """Stands in for the process dying at a step of a save."""
+
+
+def test_json_files_change_in_the_same_swap_as_the_weights(saved: Path, tiny_tokenizer) -> None:
+    """Training's metrics.json goes into the staged folder: a save killed before the swap leaves
+    old weights with old metrics, and one that completes new with new; never new weights
+    with old metrics (nor the other way round)."""
+    save_checkpoint(saved, random_model("t5", seed=9), tiny_tokenizer, json_files={"m.json": 1})
+    old_weights = (saved / WEIGHTS_FILE).read_bytes()
+
+    def kill(step: str) -> None:
+        if step == "staged":
+            raise Killed
+
+    with pytest.raises(Killed):
+        save_checkpoint(
+            saved,
+            random_model("t5", seed=3),
+            tiny_tokenizer,
+            json_files={"m.json": 2},
+            on_step=kill,
+        )
+    assert (saved / WEIGHTS_FILE).read_bytes() == old_weights
+    assert json.loads((saved / "m.json").read_text()) == 1
+    save_checkpoint(saved, random_model("t5", seed=3), tiny_tokenizer, json_files={"m.json": 2})
+    assert (saved / WEIGHTS_FILE).read_bytes() != old_weights
+    assert json.loads((saved / "m.json").read_text()) == 2
+
+
+def test_a_killed_atomic_writes_temporary_file_is_not_carried_along(
+    saved: Path, tiny_tokenizer
+) -> None:
+    (saved / "eval.json").write_text("{}")
+    (saved / ".eval.json.k1x2.tmp").write_text("half an eval")  # what a killed eval --save left
+    save_checkpoint(saved, random_model("t5", seed=4), tiny_tokenizer)
+    assert (saved / "eval.json").read_text() == "{}"
+    assert not [file.name for file in saved.iterdir() if file.name.startswith(".")]

@@ -419,7 +419,7 @@ def test_drope_loads_as_none_and_records_its_origin(
     rope, rope_tokenizer = load_checkpoint(rope_folder / "ck", device="cpu")
     assert tokenizer.get_vocab() == rope_tokenizer.get_vocab()
     origin = json.loads((drope_run / "ck" / METRICS_FILE).read_text())["init"]
-    digest = check_weights(rope_folder / "ck" / WEIGHTS_FILE, rope)
+    digest = check_weights(rope_folder / "ck" / WEIGHTS_FILE, rope.config)
     assert digest is not None
     assert origin == {
         "checkpoint": str(rope_folder / "ck"),

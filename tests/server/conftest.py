@@ -26,7 +26,7 @@ from model.config import ModelConfig
 from model.positional import SCHEMES
 from model.tokenizer import train_tokenizer
 from model.transformer import Transformer
-from server.api.app import create_app
+from server.api.app import create_app, serving
 from server.api.client import Launcher, ModelClient
 from server.api.service import Service
 from server.api.settings import Settings
@@ -105,21 +105,25 @@ def free_socket() -> socket.socket:
 
 @contextmanager
 def running_server(
-    settings: Settings, wait_ready: bool = True, hold_loading: bool = False
+    settings: Settings,
+    wait_ready: bool = True,
+    hold_loading: bool = False,
+    crash_loading: str | None = None,
 ) -> Iterator[Running]:
     """Serve ``settings`` with uvicorn in a background thread until the block ends; the
     engine process runs under ``tests.server.engine_control`` (``running.control``), forked
     from a server process that imported torch once for the whole session. ``hold_loading``:
-    its models load only once ``running.control.call("release_loading")``."""
+    its models load only once ``running.control.call("release_loading")``; ``crash_loading``:
+    every engine is killed when it starts loading that model (``engine_control``)."""
     ours, theirs = multiprocessing.get_context("forkserver").Pipe()
     launcher = Launcher(
         "tests.server.engine_control:run_controlled",
-        (theirs, hold_loading),
+        (theirs, hold_loading, crash_loading),
         method="forkserver",
         preload=("server.api.client", "tests.server.engine_control"),
     )
     app = create_app(settings, launcher)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", **serving(settings)))
     sock = free_socket()
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()

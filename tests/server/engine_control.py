@@ -15,26 +15,35 @@ from __future__ import annotations
 
 import math
 import os
+import signal
 import threading
 from collections.abc import Callable
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any
 
 import torch
 
 import server.engine.core
 import server.engine.engine
+import server.engine.loader
 from model.sampling import RowSampler
 from server.engine.core import EngineCore, run_engine_process
 
 Command = tuple[Any, ...]
 
 
-def run_controlled(sock: Any, control: Connection, hold_loading: bool = False) -> None:
+def run_controlled(
+    sock: Any, control: Connection, hold_loading: bool = False, crash_loading: str | None = None
+) -> None:
     """The engine process's entry point in the tests (see ``server.api.client.Launcher``).
 
-    ``hold_loading``: no model loads until the ``release_loading`` command.
+    ``hold_loading``: no model loads until the ``release_loading`` command. ``crash_loading``:
+    the process is SIGKILLed (as by the kernel's OOM killer) when it starts loading the
+    checkpoint folder of that name, after appending a line to the file ``attempts`` beside it.
     """
+    if crash_loading is not None:
+        crash_while_loading(crash_loading)
 
     def setup(core: EngineCore) -> None:
         controller = Controller(core, control)
@@ -43,6 +52,19 @@ def run_controlled(sock: Any, control: Connection, hold_loading: bool = False) -
         controller.start()
 
     run_engine_process(sock, setup=setup)
+
+
+def crash_while_loading(name: str) -> None:
+    load_checkpoint = server.engine.loader.load_checkpoint
+
+    def crashing(folder: Any, *args: Any, **kwargs: Any) -> Any:
+        if Path(folder).name == name:
+            with open(Path(folder).parent / "attempts", "a") as attempts:
+                attempts.write(f"{os.getpid()}\n")
+            os.kill(os.getpid(), signal.SIGKILL)
+        return load_checkpoint(folder, *args, **kwargs)
+
+    server.engine.loader.load_checkpoint = crashing  # type: ignore[assignment]
 
 
 class Controller(threading.Thread):
@@ -60,9 +82,9 @@ class Controller(threading.Thread):
     def hold_loading(self) -> None:
         load_all = server.engine.core.load_all
 
-        def held(config: Any) -> Any:
+        def held(config: Any, *args: Any, **kwargs: Any) -> Any:
             self.loading.wait(60)
-            return load_all(config)
+            return load_all(config, *args, **kwargs)
 
         server.engine.core.load_all = held  # type: ignore[assignment]
 

@@ -173,6 +173,21 @@ def test_auth_scope_all_protects_metrics_and_docs_too(checkpoints: Path) -> None
         assert client.get("/health").status_code == 200  # probes need no key
 
 
+def test_auth_scope_all_serves_a_playground_that_asks_for_the_key(checkpoints: Path) -> None:
+    settings = test_settings(checkpoints, models=["rope"], api_key=KEY, auth_scope="all")
+    with running_server(settings) as running, httpx.Client(base_url=running.url) as client:
+        page = client.get("/")
+        assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+        assert "<script" in page.text and "/static/app.js" in page.text
+        script = client.get("/static/app.js")
+        assert script.status_code == 200
+        # On a 401 the page asks for the key, keeps it for the tab and sends it on every call.
+        assert "window.prompt(" in script.text and "Authorization: `Bearer ${key}`" in script.text
+        assert_error(client.get("/v1/models"), 401, None)  # what the page reads still needs it
+        assert client.get("/v1/models", headers=AUTH).status_code == 200
+        assert_error(client.get("/static/../metrics"), 401, None)
+
+
 def test_the_right_key_is_accepted(small_client: httpx.Client) -> None:
     assert small_client.get("/v1/models").status_code == 200
     response = small_client.post("/v1/completions", json={**OK, "max_tokens": 2})

@@ -1,0 +1,56 @@
+"""Work on a request's text that must not run on the event loop: tokenising and chat templates.
+
+Tokenising a 1 MB prompt takes about half a second, and a checkpoint's chat template is code of
+its own: on the event loop either would hold every stream and ``/health`` meanwhile. They run
+in :data:`POOL` (tokenizers releases the GIL while it encodes; a template is bounded in time and
+output by ``model.chat``), and a request waits at most :data:`TIMEOUT` seconds for its result.
+What makes the bound hold is the size of the text: a prompt whose UTF-8 is longer than the
+model's context could hold (:func:`check_prompt_size`) is refused before it is tokenised.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import ParamSpec, TypeVar
+
+from server.api.errors import APIError, busy
+
+POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ordinal-text")  # a core is left
+TIMEOUT = 10.0  # seconds a request waits for its text to be tokenised or rendered
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+
+async def off_loop(function: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+    """``function(*args, **kwargs)`` run in :data:`POOL`; a 503 if it takes over TIMEOUT s."""
+    loop = asyncio.get_running_loop()
+    future = loop.run_in_executor(POOL, lambda: function(*args, **kwargs))
+    try:
+        return await asyncio.wait_for(future, TIMEOUT)
+    except TimeoutError:
+        raise busy(f"tokenising the request took longer than {TIMEOUT:.0f} s", status=503) from None
+
+
+def most_prompt_bytes(max_context: int, token_bytes: list[bytes], specials: list[str]) -> int:
+    """The longest UTF-8 text that can become ``max_context`` tokens: each token of a byte-level
+    tokenizer stands for at most its own bytes (a special token for its name)."""
+    longest = max(max(map(len, token_bytes)), *(len(name.encode()) for name in specials))
+    return max_context * longest
+
+
+def check_prompt_size(text: str, limit: int, model: str, param: str = "prompt") -> None:
+    """A 400 (context_length_exceeded) for a text longer than ``limit`` bytes of UTF-8."""
+    if len(text) <= limit // 4:  # at most 4 bytes a character: short enough without counting
+        return
+    size = len(text.encode("utf-8", "surrogatepass"))
+    if size > limit:
+        raise APIError(
+            400,
+            f"{param}: the text is {size:,} bytes long but model '{model}''s context holds at most "
+            f"{limit:,} bytes of text (its max_context times its longest token)",
+            param=param,
+            code="context_length_exceeded",
+        )
