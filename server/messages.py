@@ -191,6 +191,7 @@ class ModelStats(msgspec.Struct, array_like=True):
     inter_token: list[float] = []  # one per decode step
     finished: list[Finish] = []
     failures: dict[str, int] = {}  # reason → requests
+    kv_cache_usage: float = 0.0  # gauge: the fraction of the KV cache's most in use
 
 
 Event = Token | Scores | Failed | Dropped

@@ -99,6 +99,7 @@ async def respond(
 def _submit(job: Job, served: ServedModel, timeout: float) -> Callable[[], None]:
     """Hand ``job`` to its engine (429 when full); return what ends it, however it ends."""
     served.engine.submit(job)
+    served.engine.metrics.request_max_num_generation_tokens.observe(job.max_tokens)
 
     def expire() -> None:
         served.engine.metrics.failures[TIMEOUT].inc()
@@ -152,8 +153,16 @@ def build_job(
 
 
 def prompt_ids_of(prompt: Prompt, served: ServedModel) -> list[int]:
-    """The prompt's token ids with <|bos|>; a 400 for an id outside the vocabulary."""
+    """The prompt's token ids: a text's with <|bos|> first, token ids as given (a 400 for
+    none, or for an id outside the vocabulary)."""
     if isinstance(prompt, list):
+        if not prompt:
+            raise APIError(
+                400,
+                "prompt: an empty list of token ids gives the model nothing to start from "
+                "(send <|bos|>'s id, or text)",
+                param="prompt",
+            )
         outside = [token for token in prompt if token >= served.vocab]
         if outside:
             raise APIError(
@@ -174,8 +183,8 @@ def _max_tokens(
     if prompt_length > allowed:
         raise APIError(
             400,
-            f"{names.prompt_text} is {prompt_length} tokens long (counting <|bos|>) but model "
-            f"'{served.name}' takes at most {allowed}: its context holds {limit} tokens, "
+            f"{names.prompt_text} is {prompt_length} tokens long (a text counts its <|bos|>) "
+            f"but model '{served.name}' takes at most {allowed}: its context holds {limit} tokens, "
             "prompt and completion together",
             param=names.prompt,
             code="context_length_exceeded",
@@ -209,8 +218,12 @@ async def _sse(
     streams: list[AsyncIterator[list[Piece]]], writers: Sequence[CompletionWriter]
 ) -> AsyncIterator[bytes]:
     try:
+        continuous = writers[0].body.continuous_usage
         async for index, batch in _interleave(streams):
-            yield b"".join(map(writers[index].chunk, batch))
+            # the batch's tokens are all counted by now: its chunks carry the usage as it
+            # stands when they are sent
+            usage = total_usage(writers) if continuous else None
+            yield b"".join(writers[index].chunk(piece, usage) for piece in batch)
         if writers[0].body.include_usage:
             yield writers[0].usage_chunk(total_usage(writers))
     except APIError as error:  # the headers are out: the error travels as the last event

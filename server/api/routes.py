@@ -10,7 +10,7 @@ from fastapi import APIRouter, Request
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.responses import PlainTextResponse, Response
 
-from model.tokenizer import encode_prompt
+from model.tokenizer import BOS, EOS, PAD, encode_prompt
 from server.api.chat import create_chat_completion
 from server.api.completions import create_completion
 from server.api.errors import APIError, busy, error_responses
@@ -123,6 +123,26 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> Response:
         )
     text = b"".join(served.token_bytes[token] for token in body.tokens).decode("utf-8", "replace")
     return _json({"model": served.name, "prompt": text})
+
+
+@router.get("/tokenizer_info", response_model=None, responses=error_responses(401, 404, 503))
+async def tokenizer_info(request: Request, model: str | None = None) -> Response:
+    """The tokenizer's configuration as vLLM's ``/tokenizer_info`` gives it (Hugging Face's
+    ``tokenizer_config.json`` keys: what a client needs to tokenize and template as the server
+    does, e.g. lm-evaluation-harness's remote tokenizer); ``?model=`` picks the model."""
+    served = _service(request).get(model)
+    return _json(
+        {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": BOS,
+            "eos_token": EOS,
+            "pad_token": PAD,
+            "add_bos_token": True,  # to a text prompt; token ids are used as given
+            "model_max_length": served.max_context,
+            "vocab_size": served.vocab,
+            "chat_template": served.chat_template.source,
+        }
+    )
 
 
 GENERATION_RESPONSES: dict[int | str, dict[str, Any]] = {

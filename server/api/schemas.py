@@ -56,7 +56,12 @@ class StrictBody(BaseModel):
 
 
 class StreamOptions(StrictBody):
-    include_usage: bool = False
+    """OpenAI's ``include_usage`` (a last chunk with the usage) and vLLM's
+    ``continuous_usage_stats`` (with include_usage: the usage so far on every chunk too);
+    null means false, as the clients that send them mean it."""
+
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
 
 
 def _stop_list(value: str | list[str] | None) -> list[str]:
@@ -193,7 +198,13 @@ class CompletionRequest(SamplingRequest, OpenAIHints):
 
     @property
     def include_usage(self) -> bool:
-        return self.stream_options is not None and self.stream_options.include_usage
+        return self.stream_options is not None and bool(self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage on every chunk (vLLM's continuous_usage_stats, which needs include_usage)."""
+        options = self.stream_options
+        return self.include_usage and bool(options and options.continuous_usage_stats)
 
 
 # A speaker's name, as the plays write them ("FIRST CITIZEN", "LADY MACBETH", "Romeo").

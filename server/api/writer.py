@@ -142,10 +142,13 @@ class CompletionWriter:
             "total_tokens": prompt + self.completion_tokens,
         }
 
-    def chunk(self, piece: Piece) -> bytes:
-        """One SSE event for ``piece``."""
+    def chunk(self, piece: Piece, usage: dict[str, int] | None = None) -> bytes:
+        """One SSE event for ``piece``; ``usage``: the request's so far, when every chunk
+        carries it (continuous_usage_stats)."""
         choice = self._choice
         choice["text"], choice["logprobs"], choice["finish_reason"] = piece
+        if usage is not None:
+            self._chunk["usage"] = usage
         return sse_event(self._chunk)
 
     def usage_chunk(self, usage: dict[str, int]) -> bytes:
@@ -200,7 +203,7 @@ class ChatWriter(CompletionWriter):
             "bytes": list(self.token_bytes[token]),
         }
 
-    def chunk(self, piece: Piece) -> bytes:
+    def chunk(self, piece: Piece, usage: dict[str, int] | None = None) -> bytes:
         text, logprobs, finish_reason = piece
         delta: dict[str, str] = {"content": text} if text or not finish_reason else {}
         if not self._role_sent:
@@ -213,7 +216,7 @@ class ChatWriter(CompletionWriter):
         }
         chunk = self._envelope([choice])
         if self.body.include_usage:
-            chunk["usage"] = None
+            chunk["usage"] = usage
         return sse_event(chunk)
 
     def result(self, pieces: list[Piece]) -> dict[str, Any]:

@@ -127,7 +127,9 @@ class ModelEngine:
 
     def stats(self) -> ModelStats:
         running, waiting = len(self.scheduler.running), len(self.scheduler.waiting)
-        return self.outbox.stats_of(self.name, running, waiting)
+        stats = self.outbox.stats_of(self.name, running, waiting)
+        stats.kv_cache_usage = self.batch.cache.usage
+        return stats
 
     def submit(self, submit: Submit) -> None:
         state = None
