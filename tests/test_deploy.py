@@ -253,6 +253,11 @@ def compose_installed(command: list[str]) -> bool:
     return subprocess.run([*command, "version"], capture_output=True).returncode == 0
 
 
+def compose_tools() -> list[list[str]]:
+    """The command of each supported compose tool that is installed."""
+    return [command for command in COMPOSE_TOOLS.values() if compose_installed(command)]
+
+
 @pytest.mark.parametrize("tool", list(COMPOSE_TOOLS))
 def test_compose_tool_accepts_the_file(tool: str) -> None:
     command = COMPOSE_TOOLS[tool]
