@@ -71,7 +71,7 @@ from safetensors.torch import load as load_tensors
 from safetensors.torch import save as serialise_tensors
 from tokenizers import Tokenizer
 
-from model.chat import DEFAULT_TEMPLATE, TOKENIZER_CONFIG_FILE
+from model.chat import TOKENIZER_CONFIG_FILE, default_tokenizer_config
 from model.config import ConfigError, ModelConfig
 from model.device import resolve_device, resolve_dtype
 from model.files import CONFIG_FILE, TOKENIZER_FILE, WEIGHTS_FILE, write_json_atomic
@@ -153,9 +153,7 @@ def save_checkpoint(
                     if extra.name not in CHECKPOINT_FILES and extra.is_file():
                         shutil.copy2(extra, staging / extra.name)
             if not (staging / TOKENIZER_CONFIG_FILE).exists():  # a checkpoint's own is kept
-                write_json_atomic(
-                    staging / TOKENIZER_CONFIG_FILE, {"chat_template": DEFAULT_TEMPLATE}
-                )
+                write_json_atomic(staging / TOKENIZER_CONFIG_FILE, default_tokenizer_config())
             for file in staging.iterdir():
                 file.chmod(0o644)
             _fsync_folder(staging)
