@@ -5,20 +5,36 @@ cancellation, timeouts — is the completions path itself."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from starlette.requests import Request
 from starlette.responses import Response
 
 from model.chat import ChatTemplateError, Message
 from server.api.completions import Names, build_job, choice_seed, respond
 from server.api.errors import APIError
+from server.api.job import Job
 from server.api.schemas import ChatRequest, CompletionRequest, SamplingRequest
-from server.api.service import Service
+from server.api.service import ServedModel, Service
 from server.api.writer import ChatWriter
 
 
 async def create_chat_completion(body: ChatRequest, request: Request, service: Service) -> Response:
     """Answer one chat completion request (400/404/429/503 are raised as APIError)."""
     served = service.get(body.model)
+    jobs, writers = chat_jobs(body, served, ChatWriter)
+    return await respond(jobs, writers, served, request, service)
+
+
+# Makes a choice's writer from (completion, served, prompt ids, choice index).
+WriterOf = Callable[[CompletionRequest, ServedModel, list[int], int], ChatWriter]
+
+
+def chat_jobs(
+    body: ChatRequest, served: ServedModel, writer: WriterOf
+) -> tuple[list[Job | None], list[ChatWriter]]:
+    """The conversation's jobs, one per choice, and the ``writer`` of each: the chat endpoint's
+    and the Responses endpoint's (which writes the same pieces in its own shape)."""
     messages = [
         Message("system" if m.role == "developer" else m.role, m.text, m.name)
         for m in body.messages
@@ -53,5 +69,5 @@ async def create_chat_completion(body: ChatRequest, request: Request, service: S
         build_job(completion, served, scene.prompt_ids, choice_seed(body.seed, j), names)
         for j in range(body.n)
     ]
-    writers = [ChatWriter(completion, served, ids, index) for index, (ids, _) in enumerate(built)]
-    return await respond([job for _, job in built], writers, served, request, service)
+    writers = [writer(completion, served, ids, index) for index, (ids, _) in enumerate(built)]
+    return [job for _, job in built], writers

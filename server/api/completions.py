@@ -23,8 +23,7 @@ from server.api.job import Job
 from server.api.metrics import TIMEOUT
 from server.api.schemas import DEFAULT_MAX_TOKENS, MAX_CHOICES, CompletionRequest, Prompt
 from server.api.service import ServedModel, Service
-from server.api.sse import DONE
-from server.api.writer import CompletionWriter, Piece, combine, total_usage
+from server.api.writer import CompletionWriter, Piece, total_usage
 
 logger = logging.getLogger("ordinal.server")
 
@@ -210,7 +209,8 @@ async def _collect(
         return [piece async for batch in stream for piece in batch]
 
     collected = await asyncio.gather(*map(pieces_of, streams))
-    answer = combine([w.result(p) for w, p in zip(writers, collected, strict=True)], writers)
+    results = [writer.result(pieces) for writer, pieces in zip(writers, collected, strict=True)]
+    answer = writers[0].combine(results, writers)
     return Response(orjson.dumps(answer), media_type="application/json")
 
 
@@ -231,7 +231,7 @@ async def _sse(
     except Exception:
         logger.exception("a stream failed")
         yield error_event(APIError(500, "internal server error"))
-    yield DONE
+    yield writers[0].END
 
 
 async def _interleave(

@@ -14,11 +14,13 @@ from model.tokenizer import BOS, EOS, PAD, encode_prompt
 from server.api.chat import create_chat_completion
 from server.api.completions import create_completion
 from server.api.errors import APIError, busy, error_responses
+from server.api.responses import create_response
 from server.api.schemas import (
     ChatRequest,
     CompletionRequest,
     DetokenizeRequest,
     HealthDocument,
+    ResponsesRequest,
     TokenizeRequest,
 )
 from server.api.service import Service
@@ -159,3 +161,9 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
 @router.post("/v1/chat/completions", response_model=None, responses=GENERATION_RESPONSES)
 async def chat_completions(body: ChatRequest, request: Request) -> Response:
     return await create_chat_completion(body, request, _service(request))
+
+
+@router.post("/v1/responses", response_model=None, responses=GENERATION_RESPONSES)
+async def responses(body: ResponsesRequest, request: Request) -> Response:
+    """OpenAI's Responses API, stateless (``server.api.responses``)."""
+    return await create_response(body, request, _service(request))

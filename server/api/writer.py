@@ -16,7 +16,7 @@ from typing import Any
 from server.api.job import Failure, Job
 from server.api.schemas import CompletionRequest
 from server.api.service import ServedModel
-from server.api.sse import sse_event
+from server.api.sse import DONE, sse_event
 from server.messages import Scores, Token
 
 Logprobs = dict[str, list[Any]]
@@ -40,6 +40,7 @@ class CompletionWriter:
     """Turns one job's events into pieces and pieces into OpenAI JSON."""
 
     OBJECT, CHUNK_OBJECT, ID_PREFIX = "text_completion", "text_completion", "cmpl"
+    END = DONE  # the stream's last event
 
     def __init__(
         self, body: CompletionRequest, served: ServedModel, prompt_ids: list[int], index: int = 0
@@ -150,6 +151,12 @@ class CompletionWriter:
         if usage is not None:
             self._chunk["usage"] = usage
         return sse_event(self._chunk)
+
+    def combine(
+        self, results: list[dict[str, Any]], writers: Sequence[CompletionWriter]
+    ) -> dict[str, Any]:
+        """The non-stream response of a request whose choices are ``writers``' ``results``."""
+        return combine(results, writers)
 
     def usage_chunk(self, usage: dict[str, int]) -> bytes:
         chunk = {**self._envelope([]), "usage": usage}
