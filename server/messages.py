@@ -80,6 +80,7 @@ class Submit(msgspec.Struct, tag=True, array_like=True):
     logprobs: int | None  # top logprobs per token; None: none
     score_prompt: bool  # also send the prompt's logprobs (echo)
     submitted_at: float
+    priority: int = 0  # vLLM's: a lower one is admitted sooner
 
 
 class Cancel(msgspec.Struct, tag=True, array_like=True):

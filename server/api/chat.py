@@ -61,6 +61,7 @@ def chat_jobs(
         user=body.user,
         return_tokens_as_token_ids=False,
         ignore_eos=body.ignore_eos,
+        priority=body.priority,
     )
     # The client sent messages, not a prompt, and maybe max_completion_tokens: 400s name those.
     budget = "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"

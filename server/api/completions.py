@@ -147,6 +147,7 @@ def build_job(
         eos_id=None if body.ignore_eos else served.eos,
         logprobs=body.logprobs,
         score_prompt=body.echo and body.logprobs is not None,
+        priority=body.priority,
     )
     return prompt_ids, job
 

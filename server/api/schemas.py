@@ -156,7 +156,14 @@ class OpenAIHints(StrictBody):
     service_tier: Text | None = None
 
 
-class CompletionRequest(SamplingRequest, OpenAIHints):
+class Queued(StrictBody):
+    """How a generating request is queued: vLLM's ``priority``, lower served sooner (a request
+    of priority -1 is admitted before every waiting one of 0; arrival order among equals)."""
+
+    priority: int = Field(0, ge=-(2**31), lt=2**31)
+
+
+class CompletionRequest(SamplingRequest, OpenAIHints, Queued):
     """``POST /v1/completions``, as in OpenAI's legacy completions API."""
 
     # OpenAI's four forms: a text, token ids, or a list of either (one prompt each)
@@ -230,7 +237,7 @@ class ChatMessage(StrictBody):
         return "".join(part.text for part in self.content)
 
 
-class ChatRequest(SamplingRequest, OpenAIHints):
+class ChatRequest(SamplingRequest, OpenAIHints, Queued):
     """``POST /v1/chat/completions``, as in OpenAI's chat completions API."""
 
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
@@ -312,7 +319,7 @@ class ResponseText(StrictBody):
 STATELESS = ": ordinal keeps no responses; send the whole conversation as input"
 
 
-class ResponsesRequest(SamplingRequest, OpenAIHints):
+class ResponsesRequest(SamplingRequest, OpenAIHints, Queued):
     """``POST /v1/responses``, stateless: ``instructions`` and ``input`` are a conversation,
     rendered as a chat scene; nothing is stored, so nothing can be continued by id."""
 
@@ -366,6 +373,7 @@ class ResponsesRequest(SamplingRequest, OpenAIHints):
             n=1,
             user=self.user,
             ignore_eos=self.ignore_eos,
+            priority=self.priority,
         )
 
 

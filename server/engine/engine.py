@@ -149,7 +149,7 @@ class ModelEngine:
             state=state,
         )
         self.requests[request.id] = request
-        self.scheduler.add(request)
+        self.scheduler.add(request, submit.priority)
         self.stats()
 
     def cancel(self, job: int) -> None:
