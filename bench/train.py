@@ -25,7 +25,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import ordinal
-from model.device import resolve_device
+from model.config import DEFAULT_PRESET, PRESETS
+from model.device import DEVICES, resolve_device
 from model.files import write_json_atomic
 from model.train import TrainingRun, configs_from_args, keep_freed_memory
 
@@ -103,12 +104,12 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--preset", default=ordinal.PRESETS[0], choices=ordinal.PRESETS)
+    parser.add_argument("--preset", default=DEFAULT_PRESET, choices=list(PRESETS))
     parser.add_argument("--scheme", default="rope", choices=ordinal.SCHEMES)
     parser.add_argument("--steps", type=int, default=20, help="timed steps")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's own)")
-    parser.add_argument("--device", default="cpu", choices=ordinal.DEVICES)
+    parser.add_argument("--device", default="cpu", choices=DEVICES)
     parser.add_argument("--tokenizer", type=Path, default=Path("runs/tokenizer.json"))
     parser.add_argument("--profile", action="store_true", help="also profile --steps more steps")
     parser.add_argument(

@@ -152,8 +152,8 @@ _TRAIN_CHOICES = {"optimizer": OPTIMIZERS, "sequence_starts": SEQUENCE_STARTS}
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """The training recipe. Its defaults are the ``shipped`` preset's (ordinal.py restates them
-    for ``--help``; tests/server/test_cli.py checks they agree).
+    """The training recipe. Its defaults are the ``shipped`` preset's (``ordinal train --help``
+    shows them, read from here).
 
     ``lr`` is AdamW's peak learning rate; under ``optimizer="muon"`` the blocks' matrices take
     ``muon_lr`` instead (Muon's updates are orthogonalised, so its scale is its own), on the
