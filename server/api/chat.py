@@ -14,7 +14,7 @@ from model.chat import ChatTemplateError, Message
 from server.api.completions import Names, build_job, choice_seed, respond
 from server.api.errors import APIError
 from server.api.job import Job
-from server.api.schemas import ChatRequest, CompletionRequest, SamplingRequest
+from server.api.schemas import ChatRequest, CompletionRequest
 from server.api.service import ServedModel, Service
 from server.api.writer import ChatWriter
 
@@ -46,9 +46,8 @@ def chat_jobs(
     room = served.max_context - len(scene.prompt_ids)
     # Already validated as a chat request: built as a completion without validating again
     # (the scene's own stop strings may pass the 4 a client may send).
-    sampling = {field: getattr(body, field) for field in SamplingRequest.model_fields}
     completion = CompletionRequest.model_construct(
-        **sampling,
+        **body.sampling_fields(),
         prompt=scene.prompt_ids,
         echo=False,
         max_tokens=body.token_budget or max(room, 1),

@@ -95,6 +95,11 @@ class SamplingRequest(StrictBody):
     # OpenAI's: token id (as a string) → added to its logit, in [-100, 100]
     logit_bias: dict[BiasedToken, Bias] | None = Field(None, max_length=MAX_LOGIT_BIAS)
 
+    def sampling_fields(self) -> dict[str, Any]:
+        """These settings as keyword arguments, for building another request (already
+        validated) that samples the same way."""
+        return {field: getattr(self, field) for field in SamplingRequest.model_fields}
+
     def sampling_params(self, vocab: int, seed: int | None = None) -> SamplingParams:
         """These settings for a model of ``vocab`` tokens: a top_k that keeps the whole
         vocabulary is off, so it draws exactly as top_k 0 (and never overflows int64).
@@ -358,9 +363,8 @@ class ResponsesRequest(SamplingRequest, OpenAIHints, Queued):
             ChatMessage.model_construct(role=item.role, content=item.text, name=item.name)
             for item in items
         ]
-        sampling = {field: getattr(self, field) for field in SamplingRequest.model_fields}
         return ChatRequest.model_construct(
-            **sampling,
+            **self.sampling_fields(),
             messages=messages,
             max_tokens=None,
             max_completion_tokens=self.max_output_tokens,
