@@ -13,7 +13,7 @@ TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 # `make serve PORT=8100` serves there; unset, --port is not passed (ORDINAL_PORT or 8000 applies).
 PORT ?=
 
-.PHONY: setup test lint format serve checkpoints bench clean browser nginx ui mutation bench-train
+.PHONY: setup test lint format serve checkpoints bench clean browser nginx compose ui mutation bench-train
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -28,7 +28,7 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 # mypy reads its settings (what to check, the pydantic plugin) from pyproject.toml's [tool.mypy].
-test: $(STAMP) browser nginx
+test: $(STAMP) browser nginx compose
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
 	$(PY) -m pytest
@@ -46,6 +46,13 @@ nginx:
 	@command -v nginx >/dev/null || [ -x /usr/sbin/nginx ] || { command -v apt-get >/dev/null && \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nginx; } || \
 		echo "nginx is not installed: the nginx test will skip (it fails under CI)"
+
+# The compose test runs Debian's docker-compose 1.29 (the v1 tool, which the compose file must
+# suit as well as Compose v2); installed here when missing. Without it that test skips, not in CI.
+compose:
+	@command -v docker-compose >/dev/null || { command -v apt-get >/dev/null && \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker-compose; } || \
+		echo "docker-compose is not installed: its compose test will skip (it fails under CI)"
 
 # The playground has no build step; this refreshes its vendored chart libraries from npm.
 D3_VERSION := 7.9.2

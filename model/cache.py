@@ -62,6 +62,12 @@ class KVCache:
         return self.max_rows
 
     @property
+    def usage(self) -> float:
+        """The fraction of the most the cache can hold (rows × max_length) that holds keys now:
+        vLLM's ``kv_cache_usage_perc``, which is a fraction too, despite its name."""
+        return int(self.lengths.sum()) / (self.max_rows * self.max_length)
+
+    @property
     def allocated(self) -> tuple[int, int]:
         """(rows, length) of the tensors now allocated."""
         return self.keys.shape[1], self.keys.shape[3]

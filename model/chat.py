@@ -39,12 +39,30 @@ from jinja2.runtime import Context
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-from model.tokenizer import TOKENIZER_CONFIG_FILE, special_ids
+from model.tokenizer import BOS, EOS, PAD, TOKENIZER_CONFIG_FILE, special_ids
 
 ROLES = ("system", "user", "assistant")
 # Who speaks each role's lines when a message has no name: the chorus sets the scene.
 DEFAULT_SPEAKERS = {"system": "CHORUS", "user": "ROMEO", "assistant": "JULIET"}
-DEFAULT_TEMPLATE = """\
+# What the server passes (speakers, assistant_name) has defaults inside, so that Hugging Face's
+# apply_chat_template, which passes only messages and the special tokens, renders the same
+# scene; it also renders bos_token, which the server leaves empty (it puts <|bos|> first itself).
+_HF_SPEAKERS = json.dumps({**DEFAULT_SPEAKERS, "developer": DEFAULT_SPEAKERS["system"]})
+DEFAULT_TEMPLATE = (
+    (
+        "{%- if speakers is not defined -%}\n"
+        f"{{%- set speakers = {_HF_SPEAKERS} -%}}\n"
+        "{%- endif -%}\n"
+    )
+    + """\
+{%- if assistant_name is not defined -%}
+{%- set reply = namespace(name=speakers["assistant"]) -%}
+{%- for message in messages if message.role == "assistant" -%}
+{%- set reply.name = message.name or speakers["assistant"] -%}
+{%- endfor -%}
+{%- set assistant_name = reply.name -%}
+{%- endif -%}
+{{- bos_token -}}
 {%- for message in messages -%}
 {{ (message.name or speakers[message.role]) | upper }}:
 {{ message.content }}{{ eos_token }}
@@ -53,6 +71,20 @@ DEFAULT_TEMPLATE = """\
 {{ assistant_name | upper }}:
 {% endif -%}
 """
+)
+
+
+def default_tokenizer_config() -> dict[str, str]:
+    """The ``tokenizer_config.json`` a checkpoint gets when it brings none: Hugging Face's keys
+    for the special tokens (its ``apply_chat_template`` passes them to the template) and the
+    default template."""
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": BOS,
+        "eos_token": EOS,
+        "pad_token": PAD,
+        "chat_template": DEFAULT_TEMPLATE,
+    }
 
 
 RENDER_SECONDS = 0.5  # the longest a rendering may take
@@ -169,6 +201,7 @@ class ChatTemplate:
             "messages": [message.__dict__ for message in messages],
             "add_generation_prompt": True,
             "eos_token": eos_token,
+            "bos_token": "",  # encode puts <|bos|> first
             "speakers": DEFAULT_SPEAKERS,
             "assistant_name": speaker,
         }

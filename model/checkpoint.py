@@ -78,7 +78,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save as serialise_tensors
 from tokenizers import Tokenizer
 
-from model.chat import DEFAULT_TEMPLATE, TOKENIZER_CONFIG_FILE
+from model.chat import TOKENIZER_CONFIG_FILE, default_tokenizer_config
 from model.config import ConfigError, ModelConfig
 from model.device import resolve_device, resolve_dtype
 from model.files import CONFIG_FILE, TOKENIZER_FILE, WEIGHTS_FILE, write_json_atomic
@@ -166,7 +166,7 @@ def save_checkpoint(
         if tokenizer_config is not None:
             write_json_atomic(staging / TOKENIZER_CONFIG_FILE, tokenizer_config)
         elif not (staging / TOKENIZER_CONFIG_FILE).exists():  # a checkpoint's own is kept
-            default = {**special_token_config(tokenizer), "chat_template": DEFAULT_TEMPLATE}
+            default = {**default_tokenizer_config(), **special_token_config(tokenizer)}
             write_json_atomic(staging / TOKENIZER_CONFIG_FILE, default)
 
 

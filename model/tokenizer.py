@@ -195,10 +195,12 @@ def count_characters(tokenizer: Tokenizer, ids: Sequence[int] | Tensor) -> int:
 
 
 def encode_prompt(tokenizer: Tokenizer, prompt: str | Sequence[int]) -> list[int]:
-    """Token ids for a prompt, starting with <|bos|> as every training sequence does."""
-    bos = special_ids(tokenizer).bos
-    ids = tokenizer.encode(prompt).ids if isinstance(prompt, str) else list(prompt)
-    return ids if ids[:1] == [bos] else [bos, *ids]
+    """Token ids for a prompt: a text gets <|bos|> first, as every training sequence starts;
+    token ids are used exactly as given (as vLLM does), so that a client which tokenized the
+    text itself (lm-evaluation-harness) scores and counts the tokens it sent, not one more."""
+    if not isinstance(prompt, str):
+        return list(prompt)
+    return [special_ids(tokenizer).bos, *tokenizer.encode(prompt).ids]
 
 
 class VocabularyTables(NamedTuple):

@@ -81,6 +81,7 @@ class Submit(msgspec.Struct, tag=True, array_like=True):
     logprobs: int | None  # top logprobs per token; None: none
     score_prompt: bool  # also send the prompt's logprobs (echo)
     submitted_at: float
+    priority: int = 0  # vLLM's: a lower one is admitted sooner
 
 
 class Cancel(msgspec.Struct, tag=True, array_like=True):
@@ -201,6 +202,7 @@ class ModelStats(msgspec.Struct, array_like=True):
     inter_token: list[float] = []  # one per decode step
     finished: list[Finish] = []
     failures: dict[str, int] = {}  # reason → requests
+    kv_cache_usage: float = 0.0  # gauge: the fraction of the KV cache's most in use
 
 
 Event = Token | Scores | Failed | Dropped

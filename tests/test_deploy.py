@@ -1,9 +1,10 @@
 """The deployment files: Dockerfile, .dockerignore, docker-compose.yml and deploy/.
 
 No Docker engine runs here, so the files are checked for what the project relies on: the compose
-file against a JSON schema of those parts (and by ``docker compose config`` when a compose tool is
-installed), its settings against the server's real ones, and both health checks by running them
-against a small local HTTP server. The nginx config is run for real: Debian's nginx (``make
+file against a JSON schema of those parts, and by ``config`` of each compose tool it supports
+(Compose v2 when installed; Debian's docker-compose 1.29, which ``make test`` installs), its
+settings against the server's real ones, and both health checks by running them against a small
+local HTTP server. The nginx config is run for real: Debian's nginx (``make
 test`` installs it) in front of two ``ordinal serve`` processes on loopback ports; without nginx
 that test skips, except under CI (``CI`` set), where it fails.
 """
@@ -241,22 +242,45 @@ def test_compose_renders_the_nginx_config_like_the_test_does(tmp_path: Path) -> 
     assert "proxy_set_header Host $host;" in rendered
 
 
-def compose_tool() -> list[str] | None:
-    """The installed compose command: the docker plugin, else the standalone docker-compose."""
-    if shutil.which("docker"):
-        plugin = subprocess.run(["docker", "compose", "version"], capture_output=True)
-        if plugin.returncode == 0:
-            return ["docker", "compose"]
-    return ["docker-compose"] if shutil.which("docker-compose") else None
+# The compose tools the file is for: Compose v2 (the docker plugin) and Debian's docker-compose
+# 1.29 (the v1 tool, which `make test` installs). Each one installed must accept the file.
+COMPOSE_TOOLS = {"docker compose": ["docker", "compose"], "docker-compose": ["docker-compose"]}
 
 
-@pytest.mark.skipif(compose_tool() is None, reason="no compose tool; the schema test covers it")
-def test_compose_tool_accepts_the_file() -> None:
-    compose = compose_tool() or []
-    result = subprocess.run(
-        [*compose, "--profile", "gpu", "config", "-q"], cwd=REPO, capture_output=True, text=True
-    )
-    assert result.returncode == 0, result.stderr
+def compose_installed(command: list[str]) -> bool:
+    if not shutil.which(command[0]):
+        return False
+    return subprocess.run([*command, "version"], capture_output=True).returncode == 0
+
+
+def compose_tools() -> list[list[str]]:
+    """The command of each supported compose tool that is installed."""
+    return [command for command in COMPOSE_TOOLS.values() if compose_installed(command)]
+
+
+@pytest.mark.parametrize("tool", list(COMPOSE_TOOLS))
+def test_compose_tool_accepts_the_file(tool: str) -> None:
+    command = COMPOSE_TOOLS[tool]
+    if not compose_installed(command):
+        if tool == "docker-compose" and os.environ.get("CI"):
+            pytest.fail("docker-compose is not installed (CI is set: `make test` installs it)")
+        pytest.skip(f"{tool} is not installed; the schema test covers the file")
+    for profile in ("gpu", "scale"):
+        result = subprocess.run(
+            [*command, "--profile", profile, "config", "-q"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+        )
+        assert result.returncode == 0, f"{tool} --profile {profile}: {result.stderr}"
+
+
+def test_every_build_names_a_dockerfile_that_exists() -> None:
+    """compose's ``config`` does not open the Dockerfiles: this does."""
+    for name, service in load_compose()["services"].items():
+        build = service["build"]
+        assert "dockerfile_inline" not in build, f"{name}: a key only Compose v2 reads"
+        assert (REPO / build["context"] / build["dockerfile"]).is_file(), name
 
 
 def test_dockerfile_installs_cpu_torch_before_the_project() -> None:

@@ -36,7 +36,7 @@ import model.interop.hf_export
 import ordinal
 from server.api.app import settings_from_args
 from tests.server.conftest import Running, running_server, test_settings
-from tests.test_deploy import compose_tool
+from tests.test_deploy import compose_tools
 
 REPO = Path(__file__).resolve().parents[1]
 README = (REPO / "README.md").read_text()
@@ -274,13 +274,13 @@ def test_readme_section_runs_as_written(
 
 
 def check_compose(args: list[str], env: dict[str, str]) -> None:
-    """``docker compose ARGS``: each profile named exists, and each service named is in it."""
-    tool = compose_tool()
-    if tool:
+    """``docker compose ARGS``: each profile named exists, and each service named is in it
+    (and every compose tool installed accepts the file with those profiles)."""
+    for tool in compose_tools():
         profiles = [word for flag, word in itertools.pairwise(args) if flag == "--profile"]
         options = [item for profile in profiles for item in ("--profile", profile)]
         result = subprocess.run([*tool, *options, "config", "-q"], cwd=REPO, env=env)
-        assert result.returncode == 0
+        assert result.returncode == 0, tool
     services = yaml.safe_load((REPO / "docker-compose.yml").read_text())["services"]
     assert args[0] in ("up", "--profile"), args
     profiles = {word for flag, word in itertools.pairwise(args) if flag == "--profile"}

@@ -5,21 +5,38 @@ cancellation, timeouts — is the completions path itself."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from starlette.requests import Request
 from starlette.responses import Response
 
 from model.chat import ChatTemplateError, Message
 from server.api.completions import Names, build_job, choice_seed, respond
 from server.api.errors import APIError
+from server.api.job import Job
 from server.api.offload import check_prompt_size, off_loop
-from server.api.schemas import ChatRequest, CompletionRequest, SamplingRequest
-from server.api.service import Service
+from server.api.schemas import ChatRequest, CompletionRequest
+from server.api.service import ServedModel, Service
 from server.api.writer import ChatWriter
 
 
 async def create_chat_completion(body: ChatRequest, request: Request, service: Service) -> Response:
     """Answer one chat completion request (400/404/429/503 are raised as APIError)."""
     served = service.get(body.model)
+    jobs, writers = await chat_jobs(body, served, ChatWriter)
+    return await respond(jobs, writers, served, request, service)
+
+
+# Makes a choice's writer from (completion, served, prompt ids, choice index).
+WriterOf = Callable[[CompletionRequest, ServedModel, list[int], int], ChatWriter]
+
+
+async def chat_jobs(
+    body: ChatRequest, served: ServedModel, writer: WriterOf
+) -> tuple[list[Job | None], list[ChatWriter]]:
+    """The conversation's jobs, one per choice, and the ``writer`` of each: the chat endpoint's
+    and the Responses endpoint's (which writes the same pieces in its own shape). The scene is
+    rendered and tokenised off the event loop, within a time bound."""
     messages = [
         Message("system" if m.role == "developer" else m.role, m.text, m.name)
         for m in body.messages
@@ -35,9 +52,8 @@ async def create_chat_completion(body: ChatRequest, request: Request, service: S
     room = served.max_context - len(scene.prompt_ids)
     # Already validated as a chat request: built as a completion without validating again
     # (the scene's own stop strings may pass the 4 a client may send).
-    sampling = {field: getattr(body, field) for field in SamplingRequest.model_fields}
     completion = CompletionRequest.model_construct(
-        **sampling,
+        **body.sampling_fields(),
         prompt=scene.prompt_ids,
         echo=False,
         max_tokens=body.token_budget or max(room, 1),
@@ -50,6 +66,7 @@ async def create_chat_completion(body: ChatRequest, request: Request, service: S
         user=body.user,
         return_tokens_as_token_ids=False,
         ignore_eos=body.ignore_eos,
+        priority=body.priority,
     )
     # The client sent messages, not a prompt, and maybe max_completion_tokens: 400s name those.
     budget = "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"
@@ -58,5 +75,5 @@ async def create_chat_completion(body: ChatRequest, request: Request, service: S
         build_job(completion, served, scene.prompt_ids, choice_seed(body.seed, j), names)
         for j in range(body.n)
     ]
-    writers = [ChatWriter(completion, served, scene.prompt_ids, index) for index in range(body.n)]
-    return await respond(jobs, writers, served, request, service)
+    writers = [writer(completion, served, scene.prompt_ids, index) for index in range(body.n)]
+    return jobs, writers

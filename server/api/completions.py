@@ -24,8 +24,7 @@ from server.api.metrics import TIMEOUT
 from server.api.offload import check_prompt_size, off_loop
 from server.api.schemas import DEFAULT_MAX_TOKENS, MAX_CHOICES, CompletionRequest, Prompt
 from server.api.service import ServedModel, Service
-from server.api.sse import DONE
-from server.api.writer import CompletionWriter, Piece, combine, total_usage
+from server.api.writer import CompletionWriter, Piece, total_usage
 
 logger = logging.getLogger("ordinal.server")
 
@@ -101,6 +100,7 @@ async def respond(
 def _submit(job: Job, served: ServedModel, timeout: float) -> Callable[[], None]:
     """Hand ``job`` to its engine (429 when full); return what ends it, however it ends."""
     served.engine.submit(job)
+    served.engine.metrics.request_max_num_generation_tokens.observe(job.max_tokens)
 
     def expire() -> None:
         served.engine.metrics.failures[TIMEOUT].inc()
@@ -149,14 +149,23 @@ def build_job(
         eos_id=None if body.ignore_eos else served.eos,
         logprobs=body.logprobs,
         score_prompt=body.echo and body.logprobs is not None,
+        priority=body.priority,
     )
     return job
 
 
 async def prompt_ids_of(prompt: Prompt, served: ServedModel) -> list[int]:
-    """The prompt's token ids with <|bos|>; a 400 for an id outside the vocabulary, or for a
-    text too long to fit the context (refused before it is tokenised, off the event loop)."""
+    """The prompt's token ids: a text's with <|bos|> first, token ids as given (a 400 for
+    none, or for an id outside the vocabulary); a text too long to fit the context is refused
+    before it is tokenised, off the event loop."""
     if isinstance(prompt, list):
+        if not prompt:
+            raise APIError(
+                400,
+                "prompt: an empty list of token ids gives the model nothing to start from "
+                "(send <|bos|>'s id, or text)",
+                param="prompt",
+            )
         outside = [token for token in prompt if token >= served.vocab]
         if outside:
             raise APIError(
@@ -179,8 +188,8 @@ def _max_tokens(
     if prompt_length > allowed:
         raise APIError(
             400,
-            f"{names.prompt_text} is {prompt_length} tokens long (counting <|bos|>) but model "
-            f"'{served.name}' takes at most {allowed}: its context holds {limit} tokens, "
+            f"{names.prompt_text} is {prompt_length} tokens long (a text counts its <|bos|>) "
+            f"but model '{served.name}' takes at most {allowed}: its context holds {limit} tokens, "
             "prompt and completion together",
             param=names.prompt,
             code="context_length_exceeded",
@@ -206,7 +215,8 @@ async def _collect(
         return [piece async for batch in stream for piece in batch]
 
     collected = await asyncio.gather(*map(pieces_of, streams))
-    answer = combine([w.result(p) for w, p in zip(writers, collected, strict=True)], writers)
+    results = [writer.result(pieces) for writer, pieces in zip(writers, collected, strict=True)]
+    answer = writers[0].combine(results, writers)
     return Response(orjson.dumps(answer), media_type="application/json")
 
 
@@ -214,8 +224,12 @@ async def _sse(
     streams: list[AsyncIterator[list[Piece]]], writers: Sequence[CompletionWriter]
 ) -> AsyncIterator[bytes]:
     try:
+        continuous = writers[0].body.continuous_usage
         async for index, batch in _interleave(streams):
-            yield b"".join(map(writers[index].chunk, batch))
+            # the batch's tokens are all counted by now: its chunks carry the usage as it
+            # stands when they are sent
+            usage = total_usage(writers) if continuous else None
+            yield b"".join(writers[index].chunk(piece, usage) for piece in batch)
         if writers[0].body.include_usage:
             yield writers[0].usage_chunk(total_usage(writers))
     except APIError as error:  # the headers are out: the error travels as the last event
@@ -223,7 +237,7 @@ async def _sse(
     except Exception:
         logger.exception("a stream failed")
         yield error_event(APIError(500, "internal server error"))
-    yield DONE
+    yield writers[0].END
 
 
 async def _interleave(

@@ -8,6 +8,7 @@ same shape. A stream that fails after its headers went out ends with :func:`erro
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -19,6 +20,8 @@ from starlette.exceptions import HTTPException
 from starlette.responses import Response
 
 from server.api.sse import sse_event
+
+logger = logging.getLogger("ordinal.server")
 
 ERROR_TYPES = {
     400: "invalid_request_error",
@@ -125,9 +128,28 @@ def validation_error(errors: list[dict]) -> APIError:
     if len(location) < 2:  # the body itself: missing, or not an object
         return APIError(400, "the request body must be a JSON object", code="invalid_body")
     param = str(location[1])
-    reasons = [_reason(e) for e in errors if tuple(map(str, e.get("loc", ())))[1:2] == (param,)]
-    message = f"{param}: " + " or ".join(dict.fromkeys(reasons))
+    about = [e for e in errors if tuple(map(str, e.get("loc", ())))[1:2] == (param,)]
+    reasons = [_reason(e) for e in about]
+    message = f"{_field_path([e.get('loc', ())[1:] for e in about])}: " + " or ".join(
+        dict.fromkeys(reasons)
+    )
     return APIError(400, message, param=param, code="invalid_value")
+
+
+def _field_path(locations: list[tuple[Any, ...]]) -> str:
+    """The innermost field every complaint is about, as ``stream_options.include_usage`` or
+    ``messages[0].content``: the path the locations share (a union's alternatives each add
+    their type's name, where they part ways, so the field is where they still agree)."""
+    shared = list(locations[0])
+    for location in locations[1:]:
+        common = 0
+        while common < min(len(shared), len(location)) and shared[common] == location[common]:
+            common += 1
+        del shared[common:]
+    path = str(shared[0])
+    for step in shared[1:]:
+        path += f"[{step}]" if isinstance(step, int) else f".{step}"
+    return path
 
 
 def _reason(error: dict) -> str:
@@ -153,17 +175,29 @@ def document_errors(app: FastAPI) -> None:
     app.openapi = openapi  # type: ignore[method-assign]
 
 
+def _log_refusal(request: Request, error: APIError) -> None:
+    """Say in the server's log why a request was refused (the access line gives only the
+    status): an operator reading it sees what the client got wrong without asking them."""
+    if 400 <= error.status < 500 and error.status != 429:  # 429s: counted, not logged
+        logger.info(
+            "refused %s %s: %d %s", request.method, request.url.path, error.status, error.message
+        )
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Answer every error raised while handling a request in OpenAI's shape."""
 
     # The decorator, not add_exception_handler: that one's type wants handlers of any Exception.
     @app.exception_handler(APIError)
     async def on_api_error(request: Request, error: APIError) -> Response:
+        _log_refusal(request, error)
         return error.response()
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, error: RequestValidationError) -> Response:
-        return validation_error(list(error.errors())).response()
+        refusal = validation_error(list(error.errors()))
+        _log_refusal(request, refusal)
+        return refusal.response()
 
     @app.exception_handler(HTTPException)
     async def on_http_error(request: Request, error: HTTPException) -> Response:

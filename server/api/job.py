@@ -46,6 +46,7 @@ class Job:
         eos_id: int | None = None,
         logprobs: int | None = None,
         score_prompt: bool = False,
+        priority: int = 0,
     ) -> None:
         self.prompt_ids = prompt_ids
         self.params = params
@@ -54,6 +55,7 @@ class Job:
         self.eos_id = eos_id
         self.logprobs = logprobs
         self.score_prompt = score_prompt
+        self.priority = priority  # vLLM's: a lower one is admitted sooner
         self.submitted_at = time.monotonic()
         self.id: int | None = None
         self.events: asyncio.Queue[Event] = asyncio.Queue()
@@ -76,6 +78,7 @@ class Job:
             logprobs=self.logprobs,
             score_prompt=self.score_prompt,
             submitted_at=self.submitted_at,
+            priority=self.priority,
         )
 
     def is_last(self, event: Event) -> bool:

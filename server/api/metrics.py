@@ -1,8 +1,10 @@
 """Prometheus metrics, in a registry of their own per app (two apps in one process never mix).
 
-The per-model set follows vLLM's names and meanings under the ``ordinal_`` prefix
-(``vllm:num_requests_running`` → ``ordinal_num_requests_running``, and so on), so a dashboard
-built for vLLM needs only the prefix changed. HTTP answers are counted by route template and
+The per-model set follows vLLM's names, labels and meanings under the ``ordinal_`` prefix
+(``vllm:num_requests_running{model_name=...}`` → ``ordinal_num_requests_running{model_name=...}``,
+and so on, ``kv_cache_usage_perc`` and ``request_max_num_generation_tokens`` included), so a
+dashboard built for vLLM needs only the prefix changed (``tests/server/test_vllm_dashboard.py``
+runs its queries' names and labels). HTTP answers are counted by route template and
 status, so health probes and scrapes never mix with completions; the process collector adds
 CPU, memory and open files.
 
@@ -67,11 +69,14 @@ class ModelMetrics:
     decode_time: Histogram
     request_prompt_tokens: Histogram
     request_generation_tokens: Histogram
+    request_max_num_generation_tokens: Histogram  # the max_tokens of each request submitted
+    kv_cache_usage: Gauge
 
     def record(self, stats: ModelStats) -> None:
         """Apply what the engine process measured since its previous frame."""
         self.running.set(stats.running)
         self.waiting.set(stats.waiting)
+        self.kv_cache_usage.set(stats.kv_cache_usage)
         self.prompt_tokens.inc(sum(stats.prompt_tokens))
         for count in stats.prompt_tokens:
             self.request_prompt_tokens.observe(count)
@@ -101,7 +106,7 @@ class Metrics:
         self.registry = registry = CollectorRegistry()
         self._bound: dict[str, ModelMetrics] = {}
         ProcessCollector(registry=registry)  # process_cpu_seconds_total, memory, open fds
-        model = ["model"]
+        model = ["model_name"]  # vLLM's label: its dashboards filter on it
 
         def latency(name: str, doc: str, buckets: tuple[float, ...] = REQUEST_BUCKETS) -> Histogram:
             return Histogram(f"ordinal_{name}", doc, model, buckets=buckets, registry=registry)
@@ -132,13 +137,13 @@ class Metrics:
         self.finished = Counter(
             "ordinal_request_success",
             "Requests that ended without failing, by finished_reason (stop, length, abort)",
-            ["model", "finished_reason"],
+            ["model_name", "finished_reason"],
             registry=registry,
         )
         self.failures = Counter(
             "ordinal_request_failures",
             "Requests that failed after reaching an engine, by reason",
-            ["model", "reason"],
+            ["model_name", "reason"],
             registry=registry,
         )
         self.time_to_first_token = latency(
@@ -154,6 +159,15 @@ class Metrics:
         self.request_prompt_tokens = tokens("request_prompt_tokens", "Prompt tokens per request")
         self.request_generation_tokens = tokens(
             "request_generation_tokens", "Generated tokens per finished request"
+        )
+        self.request_max_num_generation_tokens = tokens(
+            "request_max_num_generation_tokens", "The most tokens a request may generate"
+        )
+        self.kv_cache_usage = Gauge(
+            "ordinal_kv_cache_usage_perc",
+            "Fraction of the KV cache's most (rows × context) holding keys (1 = full)",
+            model,
+            registry=registry,
         )
 
     def for_model(self, name: str) -> ModelMetrics:
@@ -179,6 +193,8 @@ class Metrics:
             decode_time=self.decode_time.labels(name),
             request_prompt_tokens=self.request_prompt_tokens.labels(name),
             request_generation_tokens=self.request_generation_tokens.labels(name),
+            request_max_num_generation_tokens=self.request_max_num_generation_tokens.labels(name),
+            kv_cache_usage=self.kv_cache_usage.labels(name),
         )
 
     def render(self) -> bytes:

@@ -10,16 +10,18 @@ from fastapi import APIRouter, Request
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.responses import PlainTextResponse, Response
 
-from model.tokenizer import encode_prompt
+from model.tokenizer import BOS, EOS, PAD, encode_prompt
 from server.api.chat import create_chat_completion
 from server.api.completions import create_completion
 from server.api.errors import APIError, busy, error_responses
 from server.api.offload import off_loop
+from server.api.responses import create_response
 from server.api.schemas import (
     ChatRequest,
     CompletionRequest,
     DetokenizeRequest,
     HealthDocument,
+    ResponsesRequest,
     TokenizeRequest,
 )
 from server.api.service import Service
@@ -132,6 +134,26 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> Response:
     return _json({"model": served.name, "prompt": text})
 
 
+@router.get("/tokenizer_info", response_model=None, responses=error_responses(401, 404, 503))
+async def tokenizer_info(request: Request, model: str | None = None) -> Response:
+    """The tokenizer's configuration as vLLM's ``/tokenizer_info`` gives it (Hugging Face's
+    ``tokenizer_config.json`` keys: what a client needs to tokenize and template as the server
+    does, e.g. lm-evaluation-harness's remote tokenizer); ``?model=`` picks the model."""
+    served = _service(request).get(model)
+    return _json(
+        {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": BOS,
+            "eos_token": EOS,
+            "pad_token": PAD,
+            "add_bos_token": True,  # to a text prompt; token ids are used as given
+            "model_max_length": served.max_context,
+            "vocab_size": served.vocab,
+            "chat_template": served.chat_template.source,
+        }
+    )
+
+
 GENERATION_RESPONSES: dict[int | str, dict[str, Any]] = {
     200: {"content": {"text/event-stream": {"schema": SSE_EVENT}}},
     **error_responses(400, 401, 404, 413, 429, 500, 503, 504),
@@ -146,3 +168,9 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
 @router.post("/v1/chat/completions", response_model=None, responses=GENERATION_RESPONSES)
 async def chat_completions(body: ChatRequest, request: Request) -> Response:
     return await create_chat_completion(body, request, _service(request))
+
+
+@router.post("/v1/responses", response_model=None, responses=GENERATION_RESPONSES)
+async def responses(body: ResponsesRequest, request: Request) -> Response:
+    """OpenAI's Responses API, stateless (``server.api.responses``)."""
+    return await create_response(body, request, _service(request))

@@ -56,7 +56,12 @@ class StrictBody(BaseModel):
 
 
 class StreamOptions(StrictBody):
-    include_usage: bool = False
+    """OpenAI's ``include_usage`` (a last chunk with the usage) and vLLM's
+    ``continuous_usage_stats`` (with include_usage: the usage so far on every chunk too);
+    null means false, as the clients that send them mean it."""
+
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
 
 
 def _stop_list(value: str | list[str] | None) -> list[str]:
@@ -89,6 +94,11 @@ class SamplingRequest(StrictBody):
     )
     # OpenAI's: token id (as a string) → added to its logit, in [-100, 100]
     logit_bias: dict[BiasedToken, Bias] | None = Field(None, max_length=MAX_LOGIT_BIAS)
+
+    def sampling_fields(self) -> dict[str, Any]:
+        """These settings as keyword arguments, for building another request (already
+        validated) that samples the same way."""
+        return {field: getattr(self, field) for field in SamplingRequest.model_fields}
 
     def sampling_params(self, vocab: int, seed: int | None = None) -> SamplingParams:
         """These settings for a model of ``vocab`` tokens: a top_k that keeps the whole
@@ -126,16 +136,16 @@ class PromptRequest(SamplingRequest):
 Unsupported = Annotated[Any, Field(description="not supported")]
 
 
-def refused_unless(noop: Any = None) -> AfterValidator:
+def refused_unless(noop: Any = None, why: str = "") -> AfterValidator:
     """The check of an Unsupported field: absent, null or its no-op value ``noop`` is accepted
-    (clients send defaults); anything else is a 400 saying so, never "extra inputs are not
-    permitted"."""
+    (clients send defaults); anything else is a 400 saying so (and ``why``), never "extra
+    inputs are not permitted"."""
 
     def refuse(value: Any) -> None:
         if value is None or (noop is not None and value == noop):
             return None
         only = f" (only {json.dumps(noop)}, a no-op, is accepted)" if noop is not None else ""
-        raise ValueError(f"is not supported by ordinal{only}")
+        raise ValueError(f"is not supported by ordinal{only}{why}")
 
     return AfterValidator(refuse)
 
@@ -151,7 +161,14 @@ class OpenAIHints(StrictBody):
     service_tier: Text | None = None
 
 
-class CompletionRequest(SamplingRequest, OpenAIHints):
+class Queued(StrictBody):
+    """How a generating request is queued: vLLM's ``priority``, lower served sooner (a request
+    of priority -1 is admitted before every waiting one of 0; arrival order among equals)."""
+
+    priority: int = Field(0, ge=-(2**31), lt=2**31)
+
+
+class CompletionRequest(SamplingRequest, OpenAIHints, Queued):
     """``POST /v1/completions``, as in OpenAI's legacy completions API."""
 
     # OpenAI's four forms: a text, token ids, or a list of either (one prompt each)
@@ -193,7 +210,13 @@ class CompletionRequest(SamplingRequest, OpenAIHints):
 
     @property
     def include_usage(self) -> bool:
-        return self.stream_options is not None and self.stream_options.include_usage
+        return self.stream_options is not None and bool(self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage on every chunk (vLLM's continuous_usage_stats, which needs include_usage)."""
+        options = self.stream_options
+        return self.include_usage and bool(options and options.continuous_usage_stats)
 
 
 # A speaker's name, as the plays write them ("FIRST CITIZEN", "LADY MACBETH", "Romeo").
@@ -219,7 +242,7 @@ class ChatMessage(StrictBody):
         return "".join(part.text for part in self.content)
 
 
-class ChatRequest(SamplingRequest, OpenAIHints):
+class ChatRequest(SamplingRequest, OpenAIHints, Queued):
     """``POST /v1/chat/completions``, as in OpenAI's chat completions API."""
 
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
@@ -258,6 +281,104 @@ class ChatRequest(SamplingRequest, OpenAIHints):
     def token_budget(self) -> int | None:
         """The most tokens the reply may have (None: as many as the context has room for)."""
         return self.max_completion_tokens or self.max_tokens
+
+
+class InputText(StrictBody):
+    """A part of a Responses message: the client's text, or a reply it got before (with the
+    annotations and logprobs that came with it, which are read as nothing but its text)."""
+
+    type: Literal["input_text", "output_text"]
+    text: Text
+    annotations: list[Any] | None = None
+    logprobs: list[Any] | None = None
+
+
+class InputMessage(StrictBody):
+    """An item of a Responses ``input``: a message (the output items of an earlier response,
+    passed back as they came, are messages too)."""
+
+    type: Literal["message"] = "message"
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Text | list[InputText]
+    name: Speaker | None = None  # ordinal's, as in chat: who speaks it
+    id: Text | None = None  # an earlier output item's, as the SDK passes it back
+    status: Text | None = None
+    phase: Text | None = None
+
+    @property
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class TextFormat(StrictBody):
+    type: Literal["text"]
+
+
+class ResponseText(StrictBody):
+    format: TextFormat | None = None
+    verbosity: Annotated[Unsupported, refused_unless()] = None
+
+
+STATELESS = ": ordinal keeps no responses; send the whole conversation as input"
+
+
+class ResponsesRequest(SamplingRequest, OpenAIHints, Queued):
+    """``POST /v1/responses``, stateless: ``instructions`` and ``input`` are a conversation,
+    rendered as a chat scene; nothing is stored, so nothing can be continued by id."""
+
+    input: Text | Annotated[list[InputMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
+    instructions: Text | None = None  # the scene's setting: a system message before the input
+    max_output_tokens: int | None = Field(None, ge=1)
+    seed: int | None = Field(None, ge=0, lt=2**64)  # ordinal's, as in chat
+    stream: bool = False
+    text: ResponseText | None = None
+    ignore_eos: bool = False
+    store: Annotated[Unsupported, refused_unless(False, STATELESS)] = None
+    previous_response_id: Annotated[Unsupported, refused_unless(why=STATELESS)] = None
+    conversation: Annotated[Unsupported, refused_unless(why=STATELESS)] = None
+    background: Annotated[Unsupported, refused_unless(False)] = None
+    include: Annotated[Unsupported, refused_unless([])] = None
+    max_tool_calls: Annotated[Unsupported, refused_unless()] = None
+    parallel_tool_calls: Annotated[Unsupported, refused_unless()] = None
+    prompt: Annotated[Unsupported, refused_unless()] = None
+    reasoning: Annotated[Unsupported, refused_unless()] = None
+    stream_options: Annotated[Unsupported, refused_unless()] = None
+    tool_choice: Annotated[Unsupported, refused_unless("none")] = None
+    tools: Annotated[Unsupported, refused_unless([])] = None
+    top_logprobs: Annotated[Unsupported, refused_unless(0)] = None
+    truncation: Annotated[Unsupported, refused_unless("disabled")] = None
+
+    def chat(self) -> ChatRequest:
+        """The same conversation and settings as a chat request (already validated)."""
+        items = (
+            [InputMessage(role="user", content=self.input)]
+            if isinstance(self.input, str)
+            else self.input
+        )
+        if self.instructions is not None:
+            items = [InputMessage(role="developer", content=self.instructions), *items]
+        messages = [
+            ChatMessage.model_construct(role=item.role, content=item.text, name=item.name)
+            for item in items
+        ]
+        return ChatRequest.model_construct(
+            **self.sampling_fields(),
+            messages=messages,
+            max_tokens=None,
+            max_completion_tokens=self.max_output_tokens,
+            seed=self.seed,
+            stop=[],
+            stream=self.stream,
+            stream_options=None,
+            logprobs=False,
+            top_logprobs=None,
+            n=1,
+            user=self.user,
+            ignore_eos=self.ignore_eos,
+            priority=self.priority,
+        )
 
 
 class ModelHealth(BaseModel):

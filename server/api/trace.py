@@ -163,8 +163,8 @@ async def create_trace(body: TraceRequest, served: ServedModel) -> bytes:
     if len(prompt_ids) > limit:
         raise APIError(
             400,
-            f"the prompt is {len(prompt_ids)} tokens long (counting <|bos|>) but a trace of "
-            f"model '{served.name}' takes at most {limit}",
+            f"the prompt is {len(prompt_ids)} tokens long (a text counts its <|bos|>) but a "
+            f"trace of model '{served.name}' takes at most {limit}",
             param="prompt",
             code="context_length_exceeded",
         )

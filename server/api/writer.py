@@ -16,7 +16,7 @@ from typing import Any
 from server.api.job import Failure, Job
 from server.api.schemas import CompletionRequest
 from server.api.service import ServedModel
-from server.api.sse import sse_event
+from server.api.sse import DONE, sse_event
 from server.messages import Scores, Token
 
 Logprobs = dict[str, list[Any]]
@@ -40,6 +40,7 @@ class CompletionWriter:
     """Turns one job's events into pieces and pieces into OpenAI JSON."""
 
     OBJECT, CHUNK_OBJECT, ID_PREFIX = "text_completion", "text_completion", "cmpl"
+    END = DONE  # the stream's last event
 
     def __init__(
         self, body: CompletionRequest, served: ServedModel, prompt_ids: list[int], index: int = 0
@@ -142,11 +143,20 @@ class CompletionWriter:
             "total_tokens": prompt + self.completion_tokens,
         }
 
-    def chunk(self, piece: Piece) -> bytes:
-        """One SSE event for ``piece``."""
+    def chunk(self, piece: Piece, usage: dict[str, int] | None = None) -> bytes:
+        """One SSE event for ``piece``; ``usage``: the request's so far, when every chunk
+        carries it (continuous_usage_stats)."""
         choice = self._choice
         choice["text"], choice["logprobs"], choice["finish_reason"] = piece
+        if usage is not None:
+            self._chunk["usage"] = usage
         return sse_event(self._chunk)
+
+    def combine(
+        self, results: list[dict[str, Any]], writers: Sequence[CompletionWriter]
+    ) -> dict[str, Any]:
+        """The non-stream response of a request whose choices are ``writers``' ``results``."""
+        return combine(results, writers)
 
     def usage_chunk(self, usage: dict[str, int]) -> bytes:
         chunk = {**self._envelope([]), "usage": usage}
@@ -200,7 +210,7 @@ class ChatWriter(CompletionWriter):
             "bytes": list(self.token_bytes[token]),
         }
 
-    def chunk(self, piece: Piece) -> bytes:
+    def chunk(self, piece: Piece, usage: dict[str, int] | None = None) -> bytes:
         text, logprobs, finish_reason = piece
         delta: dict[str, str] = {"content": text} if text or not finish_reason else {}
         if not self._role_sent:
@@ -213,7 +223,7 @@ class ChatWriter(CompletionWriter):
         }
         chunk = self._envelope([choice])
         if self.body.include_usage:
-            chunk["usage"] = None
+            chunk["usage"] = usage
         return sse_event(chunk)
 
     def result(self, pieces: list[Piece]) -> dict[str, Any]:

@@ -127,7 +127,9 @@ class ModelEngine:
 
     def stats(self) -> ModelStats:
         running, waiting = len(self.scheduler.running), len(self.scheduler.waiting)
-        return self.outbox.stats_of(self.name, running, waiting)
+        stats = self.outbox.stats_of(self.name, running, waiting)
+        stats.kv_cache_usage = self.batch.cache.usage
+        return stats
 
     def submit(self, submit: Submit) -> None:
         state = None
@@ -147,7 +149,7 @@ class ModelEngine:
             state=state,
         )
         self.requests[request.id] = request
-        self.scheduler.add(request)
+        self.scheduler.add(request, submit.priority)
         self.stats()
 
     def cancel(self, job: int) -> None:

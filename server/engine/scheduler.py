@@ -3,7 +3,8 @@
 The :class:`Scheduler` holds no tensors, threads or clocks; it decides, and the engine carries
 the decisions out on a ``model.decode.DecodeBatch``. Each step's :class:`StepPlan` says which
 prompt tokens to prefill: first the rest of a prompt already being prefilled, then new requests
-from the waiting queue in arrival order while a batch row is free and the step's prompt-token
+from the waiting queue in priority order (vLLM's polarity: a lower ``priority`` is admitted
+sooner; arrival order among equals) while a batch row is free and the step's prompt-token
 budget (``prefill_chunk``) lasts. A prompt that fits the budget is prefilled whole; a prompt
 longer than the whole budget is prefilled in chunks over several steps (the rows already
 decoding take a step between chunks); one that fits the budget but not what is left of it waits
@@ -53,7 +54,8 @@ class StepPlan(Generic[R]):
 
 
 class Scheduler(Generic[R]):
-    """FCFS admission into ``max_rows`` rows, at most ``prefill_chunk`` prompt tokens a step."""
+    """Admission by priority, then arrival, into ``max_rows`` rows, at most ``prefill_chunk``
+    prompt tokens a step. A request already holding a row keeps it (no preemption)."""
 
     def __init__(self, max_rows: int, prefill_chunk: int) -> None:
         if max_rows < 1 or prefill_chunk < 1:
@@ -63,13 +65,24 @@ class Scheduler(Generic[R]):
         self.waiting: deque[R] = deque()
         self.running: list[R] = []  # holding a row, in admission order
         self._prefilled: dict[int, int] = {}  # id(request) → prompt tokens planned so far
+        self._priority: dict[int, int] = {}  # id(request) → its priority, while it waits
 
     @property
     def idle(self) -> bool:
         return not self.waiting and not self.running
 
-    def add(self, request: R) -> None:
-        self.waiting.append(request)
+    def add(self, request: R, priority: int = 0) -> None:
+        """Queue ``request`` behind every waiting request of its ``priority`` or a lower one,
+        ahead of those of a higher one."""
+        self._priority[id(request)] = priority
+        behind = sum(1 for other in self.waiting if self._priority[id(other)] <= priority)
+        # the waiting queue is kept sorted, so those are exactly the first ``behind``
+        self.waiting.insert(behind, request)
+
+    def _admit(self) -> R:
+        request = self.waiting.popleft()
+        del self._priority[id(request)]
+        return request
 
     def phase(self, request: R) -> Phase:
         if request in self.running:
@@ -82,6 +95,7 @@ class Scheduler(Generic[R]):
         phase = self.phase(request)
         if phase == Phase.WAITING:
             self.waiting.remove(request)
+            del self._priority[id(request)]
         elif phase != Phase.GONE:
             self.finish([request])
         return phase
@@ -102,6 +116,7 @@ class Scheduler(Generic[R]):
         """Everything leaves (shutdown): the running requests, then the waiting ones."""
         everyone = [*self.clear_running(), *self.waiting]
         self.waiting.clear()
+        self._priority.clear()
         return everyone
 
     def schedule(self) -> StepPlan[R]:
@@ -120,13 +135,13 @@ class Scheduler(Generic[R]):
             if not request.needs_row:
                 if not (fits or whole_step):
                     break
-                plan.scored.append(self.waiting.popleft())
+                plan.scored.append(self._admit())
                 plan.admitted.append(request)
                 budget -= min(length, budget)
                 continue
             if len(self.running) >= self.max_rows or not (fits or length > self.prefill_chunk):
                 break
-            self.running.append(self.waiting.popleft())
+            self.running.append(self._admit())
             self._prefilled[id(request)] = 0
             plan.admitted.append(request)
             budget -= self._take(plan, request, budget)

@@ -65,7 +65,7 @@ def failures(url: str) -> dict[str, float]:
     return {
         s.labels["reason"]: s.value
         for s in family.samples
-        if s.labels["model"] == MODEL and s.name.endswith("_total")
+        if s.labels["model_name"] == MODEL and s.name.endswith("_total")
     }
 
 

@@ -51,7 +51,7 @@ async def stream_async(client: httpx.AsyncClient, body: dict[str, Any], into: li
 def gauge(text: str, name: str, model: str) -> float:
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name == name and sample.labels.get("model") == model:
+            if sample.name == name and sample.labels.get("model_name") == model:
                 return sample.value
     raise KeyError(name)
 

@@ -389,7 +389,7 @@ def test_surprisal_equals_echo_scoring(client: httpx.Client, scheme: str) -> Non
 
 def test_token_id_prompts_are_traced(client: httpx.Client) -> None:
     ids = client.post("/v1/tokenize", json={"prompt": PROMPT}).json()["tokens"]
-    by_ids = trace(client, prompt=ids[1:])  # encode_prompt adds <|bos|> to token ids too
+    by_ids = trace(client, prompt=ids)  # token ids are used as given, <|bos|> and all
     by_text = trace(client)
     assert by_ids["tokens"] == by_text["tokens"]
     assert by_ids["surprisal"] == by_text["surprisal"]
@@ -404,8 +404,9 @@ def error(client: httpx.Client, body: dict[str, Any], status: int = 400) -> dict
 def test_a_prompt_past_the_limit_is_a_400(client: httpx.Client) -> None:
     ids = client.post("/v1/tokenize", json={"prompt": "a"}).json()["tokens"]
     limit = min(MAX_TRACE_TOKENS, client.get("/v1/models").json()["data"][0]["max_context"])
-    assert trace(client, prompt=[ids[-1]] * (limit - 1))["limit"] == limit
-    found = error(client, {"prompt": [ids[-1]] * limit})
+    # token ids are used as given (no <|bos|> added): exactly the limit fits
+    assert trace(client, prompt=[ids[-1]] * limit)["limit"] == limit
+    found = error(client, {"prompt": [ids[-1]] * (limit + 1)})
     assert found["code"] == "context_length_exceeded" and found["param"] == "prompt"
     assert str(limit) in found["message"]
 

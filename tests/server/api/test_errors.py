@@ -272,7 +272,7 @@ def test_a_failing_step_fails_its_requests_not_the_engine(
 ) -> None:
     body = {"model": "lowrank", "prompt": "a", "max_tokens": 3}
     registry = server.service.metrics.registry
-    labels = {"model": "lowrank", "reason": "model_error"}
+    labels = {"model_name": "lowrank", "reason": "model_error"}
     before = registry.get_sample_value("ordinal_request_failures_total", labels)
     server.control.call("break_model", "lowrank")  # in the engine process
     try:

@@ -76,7 +76,7 @@ def test_a_killed_engine_fails_its_streams_answers_503_and_comes_back(
     again = client.post("/v1/completions", json=BODY)
     assert again.status_code == 200 and again.json()["choices"][0]["text"] == expected
     registry = lone_server.service.metrics.registry
-    labels = {"model": MODEL, "reason": "engine_lost"}
+    labels = {"model_name": MODEL, "reason": "engine_lost"}
     assert registry.get_sample_value("ordinal_request_failures_total", labels) == 1
     assert lone_server.service.models[MODEL].engine.in_flight == 0
     client.close()

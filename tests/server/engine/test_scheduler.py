@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections import deque
 from dataclasses import dataclass
 
 import pytest
@@ -138,3 +139,35 @@ def test_random_arrivals_respect_rows_budget_order_and_finish_every_prompt(seed:
                 decoding[id(request)] -= 1
     assert started == arrivals
     assert all(fed[id(a)] == a.prompt_length for a in arrivals)
+
+
+def test_a_lower_priority_is_admitted_before_every_queued_higher_one() -> None:
+    """vLLM's polarity: with the rows full and requests queued, a priority -1 arrival is
+    admitted before every waiting priority 0 one; arrival order holds among equals."""
+    scheduler: Scheduler[Ask] = Scheduler(max_rows=1, prefill_chunk=100)
+    holder, *queued = asks(3, 4, 5, 6)
+    urgent, later = Ask(2, name="urgent"), Ask(2, name="later")
+    scheduler.add(holder)
+    assert plan_of(scheduler.schedule()) == [("r0", 3)]  # the only row
+    for request in queued:
+        scheduler.add(request)
+    scheduler.add(urgent, priority=-1)
+    scheduler.add(later, priority=5)
+    assert list(scheduler.waiting) == [urgent, *queued, later]
+    order = []
+    for running in [holder, urgent, *queued]:
+        scheduler.finish([running])
+        order.extend(name for name, _ in plan_of(scheduler.schedule()))
+    assert order == ["urgent", "r1", "r2", "r3", "later"]
+    assert scheduler.idle is False and scheduler.cancel(later) == Phase.DECODING
+
+
+def test_cancelling_a_queued_request_forgets_its_priority() -> None:
+    scheduler: Scheduler[Ask] = Scheduler(max_rows=1, prefill_chunk=100)
+    first, second = asks(3, 3)
+    scheduler.add(first, priority=2)
+    scheduler.add(second, priority=1)
+    assert scheduler.cancel(first) == Phase.WAITING
+    assert scheduler.cancel(first) == Phase.GONE
+    assert plan_of(scheduler.schedule()) == [("r1", 3)]
+    assert scheduler.waiting == deque()
