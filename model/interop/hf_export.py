@@ -404,7 +404,8 @@ def hf_chat_template(source: str) -> str:
     """The checkpoint's template ``source`` with what ordinal's server passes it set inside.
 
     The server renders with ``speakers``, ``assistant_name`` (the last assistant message's
-    speaker, upper-cased) and ``add_generation_prompt`` true, and puts <|bos|> before the text;
+    speaker, upper-cased) and ``add_generation_prompt`` true, and puts <|bos|> before the text
+    (here too, unless the template renders ``bos_token`` itself);
     Hugging Face passes only messages and the special tokens, so this prelude sets the rest and
     ``apply_chat_template`` gives the server's scene with its defaults. The scene always ends
     with the reply's speaker line, as the server renders it. ``developer`` speaks as system.
@@ -418,9 +419,10 @@ def hf_chat_template(source: str) -> str:
         "{%- endfor -%}\n"
         "{%- set assistant_name = reply.name | upper -%}\n"
         "{%- set add_generation_prompt = true -%}\n"
-        "{{- bos_token -}}\n"
     )
-    return prelude + source
+    # The shipped template renders bos_token itself (for Hugging Face); an older one does not.
+    bos = "" if "bos_token" in source else "{{- bos_token -}}\n"
+    return prelude + bos + source
 
 
 def tokenizer_files(
