@@ -522,9 +522,11 @@ def check_weights(weights_path: Path, config: ModelConfig) -> str | None:
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Name → shape of every tensor a checkpoint of ``config`` stores, without building its
-    ``n_layers`` blocks: a one-block model on the meta device, its block's tensors repeated."""
+    ``n_layers`` blocks: a one-block model on the meta device, its block's tensors repeated, and
+    the scheme of the whole config (fox's and cope's tensors have a row per layer)."""
     with torch.device("meta"):
         one_block = stored_tensors(Transformer(config.replace(n_layers=1)))
+        scheme = build_scheme(config).state_dict()
     shapes: dict[str, tuple[int, ...]] = {}
     for name, tensor in one_block.items():
         if name.startswith("blocks.0."):
@@ -532,8 +534,9 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes.update(
                 {f"blocks.{i}.{rest}": tuple(tensor.shape) for i in range(config.n_layers)}
             )
-        else:
+        elif not name.startswith("positional."):
             shapes[name] = tuple(tensor.shape)
+    shapes.update({f"positional.{name}": tuple(tensor.shape) for name, tensor in scheme.items()})
     return shapes
 
 
