@@ -46,8 +46,20 @@ def samples(client: httpx.Client) -> dict[str, list[tuple[dict[str, str], float]
     return found
 
 
+def max_tokens_buckets(exposed: dict[str, list[tuple[dict[str, str], float]]]) -> dict[str, float]:
+    """request_max_num_generation_tokens's cumulative buckets for MODEL (0 before any request)."""
+    return {
+        labels["le"]: value
+        for labels, value in exposed.get(
+            renamed("vllm:request_max_num_generation_tokens_bucket"), []
+        )
+        if labels["model_name"] == MODEL
+    }
+
+
 def test_vllm_dashboard_queries_find_data(server: Running, client: httpx.Client) -> None:
     max_tokens = 7
+    before = max_tokens_buckets(samples(client))  # the server is shared with other tests
     body = {"model": MODEL, "prompt": "To be", "max_tokens": max_tokens, "ignore_eos": True}
     assert client.post("/v1/completions", json=body).status_code == 200
     wait_for(lambda: server.engine(MODEL).in_flight == 0, "the request to finish")
@@ -64,11 +76,8 @@ def test_vllm_dashboard_queries_find_data(server: Running, client: httpx.Client)
     assert all("model" not in labels for name in exposed for labels, _ in exposed[name])
 
     # request_max_num_generation_tokens observed the request's max_tokens
-    buckets = {
-        labels["le"]: value
-        for labels, value in exposed[renamed("vllm:request_max_num_generation_tokens_bucket")]
-        if labels["model_name"] == MODEL
-    }
-    assert buckets["4.0"] == 0 and buckets["8.0"] >= 1
+    buckets = max_tokens_buckets(exposed)
+    added = {le: count - before.get(le, 0) for le, count in buckets.items()}
+    assert added["4.0"] == 0 and added["8.0"] == 1
     usage = [v for labels, v in exposed["ordinal_kv_cache_usage_perc"] if labels["model_name"]]
     assert all(0 <= value <= 1 for value in usage)
