@@ -10,11 +10,11 @@ from fastapi import APIRouter, Request
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.responses import PlainTextResponse, Response
 
-from model.tokenizer import BOS, EOS, PAD, encode_prompt
+from model.tokenizer import BOS, EOS, PAD
 from server.api.chat import create_chat_completion
 from server.api.completions import create_completion
 from server.api.errors import APIError, busy, error_responses
-from server.api.offload import off_loop
+from server.api.offload import off_loop, token_ids
 from server.api.responses import create_response
 from server.api.schemas import (
     ChatRequest,
@@ -108,10 +108,7 @@ async def get_model(model_id: str, request: Request) -> Response:
 async def tokenize(body: TokenizeRequest, request: Request) -> Response:
     served = _service(request).get(body.model)
     tokenizer = served.tokenizer
-    if body.add_special_tokens:
-        ids = await off_loop(encode_prompt, tokenizer, body.prompt)
-    else:
-        ids = (await off_loop(tokenizer.encode, body.prompt)).ids
+    ids = await off_loop(token_ids, tokenizer, body.prompt, body.add_special_tokens)
     limit = served.max_context
     return _json({"model": served.name, "tokens": ids, "count": len(ids), "max_context": limit})
 

@@ -79,7 +79,6 @@ def test_a_trace_flood_leaves_eight_streams_their_pace(server: Running) -> None:
 
     gaps, tokens = gaps_beside(server.url, flood, attackers=20)
     assert tokens == STREAMS * STREAM["max_tokens"]
-    print(statuses, np.percentile(gaps, [50, 90, 99]))
     assert statuses[200] >= 20  # the traces ran beside the streams...
     assert statuses[429] > 0  # ...at most max_traces (4) of them queued at once
     assert set(statuses) == {200, 429}
@@ -107,5 +106,6 @@ def test_megabyte_prompts_leave_the_streams_their_pace(server: Running) -> None:
 
     gaps, tokens = gaps_beside(server.url, send, attackers=4)
     assert tokens == STREAMS * STREAM["max_tokens"]
+    assert gaps.max() < 0.5, f"a stall of {gaps.max():.2f} s"  # encode() held the GIL 1.6 s
     assert statuses[("/v1/completions", 400)] >= 4 and statuses[("/v1/tokenize", 200)] >= 1
     assert np.percentile(gaps, 99) < GAP_P99, f"p99 {np.percentile(gaps, 99):.3f} s"
