@@ -355,6 +355,13 @@ def import_options(parser: argparse.ArgumentParser) -> None:
         "folder exists and the hub can be reached",
     )
     parser.add_argument("out", type=Path, metavar="OUT", help="checkpoint folder to write")
+    parser.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default=None,
+        help="dtype of the saved weights (default: the folder's; a folder ordinal export wrote: "
+        "its checkpoint's, which imports back exactly)",
+    )
 
 
 def export_options(parser: argparse.ArgumentParser) -> None:

@@ -409,8 +409,18 @@ def hf_chat_template(source: str) -> str:
     ``apply_chat_template`` gives the server's scene with its defaults. The scene always ends
     with the reply's speaker line, as the server renders it. ``developer`` speaks as system.
     """
+    return _chat_prelude() + source
+
+
+def checkpoint_chat_template(template: str) -> str:
+    """The checkpoint's own template inside ``template`` where :func:`hf_chat_template` wrote
+    it (else ``template`` as it is): what importing an export records again."""
+    return template.removeprefix(_chat_prelude())
+
+
+def _chat_prelude() -> str:
     speakers = {**DEFAULT_SPEAKERS, "developer": DEFAULT_SPEAKERS["system"]}
-    prelude = (
+    return (
         f"{{%- set speakers = {json.dumps(speakers)} -%}}\n"
         '{%- set reply = namespace(name=speakers["assistant"]) -%}\n'
         '{%- for message in messages if message.role == "assistant" -%}\n'
@@ -420,7 +430,6 @@ def hf_chat_template(source: str) -> str:
         "{%- set add_generation_prompt = true -%}\n"
         "{{- bos_token -}}\n"
     )
-    return prelude + source
 
 
 def tokenizer_files(
@@ -450,7 +459,7 @@ def tokenizer_files(
 # Writing
 
 
-def _contiguous_copies(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+def float32_copies(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
     """float32, contiguous, each its own memory (safetensors refuses shared storage)."""
     return {
         name: t.detach().to("cpu", torch.float32).contiguous().clone()
@@ -472,7 +481,7 @@ def export_folder(checkpoint: str | Path, out: str | Path, target: str = "auto")
     refuse_overwriting(checkpoint, out)
     model, tokenizer = load_checkpoint(checkpoint, device="cpu", dtype="float32")
     exported = export_model(model, tokenizer, target)
-    weights = serialise_tensors(_contiguous_copies(exported.tensors), metadata={"format": "pt"})
+    weights = serialise_tensors(float32_copies(exported.tensors), metadata={"format": "pt"})
     with staged_folder(out) as staging:
         (staging / CONFIG_FILE).write_text(json.dumps(exported.config, indent=2) + "\n")
         (staging / WEIGHTS_FILE).write_bytes(weights)
