@@ -54,6 +54,7 @@ from model.interop.hf_export import (
     checkpoint_chat_template,
     export_model,
     float32_copies,
+    native_for,
 )
 from model.tokenizer import (
     SPECIAL_TOKENS,
@@ -303,8 +304,14 @@ def import_export(
     except (ValueError, TypeError, AttributeError) as error:
         message = f"config.json's {EXPORTED_CONFIG} is not a config: {error}"
         raise UnsupportedModel(message) from None
-    folder_tensors = read_safetensors(folder)
     model = Transformer(config)
+    native, why_not = native_for(model)
+    if architecture != CUSTOM_ARCHITECTURE and native != architecture:
+        raise UnsupportedModel(
+            f"{EXPORTED_CONFIG}'s {config.scheme} is never exported as {architecture}: "
+            f"{why_not or f'it exports as {native}'}"
+        )
+    folder_tensors = read_safetensors(folder)
     state = inverses[architecture](_Tensors(folder_tensors), config)
     missing = sorted(set(model.state_dict()) - set(state))
     if missing:
