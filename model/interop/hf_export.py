@@ -61,6 +61,7 @@ FORMATS = ("hf", "gguf")  # a Hugging Face folder; a llama.cpp file (model.inter
 REMOTE_CODE = Path(__file__).parent / "remote"
 REMOTE_FILES = ("configuration_ordinal.py", "modeling_ordinal.py")
 CUSTOM_ARCHITECTURE = "OrdinalForCausalLM"
+EXPORTED_CONFIG = "ordinal_config"  # config.json's key: the checkpoint's own config, for an import
 # ordinal's MLPs that are ungated, by their name in transformers' ACT2FN (the same function).
 UNGATED_ACTIVATIONS = {"relu2": "relu2", "gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh"}
 # The ModelConfig fields every exported architecture reads. Any other field (one added to the
@@ -198,7 +199,7 @@ def _common_config(model: Transformer, tokenizer: Tokenizer, architecture: str) 
         "tie_word_embeddings": model.config.tie_embeddings,
         "torch_dtype": "float32",
         "use_cache": True,
-        "ordinal_config": model.config.to_dict(),
+        EXPORTED_CONFIG: model.config.to_dict(),
     }
 
 

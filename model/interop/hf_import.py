@@ -51,6 +51,7 @@ from model.config import ModelConfig
 from model.device import DTYPES, resolve_dtype
 from model.interop.hf_export import (
     CUSTOM_ARCHITECTURE,
+    EXPORTED_CONFIG,
     checkpoint_chat_template,
     export_model,
     float32_copies,
@@ -281,7 +282,6 @@ def _add_output(state: dict[str, Tensor], tensors: _Tensors, config: ModelConfig
 # ----------------------------------------------------------------------------------------------
 # ordinal's own exports, imported back
 
-EXPORTED_CONFIG = "ordinal_config"  # config.json's key holding the exported checkpoint's config
 # config.json keys that transformers adds on a save and that change nothing the model computes.
 SAVE_METADATA = ("transformers_version", "_name_or_path")
 
