@@ -338,10 +338,18 @@ def import_options(parser: argparse.ArgumentParser) -> None:
         "source",
         metavar="HF_FOLDER",
         help="a Hugging Face model folder (GPT2LMHeadModel or LlamaForCausalLM, safetensors "
-        "weights, tokenizer.json); a hub name (owner/model) is downloaded only if no such "
+        "weights, tokenizer.json; or one ordinal export wrote, which imports back as its "
+        "checkpoint); a hub name (owner/model) is downloaded only if no such "
         "folder exists and the hub can be reached",
     )
     parser.add_argument("out", type=Path, metavar="OUT", help="checkpoint folder to write")
+    parser.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default=None,
+        help="dtype of the saved weights (default: the folder's; a folder ordinal export wrote: "
+        "its checkpoint's, which imports back exactly)",
+    )
 
 
 def export_options(parser: argparse.ArgumentParser) -> None:

@@ -3,9 +3,11 @@
 The commands are the lines of its ``sh`` blocks, the Commands table, and inline ``make …`` and
 ``… --help`` spans. Each kind is checked by the quickest run that proves it: ``make`` as a dry run
 (``make -n``), ``ordinal`` parsed by the real parser (globs expanded, the table's placeholders
-filled in) and then checked the way the command starts (eval's folders, serve's settings), the
-client and ``curl`` sent to a live server of tiny checkpoints, ``docker compose`` by the compose
-tool when there is one (else its services and profiles), and any other module by its ``--help``.
+filled in) and then checked the way the command starts (eval's folders, serve's settings; an
+export runs, and an import of what a README export writes runs after it and must give its
+checkpoint back), the client and ``curl`` sent to a live server of tiny checkpoints, ``docker
+compose`` by the compose tool when there is one (else its services and profiles), and any other
+module by its ``--help``.
 A command of a new kind fails here until it gets a rule. The commands of the sections "Your own
 text" and "Bring a model" run for real instead, in order, in a folder holding what they name: a
 corpus of the user's (notes.jsonl) and tiny Hugging Face folders built locally (gpt2,
@@ -33,7 +35,10 @@ import yaml
 
 import model.evaluate
 import model.interop.hf_export
+import model.interop.hf_import
 import ordinal
+from model.checkpoint import data_section
+from model.config import ModelConfig
 from server.api.app import settings_from_args
 from tests.server.conftest import Running, running_server, test_settings
 from tests.test_deploy import compose_tools
@@ -125,15 +130,20 @@ def test_the_readme_has_commands_of_every_kind() -> None:
     assert {"make", "ordinal", "curl", "docker", ".venv/bin/python", ".venv/bin/torchrun"} <= starts
 
 
-def exported_paths() -> dict[str, str]:
-    """The OUT of each README ``ordinal export`` command → its --format (hf or gguf)."""
-    paths = {}
+def readme_exports() -> dict[str, list[str]]:
+    """The OUT of each README ``ordinal export`` command → the command's arguments."""
+    exports = {}
     for command in COMMANDS:
         argv = argv_of(command)[1]
         if argv[:2] == ["ordinal", "export"]:
-            args = ordinal.build_parser().parse_args(argv[1:])
-            paths[str(args.out)] = args.format
-    return paths
+            exports[str(ordinal.build_parser().parse_args(argv[1:]).out)] = argv[1:]
+    return exports
+
+
+def exported_paths() -> dict[str, str]:
+    """The OUT of each README ``ordinal export`` command → its --format (hf or gguf)."""
+    parse = ordinal.build_parser().parse_args
+    return {out: parse(argv).format for out, argv in readme_exports().items()}
 
 
 def check_ordinal(argv: list[str], tmp_path: Path | None = None) -> None:
@@ -158,6 +168,20 @@ def check_ordinal(argv: list[str], tmp_path: Path | None = None) -> None:
         args.checkpoint, args.out = REPO / args.checkpoint, tmp_path / args.out.name
         model.interop.hf_export.run(args)
         assert args.out.exists()
+    elif args.command == "import" and args.source in readme_exports():
+        # An import of what a README export writes: that export first, then the import, which
+        # must give the exported checkpoint again.
+        assert tmp_path is not None
+        export = ordinal.build_parser().parse_args(readme_exports()[args.source])
+        check_ordinal(readme_exports()[args.source], tmp_path)
+        args.source, args.out = str(tmp_path / export.out.name), tmp_path / args.out.name
+        model.interop.hf_import.run(args)
+        exported_from = REPO / export.checkpoint
+        assert ModelConfig.load(args.out / "config.json") == ModelConfig.load(
+            exported_from / "config.json"
+        )
+        weights = [folder / "model.safetensors" for folder in (exported_from, args.out)]
+        assert data_section(weights[0].read_bytes()) == data_section(weights[1].read_bytes())
 
 
 @pytest.mark.parametrize("command", COMMANDS)

@@ -61,6 +61,7 @@ FORMATS = ("hf", "gguf")  # a Hugging Face folder; a llama.cpp file (model.inter
 REMOTE_CODE = Path(__file__).parent / "remote"
 REMOTE_FILES = ("configuration_ordinal.py", "modeling_ordinal.py")
 CUSTOM_ARCHITECTURE = "OrdinalForCausalLM"
+EXPORTED_CONFIG = "ordinal_config"  # config.json's key: the checkpoint's own config, for an import
 # ordinal's MLPs that are ungated, by their name in transformers' ACT2FN (the same function).
 UNGATED_ACTIVATIONS = {"relu2": "relu2", "gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh"}
 # The ModelConfig fields every exported architecture reads. Any other field (one added to the
@@ -198,7 +199,7 @@ def _common_config(model: Transformer, tokenizer: Tokenizer, architecture: str) 
         "tie_word_embeddings": model.config.tie_embeddings,
         "torch_dtype": "float32",
         "use_cache": True,
-        "ordinal_config": model.config.to_dict(),
+        EXPORTED_CONFIG: model.config.to_dict(),
     }
 
 
@@ -410,8 +411,27 @@ def hf_chat_template(source: str) -> str:
     ``apply_chat_template`` gives the server's scene with its defaults. The scene always ends
     with the reply's speaker line, as the server renders it. ``developer`` speaks as system.
     """
+    # The shipped template renders bos_token itself (for Hugging Face); an older one does not.
+    bos = "" if "bos_token" in source else _BOS_LINE
+    return _chat_prelude() + bos + source
+
+
+_BOS_LINE = "{{- bos_token -}}\n"
+
+
+def checkpoint_chat_template(template: str) -> str:
+    """The checkpoint's own template inside ``template`` where :func:`hf_chat_template` wrote
+    it (else ``template`` as it is): what importing an export records again."""
+    if not template.startswith(_chat_prelude()):
+        return template
+    source = template.removeprefix(_chat_prelude())
+    own = source.removeprefix(_BOS_LINE)
+    return own if "bos_token" not in own else source
+
+
+def _chat_prelude() -> str:
     speakers = {**DEFAULT_SPEAKERS, "developer": DEFAULT_SPEAKERS["system"]}
-    prelude = (
+    return (
         f"{{%- set speakers = {json.dumps(speakers)} -%}}\n"
         '{%- set reply = namespace(name=speakers["assistant"]) -%}\n'
         '{%- for message in messages if message.role == "assistant" -%}\n'
@@ -420,9 +440,6 @@ def hf_chat_template(source: str) -> str:
         "{%- set assistant_name = reply.name | upper -%}\n"
         "{%- set add_generation_prompt = true -%}\n"
     )
-    # The shipped template renders bos_token itself (for Hugging Face); an older one does not.
-    bos = "" if "bos_token" in source else "{{- bos_token -}}\n"
-    return prelude + bos + source
 
 
 def tokenizer_files(
@@ -452,7 +469,7 @@ def tokenizer_files(
 # Writing
 
 
-def _contiguous_copies(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+def float32_copies(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
     """float32, contiguous, each its own memory (safetensors refuses shared storage)."""
     return {
         name: t.detach().to("cpu", torch.float32).contiguous().clone()
@@ -474,7 +491,7 @@ def export_folder(checkpoint: str | Path, out: str | Path, target: str = "auto")
     refuse_overwriting(checkpoint, out)
     model, tokenizer = load_checkpoint(checkpoint, device="cpu", dtype="float32")
     exported = export_model(model, tokenizer, target)
-    weights = serialise_tensors(_contiguous_copies(exported.tensors), metadata={"format": "pt"})
+    weights = serialise_tensors(float32_copies(exported.tensors), metadata={"format": "pt"})
     with staged_folder(out) as staging:
         (staging / CONFIG_FILE).write_text(json.dumps(exported.config, indent=2) + "\n")
         (staging / WEIGHTS_FILE).write_bytes(weights)

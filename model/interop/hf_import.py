@@ -18,6 +18,16 @@ config.json's ids), are recorded in the checkpoint's own tokenizer_config.json, 
 ``model.tokenizer.load_tokenizer`` finds them. Its post-processor is dropped: ordinal places the
 bos token itself. A hub name ("owner/model") is downloaded only when no such folder exists and
 ``huggingface_hub`` can reach the hub.
+
+A folder ``ordinal export`` wrote (config.json holds ``ordinal_config``) imports back as the
+checkpoint it came from: that config, and every tensor equal bit for bit (:func:`import_export`).
+Its weights are mapped back (the custom code's are ordinal's own; Nemotron's norms get their 1
+back and q, k, v are fused again; GPT-2's Conv1D weights are transposed back, the zero biases and
+none's zero table dropped), and then the model is exported again: the import stands only if that
+gives the folder's config.json and every one of its tensors exactly, so a folder edited since, or
+one whose mapping lost something, is refused rather than imported as another model. A GPT-2
+export of mds or lowrank is such a loss (their parameters were baked into the position table) and
+is refused, naming the custom-code export that round-trips.
 """
 
 from __future__ import annotations
@@ -38,8 +48,17 @@ from torch import Tensor
 from model.chat import DEFAULT_TEMPLATE
 from model.checkpoint import TOKENIZER_FILE, save_checkpoint
 from model.config import ModelConfig
-from model.device import DTYPES
+from model.device import DTYPES, resolve_dtype
+from model.interop.hf_export import (
+    CUSTOM_ARCHITECTURE,
+    EXPORTED_CONFIG,
+    checkpoint_chat_template,
+    export_model,
+    float32_copies,
+    native_for,
+)
 from model.tokenizer import (
+    SPECIAL_TOKENS,
     name_special_tokens,
     special_ids,
     special_token_config,
@@ -69,14 +88,19 @@ class Family:
     weights: Callable[[_Tensors, ModelConfig], dict[str, Tensor]]
 
 
-def import_model(source: str | Path, out: Path) -> ModelConfig:
+def import_model(source: str | Path, out: Path, dtype: str | None = None) -> ModelConfig:
     """Convert the Hugging Face model at ``source`` (a folder, or a hub name) into the
-    checkpoint folder ``out`` (written atomically); returns its config."""
+    checkpoint folder ``out`` (written atomically), its weights stored in ``dtype`` (default:
+    the folder's; an export's: its checkpoint's); returns its config."""
     folder = resolve_folder(str(source))
     hf_config = _read_json(folder / HF_CONFIG_FILE)
+    if EXPORTED_CONFIG in hf_config:
+        return import_export(folder, hf_config, out, dtype)
     architecture = _architecture(hf_config)
     family = FAMILIES[architecture]
     config = family.config(hf_config)
+    if dtype is not None:
+        config = config.replace(dtype=dtype)
     tensors = _Tensors(read_safetensors(folder))
     state = family.weights(tensors, config)
     tensors.check_all_taken(architecture)
@@ -94,7 +118,7 @@ def import_model(source: str | Path, out: Path) -> ModelConfig:
 
 def run(args: argparse.Namespace) -> None:
     """``ordinal import SOURCE OUT``."""
-    config = import_model(args.source, args.out)
+    config = import_model(args.source, args.out, args.dtype)
     print(
         f"imported {args.source} → {args.out}: {config.scheme}, {config.n_layers} layers, "
         f"d_model {config.d_model}, {config.n_heads} heads ({config.key_value_heads} key/value)"
@@ -256,6 +280,164 @@ def _add_output(state: dict[str, Tensor], tensors: _Tensors, config: ModelConfig
 
 
 # ----------------------------------------------------------------------------------------------
+# ordinal's own exports, imported back
+
+# config.json keys that transformers adds on a save and that change nothing the model computes.
+SAVE_METADATA = ("transformers_version", "_name_or_path")
+
+
+def import_export(
+    folder: Path, hf_config: dict[str, Any], out: Path, dtype: str | None
+) -> ModelConfig:
+    """The checkpoint ``ordinal export`` wrote ``folder`` from, at ``out``: its config (stored
+    in ``dtype``, default its own) and every tensor exactly, or an UnsupportedModel saying why
+    the folder is not exactly an export of it."""
+    architecture = (hf_config.get("architectures") or [None])[0]
+    inverses = {CUSTOM_ARCHITECTURE: ordinal_weights, **EXPORT_INVERSES}
+    if architecture not in inverses:
+        raise UnsupportedModel(
+            f"architecture {architecture!r} with {EXPORTED_CONFIG}: ordinal export writes only "
+            f"{sorted(inverses)}"
+        )
+    try:
+        config = ModelConfig.from_dict(hf_config[EXPORTED_CONFIG])
+    except (ValueError, TypeError, AttributeError) as error:
+        message = f"config.json's {EXPORTED_CONFIG} is not a config: {error}"
+        raise UnsupportedModel(message) from None
+    model = Transformer(config)
+    native, why_not = native_for(model)
+    if architecture != CUSTOM_ARCHITECTURE and native != architecture:
+        raise UnsupportedModel(
+            f"{EXPORTED_CONFIG}'s {config.scheme} is never exported as {architecture}: "
+            f"{why_not or f'it exports as {native}'}"
+        )
+    folder_tensors = read_safetensors(folder)
+    state = inverses[architecture](_Tensors(folder_tensors), config)
+    missing = sorted(set(model.state_dict()) - set(state))
+    if missing:
+        raise UnsupportedModel(
+            f"{architecture} does not hold {config.scheme}'s {missing} (the export lost them)"
+        )
+    _load_exactly(model, {name: state[name] for name in model.state_dict()})
+    tokenizer, tokenizer_config = read_tokenizer(folder, hf_config)
+    _check_exports_as(folder, hf_config, folder_tensors, model, tokenizer)
+    if getattr(tokenizer, "special_tokens", None) == SPECIAL_TOKENS:  # ordinal's own, unnamed
+        tokenizer_config = {"chat_template": tokenizer_config["chat_template"]}
+    tokenizer_config["chat_template"] = checkpoint_chat_template(tokenizer_config["chat_template"])
+    storage = dtype or config.dtype
+    if dtype is None:  # the checkpoint's own dtype, only if it holds every weight exactly
+        _check_fits(model, storage)
+    save_checkpoint(out, model, tokenizer, storage, tokenizer_config=tokenizer_config)
+    return config.replace(dtype=storage)
+
+
+def _check_exports_as(
+    folder: Path,
+    hf_config: dict[str, Any],
+    tensors: dict[str, Tensor],
+    model: Transformer,
+    tokenizer: Tokenizer,
+) -> None:
+    """An UnsupportedModel unless exporting ``model`` again writes exactly the folder's
+    config.json and tensors: the import is then the model the folder computes."""
+    target = "custom" if hf_config["architectures"] == [CUSTOM_ARCHITECTURE] else "native"
+    try:
+        again = export_model(model, tokenizer, target)
+    except ValueError as error:
+        message = f"{EXPORTED_CONFIG} exports as no {target} folder: {error}"
+        raise UnsupportedModel(message) from None
+    not_export = f"{folder} is not what ordinal export writes for its {EXPORTED_CONFIG}"
+    if again.architecture != hf_config["architectures"][0]:
+        raise UnsupportedModel(f"{not_export}: that exports as {again.architecture}")
+    for key in sorted(set(hf_config) | set(again.config)):
+        if key not in SAVE_METADATA and hf_config.get(key) != again.config.get(key):
+            raise UnsupportedModel(
+                f"{not_export}: config.json's {key} is {hf_config.get(key)!r}, the export's "
+                f"{again.config.get(key)!r} (imported, it would be another model)"
+            )
+    expected = float32_copies(again.tensors)
+    for name in sorted(set(tensors) | set(expected)):
+        if name not in tensors or name not in expected:
+            where = "has no" if name not in tensors else "has a tensor the export does not write:"
+            raise UnsupportedModel(f"{not_export}: it {where} {name!r}")
+        if not torch.equal(tensors[name].float(), expected[name]):
+            raise UnsupportedModel(
+                f"{not_export}: its tensor {name!r} differs from the export's (imported, it "
+                f"would be another model)"
+            )
+
+
+def _check_fits(model: Transformer, dtype: str) -> None:
+    """An UnsupportedModel unless every weight of ``model`` is exactly a ``dtype`` number."""
+    storage = resolve_dtype(dtype)
+    for name, tensor in model.state_dict().items():
+        if not torch.equal(tensor.to(storage).to(tensor.dtype), tensor):
+            raise UnsupportedModel(
+                f"tensor {name!r} is not exactly {dtype}, the dtype {EXPORTED_CONFIG} records "
+                f"(the weights changed since the export?): pass --dtype float32 to keep them"
+            )
+
+
+def ordinal_weights(tensors: _Tensors, config: ModelConfig) -> dict[str, Tensor]:
+    """The custom-code folder's tensors: ordinal's own names, the tied output not stored."""
+    state = {name: tensors.take(name) for name in tensors.names() if name != "lm_head.weight"}
+    _add_output(state, tensors, config)
+    return state
+
+
+def nemotron_weights(tensors: _Tensors, config: ModelConfig) -> dict[str, Tensor]:
+    """``model.interop.hf_export.nemotron`` inverted: norms get their 1 back (LayerNorm1P),
+    q, k and v are fused again; the zero biases are kept for the export check to see."""
+    tensors.strip_prefix("model.")
+    state = {"token_embedding.weight": tensors.take("embed_tokens.weight")}
+
+    def norm(theirs: str, ours: str) -> None:
+        state[f"{ours}.weight"] = tensors.take(f"{theirs}.weight") + 1.0
+        state[f"{ours}.bias"] = tensors.take(f"{theirs}.bias")
+
+    for layer in range(config.n_layers):
+        theirs, ours = f"layers.{layer}.", f"blocks.{layer}."
+        norm(f"{theirs}input_layernorm", f"{ours}attention_norm")
+        norm(f"{theirs}post_attention_layernorm", f"{ours}mlp_norm")
+        kinds = ("weight", "bias") if config.bias else ("weight",)
+        for kind in kinds:
+            state[f"{ours}attention.qkv.{kind}"] = torch.cat(
+                [tensors.take(f"{theirs}self_attn.{name}_proj.{kind}") for name in "qkv"]
+            )
+            for mine, hers in [("attention.proj", "self_attn.o_proj"), ("mlp.up", "mlp.up_proj")]:
+                state[f"{ours}{mine}.{kind}"] = tensors.take(f"{theirs}{hers}.{kind}")
+            state[f"{ours}mlp.down.{kind}"] = tensors.take(f"{theirs}mlp.down_proj.{kind}")
+    norm("norm", "final_norm")
+    _add_output(state, tensors, config)
+    return state
+
+
+def gpt2_export_weights(tensors: _Tensors, config: ModelConfig) -> dict[str, Tensor]:
+    """``model.interop.hf_export.gpt2`` inverted: GPT-2's weights (:func:`gpt2_weights`), the
+    position table ordinal's learned table; a scheme with other parameters was baked into it."""
+    baked = [
+        name
+        for name in Transformer(config).positional.state_dict()
+        if config.scheme != "learned" or name != "table"
+    ]
+    if baked:
+        raise UnsupportedModel(
+            f"this GPT2LMHeadModel export of {config.scheme} is lossy: {config.scheme}'s "
+            f"{baked} were baked into GPT-2's position table, which does not determine them, so "
+            f"it cannot import back as {config.scheme} (export with --target custom for a folder "
+            f"that does)"
+        )
+    return gpt2_weights(tensors, config)
+
+
+# How each native architecture ``ordinal export`` writes is mapped back.
+EXPORT_INVERSES: dict[str, Callable[[_Tensors, ModelConfig], dict[str, Tensor]]] = {
+    "NemotronForCausalLM": nemotron_weights,
+    "GPT2LMHeadModel": gpt2_export_weights,
+}
+
+
+# ----------------------------------------------------------------------------------------------
 # Reading the folder
 
 
@@ -349,6 +531,9 @@ class _Tensors:
 
     def strip_prefix(self, prefix: str) -> None:
         self._left = {name.removeprefix(prefix): tensor for name, tensor in self._left.items()}
+
+    def names(self) -> list[str]:
+        return list(self._left)
 
     def take(self, name: str) -> Tensor:
         if name not in self._left:
