@@ -31,6 +31,7 @@ from model.config import (
     MODEL_SIZE_FLAGS,
     OPTIMIZERS,
     PRESETS,
+    SCHEDULES,
     SEQUENCE_STARTS,
     TrainConfig,
 )
@@ -58,7 +59,11 @@ DATA_FORMS = "a text file, a folder of .txt files, or .jsonl with a text field"
 # The recipe's defaults and choices, and the shipped preset's sizes that `ordinal train` takes
 # as flags, read from model.config (torch-free: the schemes load only when a config is built).
 TRAIN_DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
-TRAIN_CHOICES = {"optimizer": OPTIMIZERS, "sequence_starts": SEQUENCE_STARTS}
+TRAIN_CHOICES = {
+    "optimizer": OPTIMIZERS,
+    "sequence_starts": SEQUENCE_STARTS,
+    "schedule": SCHEDULES,
+}
 MODEL_SIZE_DEFAULTS = {name: PRESETS[DEFAULT_PRESET].model[name] for name in MODEL_SIZE_FLAGS}
 EVAL_MULTIPLES = (1, 2, 4)  # model.evaluate.MULTIPLES
 # model.tasks.TASKS, in its order, and model.tasks.suite's defaults.
