@@ -155,20 +155,7 @@ def start_from_checkpoint(model: Transformer, folder: Path) -> dict[str, Any]:
     architecture otherwise. Returns the origin metrics.json records: the checkpoint, its scheme,
     its weights' SHA-256 and what its own training cost (the budget of the base)."""
     source = load_checkpoint(folder, device="cpu").model
-    ours, theirs = model.config.to_dict(), source.config.to_dict()
-    for name in ours.keys() - {"positional", "dtype"}:
-        if ours[name] != theirs[name]:
-            raise ConfigError(
-                f"--init {folder}: its {name} is {theirs[name]!r} but this run's is "
-                f"{ours[name]!r} (only the positional scheme may differ)"
-            )
-    weights = {
-        name: tensor
-        for name, tensor in source.state_dict().items()
-        if not name.startswith("positional.")
-    }
-    missing, unexpected = model.load_state_dict(weights, strict=False)  # the same architecture
-    assert not unexpected and all(name.startswith("positional.") for name in missing)
+    copy_weights_but_positional(model, source, f"--init {folder}")
     base_metrics_path = folder / METRICS_FILE
     base = json.loads(base_metrics_path.read_text()) if base_metrics_path.is_file() else {}
     return {
@@ -178,6 +165,27 @@ def start_from_checkpoint(model: Transformer, folder: Path) -> dict[str, Any]:
         "sha256": check_weights(folder / WEIGHTS_FILE, source),
         **{key: base[key] for key in ("step", "tokens_seen", "wall_seconds") if key in base},
     }
+
+
+def copy_weights_but_positional(model: Transformer, source: Transformer, what: str) -> None:
+    """Copy every weight of ``source`` into ``model`` but its positional scheme's (``model``
+    keeps its own, as initialised): DroPE's step, from a checkpoint (``--init``) or in memory
+    (the task suite's ``drope``). The architectures must agree otherwise; ``what`` names the
+    source in the error."""
+    ours, theirs = model.config.to_dict(), source.config.to_dict()
+    for name in ours.keys() - {"positional", "dtype"}:
+        if ours[name] != theirs[name]:
+            raise ConfigError(
+                f"{what}: its {name} is {theirs[name]!r} but this run's is "
+                f"{ours[name]!r} (only the positional scheme may differ)"
+            )
+    weights = {
+        name: tensor
+        for name, tensor in source.state_dict().items()
+        if not name.startswith("positional.")
+    }
+    missing, unexpected = model.load_state_dict(weights, strict=False)  # the same architecture
+    assert not unexpected and all(name.startswith("positional.") for name in missing)
 
 
 def training_corpus(data: Path | None) -> Corpus:
