@@ -6,7 +6,8 @@ entry of its own name, and some entries are a scheme with a recipe of its own.
 - ``drope`` (Gelberg et al. 2025, DroPE): rope trained with the suite's budget, then its
   positions removed (the same weights under ``none``, as ``ordinal train --scheme none --init``
   does) and the model recalibrated at the training length for ``recalibration`` × the steps,
-  with a fresh optimiser on the same schedule shape, its warmup scaled alike.
+  with a fresh optimiser on the same schedule shape, its warmup scaled alike. 0.1, the share
+  the shipped ``drope`` checkpoint recalibrates for (200 of 2,000 steps: checkpoints/README.md).
 
 An entry's recipe is saved with its results (``Entry.recipe``), so ``--reuse`` retrains one
 whose recipe changed.
@@ -72,5 +73,5 @@ def describe(recipe: dict[str, Any], steps: int) -> str:
 ENTRIES: dict[str, Entry] = {
     **{name: Entry(name, name) for name in SCHEMES},
     "prope": Entry("prope", "rope", {"fraction": 0.75}),
-    "drope": Entry("drope", "rope", continued_as="none", recalibration=0.2),
+    "drope": Entry("drope", "rope", continued_as="none", recalibration=0.1),
 }
