@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from model.tasks.base import Task
-from model.tasks.recall import KEYS, QUERY_0, VALUE_0, VALUES
+from model.tasks.recall import KEYS, VALUE_0, VALUES, assemble, assigned_keys
 
 PERIOD = 6
 REPEATED = 0  # the key assigned every PERIOD tokens
@@ -29,18 +29,9 @@ def make(rng: np.random.Generator, length: int, count: int) -> tuple[np.ndarray,
     phase = rng.integers(0, PERIOD, size=(count, 1))
     keys[(np.arange(n_assigned) - phase) % PERIOD == 0] = REPEATED
     values = rng.integers(0, VALUES, size=(count, n_assigned))
-    latest = np.zeros((count, KEYS), dtype=np.int64)  # each row's current value of each key
-    for i in range(n_assigned):  # in order: a later assignment overwrites an earlier one
-        latest[np.arange(count), keys[:, i]] = values[:, i]
-    n_queries = (length - n_assigned + 1) // 2
-    asked = np.take_along_axis(keys, rng.integers(0, n_assigned, (count, n_queries)), axis=1)
-    asked = np.where(rng.random((count, n_queries)) < 0.5, REPEATED, asked)
-    replies = np.take_along_axis(latest, asked, axis=1)
-    queries = np.stack([QUERY_0 + asked, VALUE_0 + replies], axis=2).reshape(count, -1)
-    tokens = np.concatenate([keys * VALUES + values, queries], axis=1)[:, :length]
-    answers = np.zeros((count, length), dtype=bool)
-    answers[:, n_assigned + 1 :: 2] = True
-    return tokens, answers
+    asked = assigned_keys(rng, keys, length)
+    asked = np.where(rng.random(asked.shape) < 0.5, REPEATED, asked)
+    return assemble(keys, values, asked, length)
 
 
 TASK = Task(
