@@ -32,6 +32,7 @@ from model.config import (
     MODEL_SIZE_FLAGS,
     OPTIMIZERS,
     PRESETS,
+    SCHEDULES,
     SEQUENCE_STARTS,
     TrainConfig,
 )
@@ -45,12 +46,21 @@ DATA_FORMS = "a text file, a folder of .txt files, or .jsonl with a text field"
 # The recipe's defaults and choices, and the shipped preset's sizes that `ordinal train` takes
 # as flags, read from model.config (torch-free: the schemes load only when a config is built).
 TRAIN_DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
-TRAIN_CHOICES = {"optimizer": OPTIMIZERS, "sequence_starts": SEQUENCE_STARTS}
+TRAIN_CHOICES = {
+    "optimizer": OPTIMIZERS,
+    "sequence_starts": SEQUENCE_STARTS,
+    "schedule": SCHEDULES,
+}
 MODEL_SIZE_DEFAULTS = {name: PRESETS[DEFAULT_PRESET].model[name] for name in MODEL_SIZE_FLAGS}
 EVAL_MULTIPLES = (1, 2, 4)  # model.evaluate.MULTIPLES
 # model.tasks.TASKS, in its order, and model.tasks.suite's defaults.
-TASKS = ("recall", "copy", "counting", "flipflop")
+TASKS = ("recall", "copy", "counting", "flipflop", "longcount", "periodic")
 TASK_DEFAULTS: dict[str, Any] = {"seeds": 3, "jobs": 2, "out": Path("docs/tasks")}
+# model.tasks.entries.ENTRIES (every scheme, then the suite's recipes) and the choices of
+# --longest (model.tasks.training.LONGEST, the first the default); tests/model/test_tasks_report.py
+# checks them.
+TASK_ENTRIES = (*SCHEMES, "prope", "drope")
+TASK_LONGEST = (4, 8)
 # model.interop.hf_export.TARGETS (the first is the default) and the export formats.
 EXPORT_TARGETS = ("auto", "native", "custom")
 EXPORT_FORMATS = ("hf", "gguf")
@@ -303,7 +313,9 @@ def tasks_options(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="a tiny budget (a one-layer model, a few steps): the whole pipeline in seconds",
     )
-    parser.add_argument("--schemes", metavar="SCHEME,...", help="default all: " + ",".join(SCHEMES))
+    parser.add_argument(
+        "--schemes", metavar="SCHEME,...", help="default all: " + ",".join(TASK_ENTRIES)
+    )
     parser.add_argument("--tasks", metavar="TASK,...", help="default all: " + ",".join(TASKS))
     parser.add_argument(
         "--seeds",
@@ -317,6 +329,13 @@ def tasks_options(parser: argparse.ArgumentParser) -> None:
         type=Path,
         default=TASK_DEFAULTS["out"],
         help="folder of the results (TASK-SCHEME.json) and plots; the page goes beside it, OUT.md",
+    )
+    parser.add_argument(
+        "--longest",
+        type=int,
+        choices=TASK_LONGEST,
+        default=TASK_LONGEST[0],
+        help="the longest test, in multiples of the trained length L (1L, 2L, ... doubling to it)",
     )
     parser.add_argument(
         "--reuse",

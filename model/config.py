@@ -35,6 +35,10 @@ OPTIMIZERS = ("adamw", "muon")
 # Where a training sequence may start: at a speech (document) boundary only, or also at any
 # line of a speech (see model.data.TrainingSequences).
 SEQUENCE_STARTS = ("speech", "line")
+# The learning-rate shape after warmup: cosine decay to min_lr over the remaining steps, or
+# warmup-stable-decay (Hägele et al. 2024): flat at the peak, then a linear cooldown to min_lr
+# over the last ``cooldown_fraction`` of the steps (TrainConfig.lr_at).
+SCHEDULES = ("cosine", "wsd")
 
 
 def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
@@ -173,7 +177,11 @@ _TRAIN_MINIMUM = {
     "eval_windows": 1,
     "save_every": 1,
 }
-_TRAIN_CHOICES = {"optimizer": OPTIMIZERS, "sequence_starts": SEQUENCE_STARTS}
+_TRAIN_CHOICES = {
+    "optimizer": OPTIMIZERS,
+    "sequence_starts": SEQUENCE_STARTS,
+    "schedule": SCHEDULES,
+}
 
 
 @dataclass(frozen=True)
@@ -187,6 +195,12 @@ class TrainConfig:
     under either optimiser. ``compile`` runs the forward pass and loss through
     ``torch.compile``: faster steps after a one-time compilation, but not bit for bit the eager
     run's (fused kernels round differently), so no preset uses it (docs/performance.md).
+
+    ``schedule`` is the shape after warmup (``SCHEDULES``; ``lr_at``). ``ema_decay`` above 0
+    keeps an exponential moving average of the weights over the steps after the first
+    ``ema_start`` share of them, and the checkpoint written at the last step holds that average
+    instead of the last weights (``model.train.WeightAverage``). Both are off in every preset:
+    they are measured in checkpoints/README.md's ablations before any preset takes them.
     """
 
     steps: int = 2000
@@ -207,6 +221,10 @@ class TrainConfig:
     seed: int = 1337
     threads: int = 0  # 0 = torch's default
     compile: bool = False
+    schedule: str = "cosine"
+    cooldown_fraction: float = 0.2  # wsd: the share of the steps spent decaying to min_lr
+    ema_decay: float = 0.0  # 0: no average (the checkpoint holds the last weights)
+    ema_start: float = 0.8  # the share of the steps after which the average starts
 
     def __post_init__(self) -> None:
         # A wrong type or range would otherwise surface as a TypeError or ZeroDivisionError
@@ -230,13 +248,39 @@ class TrainConfig:
         for name in ("lr", "muon_lr"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"train.{name} must be positive, got {getattr(self, name)!r}")
-        if self.muon_momentum >= 1:
-            raise ConfigError(f"train.muon_momentum must be < 1, got {self.muon_momentum!r}")
+        for name in ("muon_momentum", "ema_decay", "ema_start"):
+            if getattr(self, name) >= 1:
+                raise ConfigError(f"train.{name} must be < 1, got {getattr(self, name)!r}")
+        if not 0 < self.cooldown_fraction <= 1:
+            raise ConfigError(
+                f"train.cooldown_fraction must be in (0, 1], got {self.cooldown_fraction!r}"
+            )
+        if self.schedule == "wsd" and self.warmup_steps + self.cooldown_steps > self.steps:
+            raise ConfigError(
+                f"train.warmup_steps ({self.warmup_steps}) and the wsd cooldown "
+                f"({self.cooldown_steps} steps) must fit in train.steps ({self.steps})"
+            )
+
+    @property
+    def cooldown_steps(self) -> int:
+        """wsd: how many of the last steps decay to min_lr (at least one)."""
+        return max(1, round(self.cooldown_fraction * self.steps))
+
+    @property
+    def ema_start_step(self) -> int:
+        """The number of steps done before the weight average starts."""
+        return round(self.ema_start * self.steps)
 
     def lr_at(self, step: int) -> float:
-        """Linear warmup to ``lr``, then cosine decay to ``min_lr`` at the last step."""
+        """Linear warmup to ``lr``, then (``schedule``) cosine decay to ``min_lr`` at the last
+        step, or wsd: ``lr`` until the cooldown, then linear steps down to ``min_lr`` exactly at
+        the last step (step ``steps`` − 1)."""
         if step < self.warmup_steps:
             return self.lr * (step + 1) / self.warmup_steps
+        if self.schedule == "wsd":
+            cooling = step - (self.steps - self.cooldown_steps) + 1  # 1..cooldown_steps
+            share = min(1.0, max(0, cooling) / self.cooldown_steps)
+            return self.lr - (self.lr - self.min_lr) * share
         progress = (step - self.warmup_steps) / max(1, self.steps - self.warmup_steps)
         return self.min_lr + 0.5 * (self.lr - self.min_lr) * (1 + math.cos(math.pi * progress))
 

@@ -1,22 +1,23 @@
 """``ordinal train``: train one checkpoint on the Shakespeare corpus (or, with ``--data``, on your
 own text: ``model.text_corpus``), the same way for every scheme.
 
-Every scheme gets the same model size, tokenizer, data order, token budget and seed, so the
-shipped checkpoints compare fairly: only ``positional`` differs. The recipe is a named preset
+Every scheme gets the same model size, tokenizer, data order, token budget and seed, so the shipped
+checkpoints compare fairly: only ``positional`` differs. The recipe is a named preset
 (``model.config.PRESETS``; ``--preset``, default ``shipped``), then the ``--config`` file, then
 individual flags. AdamW, or Muon for the blocks' matrices with AdamW for the rest; linear warmup
-and cosine decay, gradient clipping and accumulation; periodic validation; a tqdm bar with loss
-and tokens/s; resumable from the last saved state (``--resume``); the checkpoint folder, the
+and cosine decay (or warmup-stable-decay), optionally a tail average of the weights read out at the
+end (``WeightAverage``), gradient clipping and accumulation; periodic validation; a tqdm bar with
+loss and tokens/s; resumable from the last saved state (``--resume``); the checkpoint folder, the
 metrics JSON and the state are written atomically. ``--init CHECKPOINT`` starts from a trained
-checkpoint's weights (and tokenizer), all but its positional scheme's: with ``--scheme none``
-that is DroPE (Gelberg et al. 2025: train with rope, remove it, recalibrate briefly), and
-metrics.json records the origin (``init``). Runs on CPU by default, and unchanged under
-``torchrun`` (DistributedDataParallel; gloo on CPU, NCCL on GPUs, one process per device): each
-rank takes its slice of the same global batch, and the loss is the mean over the global batch's
-scored tokens, so N processes follow one process's loss curve to float rounding (dropout aside:
-each process draws its own masks, so compare with ``dropout`` 0). The options are ``ordinal
-train``'s (ordinal.py): that module restates ``TrainConfig``'s defaults and the shipped preset's
-sizes so its ``--help`` needs no torch, and tests/server/test_cli.py checks that both agree.
+checkpoint's weights (and tokenizer), all but its positional scheme's: with ``--scheme none`` that
+is DroPE (Gelberg et al. 2025: train with rope, remove it, recalibrate briefly), and metrics.json
+records the origin (``init``). Runs on CPU by default, and unchanged under ``torchrun``
+(DistributedDataParallel; gloo on CPU, NCCL on GPUs, one process per device): each rank takes its
+slice of the same global batch, and the loss is the mean over the global batch's scored tokens, so
+N processes follow one process's loss curve to float rounding (dropout aside: each process draws
+its own masks, so compare with ``dropout`` 0). The options are ``ordinal train``'s (ordinal.py):
+that module restates ``TrainConfig``'s defaults and the shipped preset's sizes so its ``--help``
+needs no torch, and tests/server/test_cli.py checks that both agree.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from tokenizers import Tokenizer
 from torch import Tensor
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from torch.profiler import record_function
 from tqdm import tqdm
 
@@ -153,20 +155,7 @@ def start_from_checkpoint(model: Transformer, folder: Path) -> dict[str, Any]:
     architecture otherwise. Returns the origin metrics.json records: the checkpoint, its scheme,
     its weights' SHA-256 and what its own training cost (the budget of the base)."""
     source = load_checkpoint(folder, device="cpu").model
-    ours, theirs = model.config.to_dict(), source.config.to_dict()
-    for name in ours.keys() - {"positional", "dtype"}:
-        if ours[name] != theirs[name]:
-            raise ConfigError(
-                f"--init {folder}: its {name} is {theirs[name]!r} but this run's is "
-                f"{ours[name]!r} (only the positional scheme may differ)"
-            )
-    weights = {
-        name: tensor
-        for name, tensor in source.state_dict().items()
-        if not name.startswith("positional.")
-    }
-    missing, unexpected = model.load_state_dict(weights, strict=False)  # the same architecture
-    assert not unexpected and all(name.startswith("positional.") for name in missing)
+    copy_weights_but_positional(model, source, f"--init {folder}")
     base_metrics_path = folder / METRICS_FILE
     base = json.loads(base_metrics_path.read_text()) if base_metrics_path.is_file() else {}
     return {
@@ -176,6 +165,27 @@ def start_from_checkpoint(model: Transformer, folder: Path) -> dict[str, Any]:
         "sha256": check_weights(folder / WEIGHTS_FILE, source.config),
         **{key: base[key] for key in ("step", "tokens_seen", "wall_seconds") if key in base},
     }
+
+
+def copy_weights_but_positional(model: Transformer, source: Transformer, what: str) -> None:
+    """Copy every weight of ``source`` into ``model`` but its positional scheme's (``model``
+    keeps its own, as initialised): DroPE's step, from a checkpoint (``--init``) or in memory
+    (the task suite's ``drope``). The architectures must agree otherwise; ``what`` names the
+    source in the error."""
+    ours, theirs = model.config.to_dict(), source.config.to_dict()
+    for name in ours.keys() - {"positional", "dtype"}:
+        if ours[name] != theirs[name]:
+            raise ConfigError(
+                f"{what}: its {name} is {theirs[name]!r} but this run's is "
+                f"{ours[name]!r} (only the positional scheme may differ)"
+            )
+    weights = {
+        name: tensor
+        for name, tensor in source.state_dict().items()
+        if not name.startswith("positional.")
+    }
+    missing, unexpected = model.load_state_dict(weights, strict=False)  # the same architecture
+    assert not unexpected and all(name.startswith("positional.") for name in missing)
 
 
 def training_corpus(data: Path | None) -> Corpus:
@@ -323,6 +333,35 @@ def load_training_data(
     )
 
 
+class WeightAverage:
+    """The tail average of the weights (``TrainConfig.ema_decay``, ``ema_start``): after every
+    step done past ``ema_start_step`` (s), a ← d·a + (1 − d)·θ, the first such step copying θ,
+    so after step n it is d^(n−s−1)·θ_(s+1) + (1 − d)·Σ_(t=s+2..n) d^(n−t)·θ_t. Parameters only:
+    the buffers are fixed (rope's frequencies, mds's table). torch's ``AveragedModel`` keeps it;
+    ``read_out`` puts it into the model at the end of training."""
+
+    def __init__(self, model: torch.nn.Module, train_config: TrainConfig) -> None:
+        self.start_step = train_config.ema_start_step
+        self.averaged = AveragedModel(
+            model, multi_avg_fn=get_ema_multi_avg_fn(train_config.ema_decay), use_buffers=False
+        )
+
+    def update(self, model: torch.nn.Module, done: int) -> None:
+        """Step ``done`` (counted from 1) has just updated ``model``."""
+        if done > self.start_step:
+            self.averaged.update_parameters(model)
+
+    @torch.no_grad()
+    def read_out(self, model: torch.nn.Module) -> None:
+        """Replace ``model``'s parameters by their average (a no-op before it started)."""
+        if int(self.averaged.n_averaged) == 0:
+            return
+        for parameter, average in zip(
+            model.parameters(), self.averaged.module.parameters(), strict=True
+        ):
+            parameter.copy_(average)
+
+
 def build_optimizers(
     model: Transformer, train_config: TrainConfig, device: torch.device
 ) -> list[torch.optim.Optimizer]:
@@ -392,6 +431,8 @@ def _train(
         done = step + 1
         progress.record_step(done, session.optimise(step))
         last = done in (train_config.steps, args.stop_at)
+        if done == train_config.steps and session.average is not None:
+            session.average.read_out(session.model)  # what is validated and saved at the end
         if done % train_config.eval_every == 0 or last:
             progress.record_validation(done, session.validate())
         if rank == 0 and (done % train_config.save_every == 0 or last):
@@ -458,7 +499,11 @@ class _Progress:
         """Progress so far: from the saved state with ``resume`` (when there is one), else new."""
         if resume and session.state_path.exists():
             metrics, first_step = _load_state(
-                session.state_path, session.model, session.optimizers, session.device
+                session.state_path,
+                session.model,
+                session.optimizers,
+                session.average,
+                session.device,
             )
             return cls(metrics, first_step, session)
         metrics = _fresh_metrics(session.model.config, session.train_config)
@@ -499,6 +544,7 @@ class TrainingRun:
     optimizers: list[torch.optim.Optimizer]
     state_path: Path
     origin: dict[str, Any] | None  # with --init, where the weights came from
+    average: WeightAverage | None  # with ema_decay > 0
 
     @classmethod
     def start(
@@ -534,6 +580,7 @@ class TrainingRun:
             loss_sum = torch.compile(loss_sum)
         state_path = (args.state_dir or Path("runs") / args.out.name) / STATE_FILE
         optimizers = build_optimizers(model, train_config, device)
+        average = WeightAverage(model, train_config) if train_config.ema_decay > 0 else None
         return cls(
             args=args,
             train_config=train_config,
@@ -547,6 +594,7 @@ class TrainingRun:
             optimizers=optimizers,
             state_path=state_path,
             origin=origin,
+            average=average,
         )
 
     def optimise(self, step: int) -> float:
@@ -566,6 +614,8 @@ class TrainingRun:
         for optimizer in self.optimizers:  # the profiler labels these Optimizer.step#NAME.step
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+        if self.average is not None:
+            self.average.update(self.model, step + 1)
         return loss
 
     def validate(self) -> float:
@@ -585,7 +635,7 @@ class TrainingRun:
             dtype=self.args.storage_dtype,
             json_files={METRICS_FILE: metrics},
         )
-        _save_state(self.state_path, self.model, self.optimizers, metrics, step)
+        _save_state(self.state_path, self.model, self.optimizers, self.average, metrics, step)
 
 
 def _fresh_metrics(model_config: ModelConfig, train_config: TrainConfig) -> dict[str, Any]:
@@ -644,10 +694,12 @@ def _save_state(
     path: Path,
     model: Transformer,
     optimizers: list[torch.optim.Optimizer],
+    average: WeightAverage | None,
     metrics: dict[str, Any],
     step: int,
 ) -> None:
-    """Full-precision weights, optimizer moments and progress, written atomically."""
+    """Full-precision weights, optimizer moments, the weight average and progress, written
+    atomically."""
     state = {
         "model": model.state_dict(),
         "optimizers": [optimizer.state_dict() for optimizer in optimizers],
@@ -655,6 +707,8 @@ def _save_state(
         "step": step,
         "rng": torch.get_rng_state(),
     }
+    if average is not None:
+        state["average"] = average.averaged.state_dict()
     write_atomic(path, lambda staging: torch.save(state, staging))
 
 
@@ -662,6 +716,7 @@ def _load_state(
     path: Path,
     model: Transformer,
     optimizers: list[torch.optim.Optimizer],
+    average: WeightAverage | None,
     device: torch.device,
 ) -> tuple[dict[str, Any], int]:
     """Restore what :func:`_save_state` wrote; returns the metrics so far and the next step."""
@@ -675,5 +730,7 @@ def _load_state(
     model.load_state_dict(state["model"])
     for optimizer, optimizer_state in zip(optimizers, saved, strict=True):
         optimizer.load_state_dict(optimizer_state)
+    if average is not None and "average" in state:
+        average.averaged.load_state_dict(state["average"])
     torch.set_rng_state(state["rng"])  # dropout masks continue as in an uninterrupted run
     return state["metrics"], state["step"]

@@ -8,11 +8,12 @@ tiny model per scheme, task and seed on them (``model.tasks.suite``) and writes 
 
 from __future__ import annotations
 
-from model.tasks import copying, counting, flipflop, recall
+from model.tasks import copying, counting, flipflop, longcount, periodic, recall
 from model.tasks.base import Task, TaskBatch, TaskError, derive_seed
 
 TASKS: dict[str, Task] = {
-    module.TASK.name: module.TASK for module in (recall, copying, counting, flipflop)
+    module.TASK.name: module.TASK
+    for module in (recall, copying, counting, flipflop, longcount, periodic)
 }
 
 

@@ -32,11 +32,27 @@ def make(rng: np.random.Generator, length: int, count: int) -> tuple[np.ndarray,
     n_assigned = length // 4
     keys = rng.integers(0, KEYS, size=(count, n_assigned))
     values = rng.integers(0, VALUES, size=(count, n_assigned))
+    return assemble(keys, values, assigned_keys(rng, keys, length), length)
+
+
+def assigned_keys(rng: np.random.Generator, keys: np.ndarray, length: int) -> np.ndarray:
+    """The keys the queries ask [count, n_queries]: each that of a random assignment of
+    ``keys`` [count, n_assigned], as many as fill the rest of ``length`` two tokens each."""
+    count, n_assigned = keys.shape
+    n_queries = (length - n_assigned + 1) // 2
+    return np.take_along_axis(keys, rng.integers(0, n_assigned, (count, n_queries)), axis=1)
+
+
+def assemble(
+    keys: np.ndarray, values: np.ndarray, asked: np.ndarray, length: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """The assignments ``keys`` = ``values`` [count, n_assigned] in order, then the queries of
+    the keys ``asked`` [count, n_queries], each answered by its key's latest value, cut to
+    ``length`` → tokens and answers [count, length]."""
+    count, n_assigned = keys.shape
     latest = np.zeros((count, KEYS), dtype=np.int64)  # each row's current value of each key
     for i in range(n_assigned):  # in order: a later assignment overwrites an earlier one
         latest[np.arange(count), keys[:, i]] = values[:, i]
-    n_queries = (length - n_assigned + 1) // 2
-    asked = np.take_along_axis(keys, rng.integers(0, n_assigned, (count, n_queries)), axis=1)
     replies = np.take_along_axis(latest, asked, axis=1)
     queries = np.stack([QUERY_0 + asked, VALUE_0 + replies], axis=2).reshape(count, -1)
     tokens = np.concatenate([keys * VALUES + values, queries], axis=1)[:, :length]

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from model.positional import SCHEMES
 from model.tasks import TASKS
+from model.tasks.entries import ENTRIES
 
 
 def result_path(out: Path, scheme: str, task_name: str) -> Path:
@@ -25,14 +25,14 @@ def result_path(out: Path, scheme: str, task_name: str) -> Path:
 
 
 def load_results(out: Path) -> list[dict[str, Any]]:
-    """Every result in ``out``, in task then scheme order (the registries' orders)."""
+    """Every result in ``out``, in task then entry order (the registries' orders)."""
     found = [json.loads(path.read_text()) for path in sorted(out.glob("*-*.json"))]
     order = {(name, scheme): i for i, (name, scheme) in enumerate(_grid())}
     return sorted(found, key=lambda result: order.get((result["task"], result["scheme"]), 0))
 
 
 def _grid() -> list[tuple[str, str]]:
-    return [(name, scheme) for name in TASKS for scheme in SCHEMES]
+    return [(name, scheme) for name in TASKS for scheme in ENTRIES]
 
 
 @dataclass(frozen=True)

@@ -25,11 +25,13 @@ import torch
 from tqdm import tqdm
 
 from model.files import write_json_atomic
-from model.positional import SCHEMES
 from model.tasks import TASKS, TaskError, task
+from model.tasks.entries import ENTRIES
 from model.tasks.report import DEFAULT_OUT, DEFAULT_SEEDS, write_report
 from model.tasks.results import load_results, result_path
 from model.tasks.training import (
+    DEFAULT_LONGEST,
+    LONGEST,
     SUITES,
     SuiteSettings,
     evaluation_batch,
@@ -52,7 +54,8 @@ def _names(text: str | None, valid: list[str], kind: str) -> list[str]:
 
 
 def run_unit(scheme: str, task_name: str, seeds: int, settings: SuiteSettings) -> dict[str, Any]:
-    """Train and test ``scheme`` on ``task_name`` for seeds 0..seeds−1 → the result to save."""
+    """Train and test entry ``scheme`` (``model.tasks.entries``) on ``task_name`` for seeds
+    0..seeds−1 → the result to save (with the entry's recipe, where it has one of its own)."""
     torch.set_num_threads(1)
     chosen = task(task_name)
     started = time.perf_counter()
@@ -61,9 +64,11 @@ def run_unit(scheme: str, task_name: str, seeds: int, settings: SuiteSettings) -
         length: evaluation_batch(chosen, length, settings.test_sequences)
         for length in settings.test_lengths
     }
+    recipe = ENTRIES[scheme].recipe()
     return {
         "scheme": scheme,
         "task": task_name,
+        **({"recipe": recipe} if recipe is not None else {}),
         "settings": {**settings.to_dict(), "seeds": seeds},
         "chance": {str(length): majority_accuracy(batch) for length, batch in tests.items()},
         "answers": {
@@ -74,10 +79,12 @@ def run_unit(scheme: str, task_name: str, seeds: int, settings: SuiteSettings) -
     }
 
 
-def _reusable(path: Path, settings: dict[str, Any]) -> bool:
-    """Whether ``path`` holds a result made with ``settings`` (its seeds included)."""
+def _reusable(path: Path, settings: dict[str, Any], scheme: str) -> bool:
+    """Whether ``path`` holds a result made with ``settings`` (its seeds included) and entry
+    ``scheme``'s current recipe."""
     try:
-        return json.loads(path.read_text())["settings"] == settings
+        result = json.loads(path.read_text())
+        return result["settings"] == settings and result.get("recipe") == ENTRIES[scheme].recipe()
     except (OSError, ValueError, KeyError, TypeError):
         return False
 
@@ -97,8 +104,11 @@ def _refuse_a_mixed_folder(
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Run ``ordinal tasks`` per ``args``; returns the report (see model.tasks.report)."""
-    settings = SUITES["quick" if args.quick else "full"]
-    schemes = _names(args.schemes, list(SCHEMES), "scheme(s)")
+    longest = getattr(args, "longest", DEFAULT_LONGEST)
+    if longest not in LONGEST:
+        raise TaskError(f"--longest must be one of {list(LONGEST)}, got {longest}")
+    settings = SUITES["quick" if args.quick else "full"].up_to(longest)
+    schemes = _names(args.schemes, list(ENTRIES), "scheme(s)")
     task_names = _names(args.tasks, list(TASKS), "task(s)")
     if args.seeds < 1 or args.jobs < 1:
         raise TaskError(f"--seeds and --jobs must be ≥ 1, got {args.seeds} and {args.jobs}")
@@ -109,7 +119,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     units = [(scheme, name) for name in task_names for scheme in schemes]
     _refuse_a_mixed_folder(args.out, units, wanted)
     if args.reuse:
-        units = [unit for unit in units if not _reusable(result_path(args.out, *unit), wanted)]
+        units = [
+            (scheme, name)
+            for scheme, name in units
+            if not _reusable(result_path(args.out, scheme, name), wanted, scheme)
+        ]
     progress = tqdm(
         total=len(units), desc="tasks", unit="model set", disable=not units, leave=False
     )
@@ -136,4 +150,12 @@ def _save(out: Path, result: dict[str, Any], progress: tqdm) -> None:
     progress.update()
 
 
-__all__ = ["DEFAULT_JOBS", "DEFAULT_OUT", "DEFAULT_SEEDS", "run", "run_unit"]
+__all__ = [
+    "DEFAULT_JOBS",
+    "DEFAULT_LONGEST",
+    "DEFAULT_OUT",
+    "DEFAULT_SEEDS",
+    "LONGEST",
+    "run",
+    "run_unit",
+]

@@ -1,11 +1,11 @@
 """Train one tiny model on one task with one scheme and seed, then score it at several lengths.
 
-Every scheme gets the same model (``SuiteSettings.model``), the same batches (drawn from the
-seed and the step) and the same test sequences (drawn from the length alone); only
-``positional`` differs. The optimiser and its schedule are ``ordinal train``'s
-(``model.train.build_optimizers`` / ``set_learning_rates``: Muon for the blocks' matrices and
-AdamW for the rest, as the shipped preset, warmup then cosine). The loss
-and the score count the answer tokens only: the rest of a task's sequence is noise or
+Every entry (``model.tasks.entries``: each scheme, and recipes such as DroPE's) gets the same model
+(``SuiteSettings.model``), the same batches (drawn from the seed and the step) and the same test
+sequences (drawn from the length alone); only ``positional`` differs. The optimiser and its
+schedule are ``ordinal train``'s (``model.train.build_optimizers`` / ``set_learning_rates``: Muon
+for the blocks' matrices and AdamW for the rest, as the shipped preset, warmup then cosine). The
+loss and the score count the answer tokens only: the rest of a task's sequence is noise or
 structure that no model could, or need, predict.
 
 Table schemes (learned, mds, lowrank) get a table of max(multiples) × L rows, and training only
@@ -31,7 +31,8 @@ from model.geometry.corpus import measure_corpus
 from model.geometry.metrics import classical_mds
 from model.positional import SCHEMES, MdsPositions
 from model.tasks.base import Task, TaskBatch, derive_seed
-from model.train import build_optimizers, set_learning_rates
+from model.tasks.entries import ENTRIES
+from model.train import build_optimizers, copy_weights_but_positional, set_learning_rates
 from model.transformer import Transformer
 
 # The streams seeds are drawn from: training batches (per run seed and step), test sequences
@@ -94,6 +95,18 @@ class SuiteSettings:
     def test_lengths(self) -> list[int]:
         return [multiple * self.length for multiple in self.multiples]
 
+    def up_to(self, longest: int) -> SuiteSettings:
+        """These settings tested at 1L, 2L, … doubling up to ``longest`` L (one of LONGEST)."""
+        assert longest in LONGEST
+        return dataclasses.replace(
+            self, multiples=tuple(1 << k for k in range(longest.bit_length()))
+        )
+
+
+# The longest test of a run (``ordinal tasks --longest``): 4L by default, or also 8L, which
+# doubles the longest test's cost (attention is quadratic in it).
+LONGEST, DEFAULT_LONGEST = (4, 8), 4
+
 
 # The suite's two budgets: the full run (`ordinal tasks`, the default) and `--quick`, which runs
 # the whole pipeline in seconds (the test suite does) on a one-layer model trained a few steps.
@@ -109,9 +122,18 @@ SUITES = {
 
 
 def suite_name(settings: dict[str, Any]) -> str | None:
-    """Which of SUITES made a result with ``settings`` (its to_dict(), seeds aside), if any."""
+    """Which of SUITES made a result with ``settings`` (its to_dict(), seeds aside), at any of
+    the LONGEST tests, if any."""
     bare = {key: value for key, value in settings.items() if key != "seeds"}
-    return next((name for name, suite in SUITES.items() if suite.to_dict() == bare), None)
+    return next(
+        (
+            name
+            for name, suite in SUITES.items()
+            for longest in LONGEST
+            if suite.up_to(longest).to_dict() == bare
+        ),
+        None,
+    )
 
 
 def scheme_parameters(scheme: str, length: int) -> dict[str, Any]:
@@ -126,9 +148,14 @@ def scheme_parameters(scheme: str, length: int) -> dict[str, Any]:
     return parameters
 
 
-def model_config(scheme: str, task: Task, settings: SuiteSettings) -> ModelConfig:
-    """The suite's architecture for ``task`` with ``scheme`` and its parameters."""
-    positional = {**scheme_parameters(scheme, settings.length), "scheme": scheme}
+def model_config(name: str, task: Task, settings: SuiteSettings) -> ModelConfig:
+    """The suite's architecture for ``task`` with entry ``name``'s scheme and parameters."""
+    entry = ENTRIES[name]
+    positional = {
+        **scheme_parameters(entry.scheme, settings.length),
+        **entry.parameters,
+        "scheme": entry.scheme,
+    }
     return ModelConfig.from_dict(
         {
             **settings.model,
@@ -164,26 +191,48 @@ def install_task_geometry(model: Transformer, task: Task, length: int, seed: int
     model.positional.set_coordinates(table)
 
 
-def train_model(scheme: str, task: Task, seed: int, settings: SuiteSettings) -> Transformer:
-    """A model of ``scheme`` trained on ``task`` at length L from ``seed`` (weights and batches);
-    returned in eval mode."""
+def train_model(name: str, task: Task, seed: int, settings: SuiteSettings) -> Transformer:
+    """A model of entry ``name`` trained on ``task`` at length L from ``seed`` (weights and
+    batches), then for an entry ``continued_as`` another scheme (DroPE) moved to it and trained
+    on with the next batches; returned in eval mode."""
+    entry = ENTRIES[name]
     torch.manual_seed(seed)
-    model = Transformer(model_config(scheme, task, settings))
+    model = Transformer(model_config(name, task, settings))
     install_task_geometry(model, task, settings.length, seed)
+    optimise(model, task, seed, settings, settings.train, first_step=0)
+    if entry.continued_as is not None:
+        scheme = entry.continued_as
+        positional = {**scheme_parameters(scheme, settings.length), "scheme": scheme}
+        continued = Transformer(model.config.replace(positional=positional))
+        copy_weights_but_positional(continued, model, f"{name}'s first phase")
+        recalibration = entry.recalibration_recipe(settings.train)
+        optimise(continued, task, seed, settings, recalibration, first_step=settings.train.steps)
+        model = continued
+    return model.eval()
+
+
+def optimise(
+    model: Transformer,
+    task: Task,
+    seed: int,
+    settings: SuiteSettings,
+    recipe: TrainConfig,
+    first_step: int,
+) -> None:
+    """``recipe.steps`` steps of ``model`` on the batches of steps first_step, first_step + 1, …
+    of ``seed``'s stream, with a fresh optimiser on ``recipe``'s schedule."""
     model.train()
-    recipe = settings.train
     optimizers = build_optimizers(model, recipe, torch.device("cpu"))
     for step in range(recipe.steps):
         set_learning_rates(optimizers, recipe, step)
         batch = task.generate(
-            derive_seed(TRAIN_STREAM, seed, step), settings.length, recipe.batch_size
+            derive_seed(TRAIN_STREAM, seed, first_step + step), settings.length, recipe.batch_size
         )
         answer_loss(model, batch).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.grad_clip)
         for optimizer in optimizers:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-    return model.eval()
 
 
 def evaluation_batch(task: Task, length: int, count: int) -> TaskBatch:
@@ -211,9 +260,10 @@ def majority_accuracy(batch: TaskBatch) -> float:
     return float(np.bincount(answers.numpy()).max() / len(answers))
 
 
-def run_seed(scheme: str, task: Task, seed: int, settings: SuiteSettings) -> dict[str, list[int]]:
-    """Train one model and score it at every test length → {str(T): correct per position [T]}."""
-    model = train_model(scheme, task, seed, settings)
+def run_seed(name: str, task: Task, seed: int, settings: SuiteSettings) -> dict[str, list[int]]:
+    """Train one model of entry ``name`` and score it at every test length → {str(T): correct
+    per position [T]}."""
+    model = train_model(name, task, seed, settings)
     return {
         str(length): score(model, evaluation_batch(task, length, settings.test_sequences))
         for length in settings.test_lengths

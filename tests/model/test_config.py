@@ -278,3 +278,42 @@ def test_key_value_heads_and_norm_eps_are_checked() -> None:
     assert isinstance(layer_norm, torch.nn.LayerNorm) and layer_norm.eps == 1e-3
     assert isinstance(rms_norm, torch.nn.RMSNorm) and rms_norm.eps == 1e-6
     assert Transformer(tiny_config()).final_norm.eps == 1e-5  # torch's default, as before
+
+
+def test_wsd_is_flat_at_the_peak_then_linear_down_to_min_lr_over_the_cooldown() -> None:
+    recipe = TrainConfig(
+        steps=100, warmup_steps=10, lr=1e-2, min_lr=1e-3, schedule="wsd", cooldown_fraction=0.2
+    )
+    assert recipe.cooldown_steps == 20
+    curve = [recipe.lr_at(step) for step in range(recipe.steps)]
+    assert curve[:10] == [recipe.lr * (step + 1) / 10 for step in range(10)]  # the same warmup
+    assert curve[10:80] == [recipe.lr] * 70  # stable
+    drops = [before - after for before, after in itertools.pairwise(curve[79:])]
+    assert drops == pytest.approx([(recipe.lr - recipe.min_lr) / 20] * 20)  # linear
+    assert curve[-1] == pytest.approx(recipe.min_lr)  # reached exactly at the last step
+    cosine = TrainConfig(steps=100, warmup_steps=10, lr=1e-2, min_lr=1e-3)
+    assert cosine.schedule == "cosine" and cosine.lr_at(50) < recipe.lr_at(50)
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"schedule": "linear"}, "train.schedule"),
+        ({"cooldown_fraction": 0.0}, "train.cooldown_fraction"),
+        ({"cooldown_fraction": 1.5}, "train.cooldown_fraction"),
+        ({"schedule": "wsd", "steps": 10, "warmup_steps": 9, "cooldown_fraction": 0.5}, "fit"),
+        ({"ema_decay": 1.0}, "train.ema_decay"),
+        ({"ema_decay": -0.1}, "train.ema_decay"),
+        ({"ema_start": 1.0}, "train.ema_start"),
+    ],
+)
+def test_bad_schedule_and_average_settings_name_the_field(
+    changes: dict[str, object], message: str
+) -> None:
+    with pytest.raises(ConfigError, match=message):
+        TrainConfig.from_dict(changes)
+
+
+def test_the_presets_keep_the_cosine_schedule_and_no_weight_average() -> None:
+    for recipe in PRESETS.values():
+        assert recipe.train.schedule == "cosine" and recipe.train.ema_decay == 0.0

@@ -9,7 +9,18 @@ import dataclasses
 import pytest
 import torch
 
-from model.tasks import TASKS, TaskError, copying, counting, derive_seed, flipflop, recall, task
+from model.tasks import (
+    TASKS,
+    TaskError,
+    copying,
+    counting,
+    derive_seed,
+    flipflop,
+    longcount,
+    periodic,
+    recall,
+    task,
+)
 from model.tasks.base import TaskBatch
 from model.tasks.training import (
     SUITES,
@@ -70,11 +81,26 @@ def counting_answers(tokens: list[int]) -> dict[int, int]:
     return answers
 
 
+def longcount_answers(tokens: list[int]) -> dict[int, int]:
+    """Position → answer: after ``? s``, the count of s since the last marker, blanks aside."""
+    answers, seen = {}, []
+    for position, token in enumerate(tokens):
+        if token == counting.MARKER:
+            seen = []
+        elif token == counting.QUERY and position + 2 < len(tokens):
+            answers[position + 2] = counting.COUNT_0 + seen.count(tokens[position + 1])
+        elif token < counting.LETTERS and tokens[position - 1] != counting.QUERY:
+            seen.append(token)
+    return answers
+
+
 SOLVERS = {
     "flipflop": flipflop_answers,
     "recall": recall_answers,
     "copy": copy_answers,
     "counting": counting_answers,
+    "longcount": longcount_answers,
+    "periodic": recall_answers,  # the same format: its answer is the latest assignment too
 }
 
 
@@ -222,3 +248,67 @@ def test_a_short_training_run_learns_flipflop_beyond_chance() -> None:
     model = train_model("alibi", TASKS["flipflop"], 0, settings)
     accuracy = sum(score(model, batch)) / int(batch.answers.sum())
     assert accuracy > majority_accuracy(batch) + 0.2
+
+
+def marker_to_query_spans(batch: TaskBatch) -> list[int]:
+    """Tokens from each marker to the next query, over every row of ``batch``."""
+    spans = []
+    for row in batch.tokens.tolist():
+        markers = [i for i, token in enumerate(row) if token == counting.MARKER]
+        queries = [i for i, token in enumerate(row) if token == counting.QUERY]
+        spans += [query - marker for marker, query in zip(markers, queries, strict=True)]
+    return spans
+
+
+def test_longcount_segments_grow_with_the_length_while_its_counts_do_not() -> None:
+    """From T = 24 on, the spans are T/2 − 3 tokens; the letters per segment, the counts and the
+    number of answers are distributed alike at T and 4T."""
+    short, long = (longcount.TASK.generate(4, length, 2000) for length in (32, 128))
+    spans = [torch.tensor(marker_to_query_spans(batch)).float() for batch in (short, long)]
+    for span, length in zip(spans, (32, 128), strict=True):  # the marker, T/2 − 4 region tokens
+        assert (span == length // 2 - longcount.FRAME + 1).all()
+    for batch in (short, long):
+        assert (batch.answers.sum(dim=1) == longcount.SEGMENTS).all()
+    counts = [batch.tokens[batch.answers] - counting.COUNT_0 for batch in (short, long)]
+    assert all(int(c.min()) >= 0 and int(c.max()) <= longcount.MOST for c in counts)
+    shares = [torch.bincount(c, minlength=longcount.MOST + 1) / len(c) for c in counts]
+    assert (shares[0] - shares[1]).abs().max() < 0.03
+    letters = [int((b.tokens < counting.LETTERS).sum()) / len(b.tokens) for b in (short, long)]
+    # each segment's letters plus its asked letter s, two segments per row
+    assert letters[1] == pytest.approx(letters[0], rel=0.05)
+    assert 2 * 2 < letters[0] < 2 * (longcount.MOST + 1)
+
+
+def test_periodic_key_is_assigned_at_its_period_and_half_the_queries_ask_it() -> None:
+    batch = periodic.TASK.generate(6, 128, 500)
+    assigned = batch.tokens[:, : 128 // 2]
+    repeated = assigned // recall.VALUES == periodic.REPEATED
+    for row in repeated:
+        places = row.nonzero().flatten()
+        assert int(places[0]) < periodic.PERIOD
+        assert (places.diff() == periodic.PERIOD).all()
+        assert len(places) >= (128 // 2) // periodic.PERIOD
+    phases = {int(row.nonzero()[0]) for row in repeated}
+    assert phases == set(range(periodic.PERIOD))  # the phase is random, not a fixed position
+    asked = batch.tokens[batch.answers.roll(-1, dims=1)] - recall.QUERY_0
+    assert (asked == periodic.REPEATED).float().mean().item() == pytest.approx(
+        0.5 + 0.5 / 6, abs=0.03
+    )
+
+
+def test_periodic_answers_need_the_latest_assignment_not_one_a_period_earlier() -> None:
+    """Each answer for the repeated key differs from its assignment one period before the
+    latest one in about 7 of 8 cases, and the distractors per query grow with the length."""
+    for length in (32, 128):
+        batch = periodic.TASK.generate(8, length, 300)
+        differ = total = 0
+        for row, answers in zip(batch.tokens.tolist(), batch.answers, strict=True):
+            places = [i for i in range(length // 2) if row[i] // recall.VALUES == periodic.REPEATED]
+            if len(places) < 2:
+                continue
+            before = row[places[-2]] % recall.VALUES
+            for position in answers.nonzero().flatten().tolist():
+                if row[position - 1] - recall.QUERY_0 == periodic.REPEATED:
+                    total += 1
+                    differ += row[position] - recall.VALUE_0 != before
+        assert total > 0 and differ / total == pytest.approx(7 / 8, abs=0.06)

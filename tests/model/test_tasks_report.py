@@ -3,6 +3,7 @@ and the seeds' claims judged from made-up results whose answer is known."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from collections.abc import Callable
@@ -10,10 +11,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
+import ordinal
 from model.positional import SCHEMES
-from model.tasks import TASKS, claims, suite
+from model.tasks import TASKS, claims, suite, training
 from model.tasks.claims import CLAIMS, NOT_SUPPORTED, PARTLY, SUPPORTED
+from model.tasks.entries import ENTRIES
 from model.tasks.report import DISCUSSION_FILE, render
 from model.tasks.results import Summary, load_results
 from model.tasks.training import SUITES
@@ -35,7 +39,7 @@ def test_quick_writes_a_result_per_scheme_and_task_a_plot_per_task_and_the_page(
     quick_run: Path,
 ) -> None:
     results = load_results(quick_run)
-    assert len(results) == len(SCHEMES) * len(TASKS)
+    assert len(results) == len(ENTRIES) * len(TASKS)
     for result in results:
         assert len(result["correct"]) == 3
         assert set(result["answers"]) == {str(t) for t in SUITES["quick"].test_lengths}
@@ -127,6 +131,91 @@ def test_bad_options_are_one_line_errors(
     err = capsys.readouterr().err
     assert err.startswith("ordinal tasks: error: ") and message in err and err.count("\n") == 1
     assert not (tmp_path / "x").exists()
+
+
+def test_every_scheme_is_an_entry_and_ordinal_lists_the_entries_and_longest_tests() -> None:
+    assert set(SCHEMES) <= set(ENTRIES)
+    assert tuple(ENTRIES) == ordinal.TASK_ENTRIES
+    assert training.LONGEST == ordinal.TASK_LONGEST
+    assert ordinal.TASK_LONGEST[0] == training.DEFAULT_LONGEST
+
+
+def test_prope_is_rope_keeping_three_quarters_of_its_frequencies() -> None:
+    config = training.model_config("prope", TASKS["copy"], SUITES["quick"])
+    assert config.positional == {"scheme": "rope", "fraction": 0.75}
+    assert training.model_config("rope", TASKS["copy"], SUITES["quick"]).positional == {
+        "scheme": "rope"
+    }
+
+
+def test_drope_is_the_rope_model_continued_as_none(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its first phase is exactly rope's run; then the same weights under none train on for
+    the recalibration steps, on the batches after the first phase's."""
+    settings, task = SUITES["quick"], TASKS["flipflop"]
+    first_phases: list[dict[str, Any]] = []
+    steps: list[tuple[int, int]] = []
+    copy, optimise = training.copy_weights_but_positional, training.optimise
+
+    def recording_copy(model: Any, source: Any, what: str) -> None:
+        first_phases.append({k: v.clone() for k, v in source.state_dict().items()})
+        copy(model, source, what)
+
+    def recording_optimise(model: Any, task: Any, seed: int, s: Any, recipe: Any, first_step: int):
+        steps.append((first_step, recipe.steps))
+        optimise(model, task, seed, s, recipe, first_step)
+
+    monkeypatch.setattr(training, "copy_weights_but_positional", recording_copy)
+    monkeypatch.setattr(training, "optimise", recording_optimise)
+    drope = training.train_model("drope", task, 0, settings)
+    assert drope.config.positional == {"scheme": "none"}
+    recalibration = max(1, round(ENTRIES["drope"].recalibration * settings.train.steps))
+    assert steps == [(0, settings.train.steps), (settings.train.steps, recalibration)]
+    rope = training.train_model("rope", task, 0, settings).state_dict()
+    assert rope.keys() == first_phases[0].keys()
+    assert all(torch.equal(rope[name], first_phases[0][name]) for name in rope)
+    changed = drope.state_dict()
+    assert any(not torch.equal(changed[name], rope[name]) for name in changed)
+
+
+def test_the_recipes_are_recorded_and_a_changed_recipe_is_retrained(
+    quick_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    drope = json.loads((quick_run / "flipflop-drope.json").read_text())
+    assert drope["recipe"] == ENTRIES["drope"].recipe()
+    assert drope["recipe"]["continued_as"] == "none"
+    assert "recipe" not in json.loads((quick_run / "flipflop-rope.json").read_text())
+    page = quick_run.with_suffix(".md").read_text()
+    assert "drope: rope for 4 steps, then continued as none" in page
+    assert "prope: rope with fraction 0.75" in page
+    assert "Not run yet" not in page and "every entry" in page
+
+    out = tmp_path / "tasks"
+    out.mkdir()
+    for name in ("flipflop-drope.json", "flipflop-rope.json"):
+        shutil.copy(quick_run / name, out)
+    monkeypatch.setitem(ENTRIES, "drope", dataclasses.replace(ENTRIES["drope"], recalibration=0.5))
+    args = ["tasks", "--quick", "--jobs", "1", "--reuse", "--tasks", "flipflop", "--out", str(out)]
+    assert main([*args, "--schemes", "rope,drope"]) == 0
+    assert json.loads((out / "flipflop-drope.json").read_text())["recipe"]["recalibration"] == 0.5
+    assert json.loads((out / "flipflop-rope.json").read_text()) == json.loads(
+        (quick_run / "flipflop-rope.json").read_text()
+    )
+
+
+def test_a_partial_run_says_what_is_not_run_yet_and_8l_is_on_request(tmp_path: Path) -> None:
+    out = tmp_path / "tasks"
+    args = ["tasks", "--quick", "--jobs", "1", "--seeds", "1", "--longest", "8"]
+    assert main([*args, "--schemes", "cope,prope", "--tasks", "longcount", "--out", str(out)]) == 0
+    results = load_results(out)
+    length = SUITES["quick"].length
+    assert all(set(r["answers"]) == {str(m * length) for m in (1, 2, 4, 8)} for r in results)
+    page = out.with_suffix(".md").read_text()
+    assert page == render(out)
+    assert "--longest 8 --seeds 1" in page and "longcount 8L" in page
+    missing = [name for name in TASKS if name != "longcount"]
+    assert f"the tasks {', '.join(missing)}" in page
+    assert "the entries none, integer," in page and ", fire, drope:" in page
+    assert "quick run" in page  # still the quick suite, at 8L
 
 
 def test_the_committed_page_is_what_its_results_make(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -555,3 +555,44 @@ def run_on_the_small_corpus(argv: Sequence[str]) -> int:
 
 if __name__ == "__main__":
     sys.exit(run_on_the_small_corpus(sys.argv[1:]))
+
+
+def test_the_weight_average_is_the_closed_form_on_a_toy_parameter() -> None:
+    """a_n = d^(n−s−1)·θ_(s+1) + (1 − d)·Σ_(t=s+2..n) d^(n−t)·θ_t, s = ema_start_step."""
+    toy = torch.nn.Linear(1, 1, bias=False)
+    recipe = model.config.TrainConfig(steps=10, ema_decay=0.7, ema_start=0.4)
+    start = recipe.ema_start_step
+    assert start == 4
+    average = model.train.WeightAverage(toy, recipe)
+    values = {done: float(done**2 - 3 * done) for done in range(1, recipe.steps + 1)}
+    for done, value in values.items():
+        with torch.no_grad():
+            toy.weight.fill_(value)  # as if step `done` had set it
+        average.update(toy, done)
+    decay, last = recipe.ema_decay, recipe.steps
+    expected = decay ** (last - start - 1) * values[start + 1] + (1 - decay) * sum(
+        decay ** (last - t) * values[t] for t in range(start + 2, last + 1)
+    )
+    assert toy.weight.item() == values[last]  # updating the average leaves the model alone
+    average.read_out(toy)
+    assert toy.weight.item() == pytest.approx(expected, rel=1e-6)
+
+
+def test_a_run_with_the_weight_average_saves_the_average_at_its_last_step(
+    tmp_path: Path, tokenizer_path: Path, full_run: tuple[dict[str, Any], Path]
+) -> None:
+    extra = ("--ema-decay", "0.8", "--ema-start", "0.5")
+    metrics = model.train.run(train_args(tmp_path, tokenizer_path, *extra))
+    assert metrics["train"]["ema_decay"] == 0.8
+    state = torch.load(tmp_path / "state" / STATE_FILE, weights_only=False)
+    assert int(state["average"]["n_averaged"]) == STEPS - STEPS // 2
+    averaged = {
+        name.removeprefix("module."): tensor
+        for name, tensor in state["average"].items()
+        if name != "n_averaged"
+    }
+    saved = load_checkpoint(tmp_path / "ck", device="cpu").model.state_dict()
+    for name, tensor in averaged.items():  # the checkpoint (bfloat16) holds the average
+        torch.testing.assert_close(saved[name].float(), tensor.bfloat16().float())
+    raw = torch.load(full_run[1] / "state" / STATE_FILE, weights_only=False)["model"]
+    assert any(not torch.equal(raw[name], tensor) for name, tensor in averaged.items())
