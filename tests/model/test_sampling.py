@@ -3,7 +3,6 @@ distribution, and a seeded row gives the same tokens whatever batch it sits in."
 
 import dataclasses
 import math
-import time
 
 import pytest
 import torch
@@ -1062,8 +1061,9 @@ def test_penalties_and_bias_move_the_greedy_choice_in_the_documented_order() -> 
 
 
 def test_the_logit_bias_table_is_built_with_tensor_ops_at_each_batch_change() -> None:
-    """64 rows × 1,024 biased tokens (OpenAI's most) cost a few tensor ops per batch, not a
-    Python loop over 65,536 entries (153 ms before); ids past the vocabulary are ignored."""
+    """64 rows × 1,024 biased tokens (OpenAI's most): the table the batch builds from each row's
+    two tensors (made once, when the request arrives) is the entry-by-entry table; ids past the
+    vocabulary are ignored. (Its cost, 153 ms of Python before: docs/testing.md, not timed here.)"""
     vocab = 4096
     generator = torch.Generator().manual_seed(0)
     rows = []
@@ -1074,13 +1074,10 @@ def test_the_logit_bias_table_is_built_with_tensor_ops_at_each_batch_change() ->
     rows.append(RowSampler(SamplingParams()))  # a row without bias
     for sampler in rows:
         _ = sampler.bias  # made once, when the request arrives
-    started = time.perf_counter()
     table = SamplingBatch(rows)._bias_table(torch.zeros(len(rows), vocab))
-    took = time.perf_counter() - started
     expected = torch.zeros(len(rows), vocab)
     for row, sampler in enumerate(rows):
         for token, value in sampler.params.logit_bias:
             if token < vocab:
                 expected[row, token] = value
     assert torch.equal(table, expected)
-    assert took < 0.05, took
