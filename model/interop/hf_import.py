@@ -45,7 +45,7 @@ from safetensors.torch import load_file
 from tokenizers import Tokenizer
 from torch import Tensor
 
-from model.chat import DEFAULT_TEMPLATE
+from model.chat import DEFAULT_TEMPLATE, default_tokenizer_config
 from model.checkpoint import TOKENIZER_FILE, save_checkpoint
 from model.config import ModelConfig
 from model.device import DTYPES, resolve_dtype
@@ -58,7 +58,6 @@ from model.interop.hf_export import (
     native_for,
 )
 from model.tokenizer import (
-    SPECIAL_TOKENS,
     name_special_tokens,
     special_ids,
     special_token_config,
@@ -321,8 +320,6 @@ def import_export(
     _load_exactly(model, {name: state[name] for name in model.state_dict()})
     tokenizer, tokenizer_config = read_tokenizer(folder, hf_config)
     _check_exports_as(folder, hf_config, folder_tensors, model, tokenizer)
-    if getattr(tokenizer, "special_tokens", None) == SPECIAL_TOKENS:  # ordinal's own, unnamed
-        tokenizer_config = {"chat_template": tokenizer_config["chat_template"]}
     tokenizer_config["chat_template"] = checkpoint_chat_template(tokenizer_config["chat_template"])
     storage = dtype or config.dtype
     if dtype is None:  # the checkpoint's own dtype, only if it holds every weight exactly
@@ -588,7 +585,8 @@ def read_tokenizer(folder: Path, hf_config: dict[str, Any]) -> tuple[Tokenizer, 
     template = hf_tokenizer_config.get("chat_template")
     if (folder / HF_CHAT_TEMPLATE).is_file():
         template = (folder / HF_CHAT_TEMPLATE).read_text(encoding="utf-8")
-    return tokenizer, {
+    return tokenizer, {  # Hugging Face's keys, the tokenizer's own specials, its template
+        **default_tokenizer_config(),
         **special_token_config(tokenizer),
         "chat_template": template if isinstance(template, str) else DEFAULT_TEMPLATE,
     }

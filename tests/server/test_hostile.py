@@ -179,7 +179,7 @@ def test_an_unexpected_exception_is_a_counted_500_in_openai_shape(
     def broken(*args: Any, **kwargs: Any) -> list[int]:
         raise RuntimeError("a bug")
 
-    monkeypatch.setattr(routes, "encode_prompt", broken)
+    monkeypatch.setattr(routes, "token_ids", broken)
     with httpx.Client(base_url=server.url, timeout=30) as client:
         before = requests_counted(client)
         response = client.post(T, json={"prompt": "a"})
