@@ -36,6 +36,7 @@ from model.checkpoint import load_checkpoint
 from model.config import write_json_atomic
 from model.interop.gguf_export import export_gguf
 from model.interop.hf_export import export_folder, served_context
+from model.tokenizer import special_ids
 
 # Each stops mid-speech, so that no engine's completion is only the end of the speech.
 PROMPTS = (
@@ -124,7 +125,11 @@ def completions(
 def compare(args: argparse.Namespace, engines: list[str]) -> dict[str, Any]:
     """Every engine's completions beside ordinal's, and whether each matches."""
     checkpoint = args.checkpoint.resolve()
-    context = served_context(load_checkpoint(checkpoint, device="cpu").model)
+    model, tokenizer = load_checkpoint(checkpoint, device="cpu")
+    context = served_context(model)
+    # <|eos|> banned (OpenAI's logit_bias, which every engine here takes): each completion is
+    # the whole --tokens long, not the few tokens to the end of a speech.
+    no_end = {"logit_bias": {str(special_ids(tokenizer).eos): -100}}
     port = free_port()
     ordinal_url = f"http://127.0.0.1:{port}"
     reference = completions(
@@ -133,7 +138,7 @@ def compare(args: argparse.Namespace, engines: list[str]) -> dict[str, Any]:
         "/health",
         "ordinal serve",
         args.tokens,
-        GREEDY,
+        {**GREEDY, **no_end},
     )
     report: dict[str, Any] = {"checkpoint": str(args.checkpoint), "prompts": list(PROMPTS)}
     report["ordinal"] = reference
@@ -147,7 +152,8 @@ def compare(args: argparse.Namespace, engines: list[str]) -> dict[str, Any]:
                 export_gguf(checkpoint, Path(work) / "rope.gguf")
                 command = llama_cpp_command(Path(work) / "rope.gguf", port, context)
             url = f"http://127.0.0.1:{port}"
-            texts = completions(command, url, ENGINES[engine][1], engine, args.tokens, PEER_GREEDY)
+            sampling = {**PEER_GREEDY, **no_end}
+            texts = completions(command, url, ENGINES[engine][1], engine, args.tokens, sampling)
             report[engine] = texts
             report[f"{engine}_matches"] = [a == b for a, b in zip(texts, reference, strict=True)]
     return report

@@ -6,7 +6,7 @@ so the tensors are that export's, named as llama.cpp's own converter names them
 adds back the 1 that Hugging Face's LayerNorm1P leaves out) and the output matrix written out
 even when tied. The tokenizer is written directly: ordinal's byte-level BPE vocabulary (the
 strings of tokenizer.json, specials marked as control tokens) and its merges in rank order,
-under the ``gpt2`` pre-tokenizer, whose split (GPT-2's regular expression) is the one
+under the ``gpt-2`` pre-tokenizer, whose split (GPT-2's regular expression) is the one
 ``tokenizers``' ByteLevel pre-tokenizer makes, so llama.cpp tokenizes as ordinal does; a
 <|bos|> is added before every prompt, as ordinal adds it. Schemes with no GGUF architecture
 (every one but rope) are refused with the reason.
@@ -37,7 +37,7 @@ from model.tokenizer import SPECIAL_TOKENS, special_ids
 
 ARCHITECTURE = gguf.MODEL_ARCH.NEMOTRON
 # llama.cpp's pre-tokenizer whose regular expression is GPT-2's, as ByteLevel(use_regex=True).
-PRE_TOKENIZER = "gpt2"
+PRE_TOKENIZER = "gpt-2"
 
 
 def vocabulary(tokenizer: Tokenizer, vocab_size: int) -> tuple[list[str], list[int], list[str]]:

@@ -314,7 +314,7 @@ def test_gguf_holds_the_rope_model_and_its_tokenizer(export_dir: Path) -> None:
         "nemotron.rope.freq_base": 10000.0,
         "nemotron.vocab_size": config.vocab_size,
         "tokenizer.ggml.model": "gpt2",
-        "tokenizer.ggml.pre": "gpt2",
+        "tokenizer.ggml.pre": "gpt-2",
         "tokenizer.ggml.bos_token_id": tokenizer.token_to_id("<|bos|>"),
         "tokenizer.ggml.eos_token_id": tokenizer.token_to_id("<|eos|>"),
         "tokenizer.ggml.padding_token_id": tokenizer.token_to_id("<|pad|>"),
