@@ -114,9 +114,6 @@ class Intervention:
         return gates
 
 
-NO_INTERVENTION = Intervention()
-
-
 def _store_column_major(linear: nn.Linear) -> None:
     """Keep ``linear.weight`` [out, in] as a view of contiguous [in, out] memory, in place.
 
@@ -315,11 +312,11 @@ class Transformer(nn.Module):
         device = tokens.device
         if intervention is not None and cache is not None:
             raise ValueError("an intervention changes an uncached forward pass only")
-        change = intervention or NO_INTERVENTION
         if cache is None:
             plan = None
             positions = torch.arange(length, device=device).unsqueeze(0)  # [1, T]
-            positions = positions + change.position_offset
+            if intervention is not None and intervention.position_offset:
+                positions = positions + intervention.position_offset
             key_positions = positions[0]
         else:
             plan = cache.positions(rows or slice(0, batch), length, new_counts)
@@ -333,18 +330,22 @@ class Transformer(nn.Module):
 
         x = self.token_embedding(tokens)
         position_vectors = self.positional.embedding(positions)
-        if position_vectors is not None and 0 not in change.drop_positional:
+        dropped = frozenset() if intervention is None else intervention.drop_positional
+        if position_vectors is not None and 0 not in dropped:
             x = x + position_vectors.to(x.dtype)
         if self.training:
             x = F.dropout(x, self.config.dropout)
         rotation = self.positional.rotation(positions)
         mask = self._attention_mask(positions, key_positions, plan, x.dtype)
         for layer, block in enumerate(self.blocks):
-            gates = change.head_gates(layer, self.config.n_heads, device)
-            if layer in change.drop_positional:  # uncached: the plain causal mask, as `none`'s
+            if intervention is None:  # every decode step: nothing to change
+                x = block(x, rotation, mask, cache, plan, layer, recorder, self.positional)
+            elif layer in dropped:  # uncached: the plain causal mask, as `none`'s
+                gates = intervention.head_gates(layer, self.config.n_heads, device)
                 plain = AttentionMask(None, is_causal=True)
                 x = block(x, None, plain, cache, plan, layer, recorder, None, gates)
             else:
+                gates = intervention.head_gates(layer, self.config.n_heads, device)
                 x = block(x, rotation, mask, cache, plan, layer, recorder, self.positional, gates)
             if recorder is not None:
                 recorder.residuals.append(x)

@@ -115,14 +115,16 @@ class ModelClient:
     def submit(self, job: Job) -> None:
         """Send ``job`` to the engine; a 429 APIError (Retry-After) when the model is full, a
         503 while the engine is down or stopping."""
-        self.client.check_up()
-        if self.in_flight >= self.capacity:
-            raise busy(
-                f"model '{self.name}' is at capacity ({self.capacity} requests running or "
-                "queued); retry shortly"
-            )
+        self._admit(self.in_flight, self.capacity, "requests running or queued", "is at capacity")
         self.in_flight += 1
         self.client.submit(self, job)
+
+    def _admit(self, in_use: int, most: int, what: str, state: str) -> None:
+        """A 503 while the engine is down or stopping; a 429 APIError (Retry-After) when
+        ``in_use`` has reached ``most`` (jobs, or traces: each has its own bound)."""
+        self.client.check_up()
+        if in_use >= most:
+            raise busy(f"model '{self.name}' {state} ({most} {what}, its most); retry shortly")
 
     def cancel(self, job: Job) -> None:
         """Stop ``job`` and free its row before the engine's next step (no-op once it ended)."""
@@ -136,12 +138,7 @@ class ModelClient:
         """The JSON the engine function ``method`` (``server.engine.calls``) returns for
         ``args``, its keyword arguments (MessagePack-encodable); a 429 APIError (Retry-After)
         while ``max_traces`` calls of this model are in the engine."""
-        self.client.check_up()
-        if self.tracing >= self.max_traces:
-            raise busy(
-                f"model '{self.name}' is tracing {self.max_traces} prompts already (the most it "
-                "queues); retry shortly"
-            )
+        self._admit(self.tracing, self.max_traces, "prompts traced or queued", "is tracing")
         self.tracing += 1
         try:
             return await self.client.call(self.name, method, args)

@@ -176,7 +176,7 @@ async def prompt_ids_of(prompt: Prompt, served: ServedModel) -> list[int]:
             )
         return encode_prompt(served.tokenizer, prompt)
     check_prompt_size(prompt, served.max_prompt_bytes, served.name)
-    return await off_loop(token_ids, served.tokenizer, prompt)
+    return await off_loop(token_ids, served.tokenizer, prompt, served.bos)
 
 
 def _max_tokens(

@@ -18,7 +18,6 @@ from typing import ParamSpec, TypeVar
 
 from tokenizers import Tokenizer
 
-from model.tokenizer import special_ids
 from server.api.errors import APIError, busy
 
 POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ordinal-text")  # a core is left
@@ -38,12 +37,12 @@ async def off_loop(function: Callable[P, T], *args: P.args, **kwargs: P.kwargs) 
         raise busy(f"tokenising the request took longer than {TIMEOUT:.0f} s", status=503) from None
 
 
-def token_ids(tokenizer: Tokenizer, text: str, bos: bool = True) -> list[int]:
-    """``tokenizer.encode(text).ids`` (after <|bos|> when ``bos``, as ``encode_prompt`` gives a
-    text), by ``encode_batch``: measured on a 1 MB prompt, ``encode`` held the GIL for all of its
-    1.6 s, ``encode_batch`` for under 0.3 s of it."""
+def token_ids(tokenizer: Tokenizer, text: str, bos: int | None) -> list[int]:
+    """``text``'s token ids after the id ``bos`` (None: none), as ``encode_prompt`` gives a text
+    (the served model's bos is computed once, at load), by ``encode_batch``: measured on a 1 MB
+    prompt, ``encode`` held the GIL for all of its 1.6 s, ``encode_batch`` for under 0.3 s."""
     ids = tokenizer.encode_batch([text])[0].ids
-    return [special_ids(tokenizer).bos, *ids] if bos else ids
+    return ids if bos is None else [bos, *ids]
 
 
 def most_prompt_bytes(max_context: int, token_bytes: list[bytes], specials: list[str]) -> int:

@@ -108,7 +108,8 @@ async def get_model(model_id: str, request: Request) -> Response:
 async def tokenize(body: TokenizeRequest, request: Request) -> Response:
     served = _service(request).get(body.model)
     tokenizer = served.tokenizer
-    ids = await off_loop(token_ids, tokenizer, body.prompt, body.add_special_tokens)
+    bos = served.bos if body.add_special_tokens else None
+    ids = await off_loop(token_ids, tokenizer, body.prompt, bos)
     limit = served.max_context
     return _json({"model": served.name, "tokens": ids, "count": len(ids), "max_context": limit})
 

@@ -10,6 +10,7 @@ failure does: the server still starts, and ``/health`` says why nothing serves.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -140,5 +141,10 @@ def variant_of(base: LoadedModel, variant: str, max_context: int | None) -> Load
     started = time.perf_counter()
     scaling, factor = parse_rope_variant(variant)
     model = with_positional(base.model, {"scaling": scaling, "scaling_factor": factor})
-    name = f"{base.name}+{variant}"
-    return prepare(name, base.name, model, base.tokenizer, max_context, started)
+    return dataclasses.replace(  # the same tokenizer: its tables are the base's, not made again
+        base,
+        name=f"{base.name}+{variant}",
+        model=model,
+        max_context=context_limit(model, max_context),
+        load_seconds=time.perf_counter() - started,
+    )
