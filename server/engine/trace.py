@@ -81,9 +81,13 @@ def trace_document(
         logits = model(ids.unsqueeze(0), recorder=recorder, intervention=intervention)
         logits = logits[0, :, :vocab].float()  # [T, V]
         token_vectors = model.token_embedding(ids).float()  # [T, d_model]
-        position_vectors = scheme.embedding(positions)  # [1, T, d_model] or None
-        rotation = scheme.rotation(positions)  # (cos, sin) [1, 1, T, rot] or None
-        bias = scheme.attention_bias(positions, positions[0])  # [1, H, T, T] or None
+        # The scheme's pieces as the changed pass used them: an added vector enters before
+        # layer 0, and rotation and bias are gone when every layer drops them.
+        dropped = set(drop_positional)
+        every_layer_dropped = dropped >= set(range(model.config.n_layers))
+        position_vectors = None if 0 in dropped else scheme.embedding(positions)  # [1, T, d]
+        rotation = None if every_layer_dropped else scheme.rotation(positions)  # [1, 1, T, rot]
+        bias = None if every_layer_dropped else scheme.attention_bias(positions, positions[0])
 
         seen = torch.zeros(logits.shape[-1], dtype=torch.bool, device=device)
         seen[ids] = True

@@ -288,4 +288,5 @@ def test_a_key_state_is_kept_like_the_keys_through_writes_growth_and_moves() -> 
                 assert torch.equal(got, written[row, :, :length] + layer)
     assert cache.allocated == (3, 10)  # grown from 1 × 2: rows 1 → 3, length 2 → 5 → 10
     cache.move_row(2, 0)
-    assert torch.equal(cache.states[:, 0, :, :5], cache.states[:, 2, :, :5])
+    for layer in range(LAYERS):  # row 0 now holds what row 2 held (not the other way round)
+        assert torch.equal(cache.states[layer, 0, :, :5], written[2, :, :5] + layer)

@@ -133,6 +133,10 @@ def test_dropping_every_layers_positions_is_the_none_scheme(
     torch.testing.assert_close(scores(listed), scores(dropped), atol=0, rtol=0)
     if scheme != "none":  # every other scheme's positions matter to its logits
         assert float((scores(dropped) - scores(trace(client, scheme))).abs().max()) > 1e-3
+    # The trace shows the pass it ran: no positional vector, rotation or bias is left in it.
+    pieces = ("rotation", "position_bias", "layer_bias")
+    assert [dropped[name] for name in pieces] == [None] * 3
+    assert dropped["embedding"]["position_vectors"] is None
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)

@@ -80,4 +80,4 @@ def test_vllm_dashboard_queries_find_data(server: Running, client: httpx.Client)
     added = {le: count - before.get(le, 0) for le, count in buckets.items()}
     assert added["4.0"] == 0 and added["8.0"] == 1
     usage = [v for labels, v in exposed["ordinal_kv_cache_usage_perc"] if labels["model_name"]]
-    assert all(0 <= value <= 1 for value in usage)
+    assert usage and all(0 <= value <= 1 for value in usage)
