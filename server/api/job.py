@@ -26,7 +26,7 @@ class Failure(NamedTuple):
 
 
 Event = Token | Scores | Failure
-EXPIRED = Failure(APIError(504, "the request took longer than the server's request timeout"))
+EXPIRED = "the request took longer than the server's request timeout"
 
 
 class Job:
@@ -95,5 +95,6 @@ class Job:
         return events
 
     def expire(self) -> None:
-        """Called by the request's timer: the reader sees a 504 Failure next."""
-        self.events.put_nowait(EXPIRED)
+        """Called by the request's timer: the reader sees a 504 Failure next. A new error each
+        time: one instance raised by every expired request would keep each one's traceback."""
+        self.events.put_nowait(Failure(APIError(504, EXPIRED)))
