@@ -178,6 +178,27 @@ class KVCache:
         """Forget row ``row``'s sequence (its slots are simply overwritten later)."""
         self.lengths[row] = 0
 
+    def slots(self, row: int, length: int) -> tuple[Tensor, Tensor, Tensor | None]:
+        """Row ``row``'s first ``length`` slots (views, no copy): keys and values, each
+        [layers, heads, length, hd], and the key state [layers, heads, length] (None if the
+        scheme keeps none)."""
+        span = slice(0, length)
+        states = self.states[:, row, :, span] if self._keeps_state else None
+        return self.keys[:, row, :, span], self.values[:, row, :, span], states
+
+    def fill(self, row: int, keys: Tensor, values: Tensor, states: Tensor | None) -> None:
+        """Row ``row`` (empty, reserved) holds the sequence whose first tokens have ``keys``,
+        ``values`` [layers, heads, n, hd] and ``states`` [layers, heads, n] (as :meth:`slots`
+        gives them): its length becomes n, and its next token takes position n."""
+        length = keys.shape[2]
+        self._make_room(length)
+        self.keys[:, row, :, :length] = keys
+        self.values[:, row, :, :length] = values
+        if self._keeps_state:
+            assert states is not None  # what slots() gave for a cache of the same scheme
+            self.states[:, row, :, :length] = states
+        self.lengths[row] = length
+
     def move_row(self, source: int, target: int) -> None:
         """Copy row ``source`` into row ``target`` (compacts a batch when a sequence leaves)."""
         if source == target:

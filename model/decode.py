@@ -145,6 +145,18 @@ class DecodeBatch(Generic[R]):
             return None
         return self._sample(torch.cat(logits) if len(logits) > 1 else logits[0])
 
+    def join(self, row: R) -> int:
+        """``row`` takes the next free cache row now rather than with its first chunk, so that
+        its first slots can be filled before (``KVCache.fill``: a reused prefix, whose chunks
+        then start after it); returns that cache row. Rows join in the order their chunks
+        come."""
+        if row.index is not None or not self.free:
+            raise ValueError("only a row outside the batch may join, while a row is free")
+        row.index = len(self.members)
+        self.members.append(row)
+        self.cache.reserve_rows(len(self.members))
+        return row.index
+
     def _decode(self) -> Tensor:
         """One cached step for every decoding row, fed its last sampled token → logits [d, V]."""
         n = self.decoding

@@ -66,6 +66,7 @@ class EngineConfig(msgspec.Struct, tag=True):
     prefill_chunk: int
     stream_interval: float
     rope_variants: list[str]  # "yarn4": parse_rope_variant
+    prefix_cache_tokens: int = 0  # per model; 0: no prefix cache
 
 
 class Submit(msgspec.Struct, tag=True, array_like=True):
@@ -154,6 +155,7 @@ class Token(msgspec.Struct, tag=True, array_like=True):
     logprob: float | None = None
     top_ids: list[int] | None = None
     top_values: list[float] | None = None
+    cached_tokens: int = 0  # on a job's first token: prompt tokens reused from the prefix cache
 
 
 class Scores(msgspec.Struct, tag=True, array_like=True):
@@ -203,6 +205,8 @@ class ModelStats(msgspec.Struct, array_like=True):
     finished: list[Finish] = []
     failures: dict[str, int] = {}  # reason → requests
     kv_cache_usage: float = 0.0  # gauge: the fraction of the KV cache's most in use
+    prefix_queries: int = 0  # prompt tokens looked up in the prefix cache (vLLM's counters)
+    prefix_hits: int = 0  # of those, the tokens it held
 
 
 Event = Token | Scores | Failed | Dropped

@@ -82,6 +82,18 @@ class PositionalScheme(nn.Module):
                 f"(n_kv_heads {config.n_kv_heads} given for n_heads {config.n_heads})"
             )
 
+    @property
+    def prefix_stable(self) -> bool:
+        """Whether each token's key, value and key state depend on that token and the ones
+        before it alone, whatever pass computed them: then a prompt's prefix kept from an
+        earlier request (``model.prefix_cache``) is what a new pass would compute. True of
+        every hook above: (a) and (b) are per position, (d) per token, and the biases (c) and
+        (e) are computed at query time from positions, queries and the keys kept (FoX sums the
+        kept gates of the keys a query sees, CoPE counts from its queries and the kept keys);
+        table schemes (learned, mds, lowrank) look up fixed rows. A scheme whose tables
+        depend on the pass (rope's dynamic scaling) says False."""
+        return True
+
     def embedding(self, positions: Tensor) -> Tensor | None:
         """Additive vectors for ``positions`` [B, T] (long) → [B, T, d_model], or None."""
         return None

@@ -151,6 +151,12 @@ class RotaryPositions(PositionalScheme):
         self._table: Rotation | None = None  # cos/sin per position, grown on demand
         self._table_length = 0  # dynamic: the sequence length the table's base was chosen for
 
+    @property
+    def prefix_stable(self) -> bool:
+        # dynamic chooses its base from the longest position of the pass, so keys cached by a
+        # longer pass were rotated otherwise than a new pass would rotate them
+        return self.params.scaling != "dynamic"
+
     def rotation(self, positions: Tensor) -> Rotation:
         # A decode step looks its positions up in one cos/sin table instead of recomputing the
         # angles (which cost rope a fifth of a small model's per-token time).

@@ -71,6 +71,8 @@ class ModelMetrics:
     request_generation_tokens: Histogram
     request_max_num_generation_tokens: Histogram  # the max_tokens of each request submitted
     kv_cache_usage: Gauge
+    prefix_cache_queries: Counter  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: Counter  # of those, the tokens it held
 
     def record(self, stats: ModelStats) -> None:
         """Apply what the engine process measured since its previous frame."""
@@ -97,6 +99,9 @@ class ModelMetrics:
                 self.request_generation_tokens.observe(finish.generated)
         for reason, count in stats.failures.items():
             self.failures[reason].inc(count)
+        if stats.prefix_queries:
+            self.prefix_cache_queries.inc(stats.prefix_queries)
+            self.prefix_cache_hits.inc(stats.prefix_hits)
 
 
 class Metrics:
@@ -170,6 +175,20 @@ class Metrics:
             registry=registry,
         )
 
+        # vLLM's prefix-cache counters, in tokens (hits / queries is the hit rate)
+        self.prefix_cache_queries = Counter(
+            "ordinal_prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache",
+            model,
+            registry=registry,
+        )
+        self.prefix_cache_hits = Counter(
+            "ordinal_prefix_cache_hits",
+            "Prompt tokens found in the prefix cache (not prefilled again)",
+            model,
+            registry=registry,
+        )
+
     def for_model(self, name: str) -> ModelMetrics:
         """``name``'s label children, bound once (``record`` runs for every engine frame)."""
         bound = self._bound.get(name)
@@ -195,6 +214,8 @@ class Metrics:
             request_generation_tokens=self.request_generation_tokens.labels(name),
             request_max_num_generation_tokens=self.request_max_num_generation_tokens.labels(name),
             kv_cache_usage=self.kv_cache_usage.labels(name),
+            prefix_cache_queries=self.prefix_cache_queries.labels(name),
+            prefix_cache_hits=self.prefix_cache_hits.labels(name),
         )
 
     def render(self) -> bytes:

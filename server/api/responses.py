@@ -110,13 +110,13 @@ class ResponsesWriter(ChatWriter):
         prompt = len(self.prompt_ids)
         return {
             "input_tokens": prompt,
-            "input_tokens_details": {"cached_tokens": 0},
+            "input_tokens_details": {"cached_tokens": self.cached_tokens},
             "output_tokens": self.completion_tokens,
             "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": prompt + self.completion_tokens,
         }
 
-    def chunk(self, piece: Piece, usage: dict[str, int] | None = None) -> bytes:
+    def chunk(self, piece: Piece, usage: dict[str, Any] | None = None) -> bytes:
         text, _, finish_reason = piece
         events = []
         where = {"item_id": self.item_id, "output_index": 0, "content_index": 0}

@@ -197,6 +197,7 @@ class Service:
             prefill_chunk=settings.prefill_chunk,
             stream_interval=settings.stream_interval,
             rope_variants=settings.rope_variants,
+            prefix_cache_tokens=settings.prefix_cache_tokens,
         )
         capacity = settings.max_batch_size + settings.max_queue
         self.engine = EngineClient(

@@ -72,6 +72,15 @@ class Settings(BaseSettings):
             "most one chunk between two tokens"
         ),
     )
+    prefix_cache_tokens: int = Field(
+        8192,
+        ge=0,
+        description=(
+            "prompt tokens whose keys and values each model keeps, in blocks of 16, so that a "
+            "prompt beginning with a recent one's tokens prefills only the rest (automatic "
+            "prefix caching; least recently used blocks make room; 0 turns it off)"
+        ),
+    )
     max_queue: int = Field(
         64, ge=0, description="requests that may wait for a free batch row, per model"
     )

@@ -61,6 +61,7 @@ class CompletionWriter:
             )
         self.offset = len(self.prompt_text)  # text_offset of the next generated token
         self.completion_tokens = 0
+        self.cached_tokens = 0  # prompt tokens the engine reused from its prefix cache
         self.id, self.created = f"{self.ID_PREFIX}-{uuid.uuid4().hex}", int(time.time())
         self.model = served.name
         # One chunk dict reused for every event: only the choice's fields change.
@@ -101,6 +102,7 @@ class CompletionWriter:
 
     def _token_piece(self, event: Token) -> Piece:
         self.completion_tokens += 1
+        self.cached_tokens = max(self.cached_tokens, event.cached_tokens)
         logprobs: Logprobs | None = None
         if event.logprob is not None:
             logprobs = {
@@ -135,15 +137,10 @@ class CompletionWriter:
             "choices": choices,
         }
 
-    def usage(self) -> dict[str, int]:
-        prompt = len(self.prompt_ids)
-        return {
-            "prompt_tokens": prompt,
-            "completion_tokens": self.completion_tokens,
-            "total_tokens": prompt + self.completion_tokens,
-        }
+    def usage(self) -> dict[str, Any]:
+        return total_usage([self])
 
-    def chunk(self, piece: Piece, usage: dict[str, int] | None = None) -> bytes:
+    def chunk(self, piece: Piece, usage: dict[str, Any] | None = None) -> bytes:
         """One SSE event for ``piece``; ``usage``: the request's so far, when every chunk
         carries it (continuous_usage_stats)."""
         choice = self._choice
@@ -158,7 +155,7 @@ class CompletionWriter:
         """The non-stream response of a request whose choices are ``writers``' ``results``."""
         return combine(results, writers)
 
-    def usage_chunk(self, usage: dict[str, int]) -> bytes:
+    def usage_chunk(self, usage: dict[str, Any]) -> bytes:
         chunk = {**self._envelope([]), "usage": usage}
         return sse_event(chunk)
 
@@ -195,6 +192,7 @@ class ChatWriter(CompletionWriter):
 
     def _token_piece(self, event: Token) -> Piece:
         self.completion_tokens += 1
+        self.cached_tokens = max(self.cached_tokens, event.cached_tokens)
         logprobs: Logprobs | None = None
         if event.logprob is not None:
             top = zip(event.top_ids or [], event.top_values or [], strict=True)
@@ -210,7 +208,7 @@ class ChatWriter(CompletionWriter):
             "bytes": list(self.token_bytes[token]),
         }
 
-    def chunk(self, piece: Piece, usage: dict[str, int] | None = None) -> bytes:
+    def chunk(self, piece: Piece, usage: dict[str, Any] | None = None) -> bytes:
         text, logprobs, finish_reason = piece
         delta: dict[str, str] = {"content": text} if text or not finish_reason else {}
         if not self._role_sent:
@@ -237,16 +235,20 @@ class ChatWriter(CompletionWriter):
         return {**self._envelope([choice]), "usage": self.usage()}
 
 
-def total_usage(writers: Sequence[CompletionWriter]) -> dict[str, int]:
+def total_usage(writers: Sequence[CompletionWriter]) -> dict[str, Any]:
     """A request's usage over its choices: each prompt counted once (its n choices share it,
-    as OpenAI counts them), every choice's tokens."""
-    n = writers[0].body.n
-    prompt = sum(len(writer.prompt_ids) for writer in writers[::n])
+    as OpenAI counts them, and so do its cached tokens: those of the choice that reused the
+    most), every choice's tokens."""
+    n = min(writers[0].body.n, len(writers))
+    prompts = [writers[start : start + n] for start in range(0, len(writers), n)]
+    prompt = sum(len(choices[0].prompt_ids) for choices in prompts)
+    cached = sum(max(writer.cached_tokens for writer in choices) for choices in prompts)
     completion = sum(writer.completion_tokens for writer in writers)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
     }
 
 

@@ -114,7 +114,11 @@ class EngineCore:
                 self.channel.send(result)
             else:
                 self.engines[result.name] = ModelEngine(
-                    result, self.config.max_batch_size, self.config.prefill_chunk, self.outbox
+                    result,
+                    self.config.max_batch_size,
+                    self.config.prefill_chunk,
+                    self.outbox,
+                    self.config.prefix_cache_tokens,
                 )
                 self.channel.send(ModelLoaded(result.info()))
 

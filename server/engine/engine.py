@@ -3,11 +3,14 @@
 :meth:`ModelEngine.step`:
 
 1. the scheduler (``server.engine.scheduler``, pure) plans the step: which prompt chunks to prefill,
-   which waiting jobs to admit;
+   which waiting jobs to admit; each admitted job takes its batch row, and the keys and values
+   of its prompt's first tokens are copied there from the model's prefix cache
+   (``model.prefix_cache``) when a recent prompt began with them;
 2. prompts that asked for their logprobs are scored (one full forward each);
 3. ``DecodeBatch.step`` runs the cached decode forward, the ragged prefill forward and one
    sampling call (``model.decode``, the same core as offline ``generate()``);
-4. each sampled token goes to its job's ``SequenceState`` (text, stop strings, token budget);
+4. the prompts completed this step are kept in the prefix cache (their full blocks);
+5. each sampled token goes to its job's ``SequenceState`` (text, stop strings, token budget);
    finished and failed jobs leave their rows at once.
 
 Events and metric changes go to an :class:`Outbox`, which the process loop (``server.engine.core``)
@@ -19,10 +22,11 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from model.decode import DecodeBatch, Row, Sampled, Tokens
 from model.generate import SequenceState, StopMatcher
+from model.prefix_cache import PrefixCache, block_digests
 from model.sampling import RowSampler
 from model.sampling_params import FailureReason
 from model.tokenizer import IncrementalDecoder
@@ -63,6 +67,8 @@ class Request(Row):
     admitted_at: float = 0.0
     first_token_at: float = 0.0
     done: bool = False
+    digests: list[bytes] = field(default_factory=list)  # its prompt's blocks (prefix cache)
+    cached_tokens: int = 0  # prompt tokens reused from the prefix cache, not prefilled
 
     @property
     def id(self) -> int:
@@ -109,14 +115,28 @@ class ModelEngine:
     """The jobs of one loaded model: a scheduler and a batch of ``max_rows`` rows."""
 
     def __init__(
-        self, loaded: LoadedModel, max_rows: int, prefill_chunk: int, outbox: Outbox
+        self,
+        loaded: LoadedModel,
+        max_rows: int,
+        prefill_chunk: int,
+        outbox: Outbox,
+        prefix_cache_tokens: int = 0,
     ) -> None:
+        """``prefix_cache_tokens``: the most prompt tokens whose keys and values are kept for
+        reuse (0: no prefix cache; none either for a scheme that is not ``prefix_stable``)."""
         self.loaded = loaded
         self.name = loaded.name
         self.batch: DecodeBatch[Request] = DecodeBatch(
             loaded.model, max_rows, loaded.max_context, loaded.vocab, loaded.bos, grow=True
         )
-        self.scheduler: Scheduler[Request] = Scheduler(max_rows, prefill_chunk)
+        self.prefix: PrefixCache | None = None
+        if prefix_cache_tokens and loaded.model.positional.prefix_stable:
+            cache = self.batch.cache
+            self.prefix = PrefixCache(
+                loaded.model.config, prefix_cache_tokens, cache.keys.device, cache.keys.dtype
+            )
+        reusable = self._reusable if self.prefix is not None else None
+        self.scheduler: Scheduler[Request] = Scheduler(max_rows, prefill_chunk, reusable)
         self.requests: dict[int, Request] = {}  # every job not yet ended, by id
         self.outbox = outbox
         self._last_step = 0.0
@@ -148,6 +168,8 @@ class ModelEngine:
             submit=submit,
             state=state,
         )
+        if self.prefix is not None and state is not None:
+            request.digests = block_digests(submit.prompt_ids, self.prefix.block)
         self.requests[request.id] = request
         self.scheduler.add(request, submit.priority)
         self.stats()
@@ -188,17 +210,26 @@ class ModelEngine:
         for request in leftover:
             self._end(request, Failed(request.id, 503, SHUTTING_DOWN))
 
+    def _reusable(self, request: Request) -> int:
+        """How many of ``request``'s first prompt tokens the prefix cache holds."""
+        assert self.prefix is not None  # the scheduler asks only when there is one
+        return self.prefix.match(request.digests, request.prompt_length)
+
     def _step(self, admitted: list[Request]) -> None:
         plan = self.scheduler.schedule()
         admitted += plan.admitted
         now = time.monotonic()
         for request in plan.admitted:
             self._admit(request, now)
+            if request.state is not None:
+                self._join(request, plan.reused.get(id(request), 0))
         for request in plan.admitted:
             if request.state is None or request.submit.score_prompt:
                 self._score(request)
         decoding = bool(self.batch.decoding)
         sampled = self.batch.step([(request, count) for request, count in plan.prefill])
+        if self.prefix is not None:
+            self._keep_prompts(plan.prefill)
         now = time.monotonic()
         stats = self.stats()
         if decoding:
@@ -212,6 +243,27 @@ class ModelEngine:
         stats = self.stats()
         stats.queue_times.append(now - request.submit.submitted_at)
         stats.prompt_tokens.append(request.prompt_length)
+
+    def _join(self, request: Request, reused: int) -> None:
+        """``request`` takes its batch row, its first ``reused`` prompt tokens copied there."""
+        row = self.batch.join(request)
+        if self.prefix is None:
+            return
+        stats = self.stats()
+        stats.prefix_queries += request.prompt_length
+        if reused:
+            self.prefix.load(request.digests, reused, self.batch.cache, row)
+            request.cached_tokens = reused
+            stats.prefix_hits += reused
+
+    def _keep_prompts(self, prefilled: list[tuple[Request, int]]) -> None:
+        """Keep the blocks of every prompt that this step's prefill completed."""
+        assert self.prefix is not None
+        lengths = self.batch.cache.lengths
+        for request, _ in prefilled:
+            row = request.index
+            if request.digests and row is not None and int(lengths[row]) == request.prompt_length:
+                self.prefix.store(request.digests, self.batch.cache, row)
 
     def _score(self, request: Request) -> None:
         """The prompt's logprobs; the job's last event when that is all it asked for."""
@@ -236,12 +288,13 @@ class ModelEngine:
                 events.append(None)
                 leaving.append(row)
                 continue
+            cached = 0
             if not row.first_token_at:
-                row.first_token_at, urgent = now, True
+                row.first_token_at, urgent, cached = now, True, row.cached_tokens
                 ttft = now - row.submit.submitted_at
                 stats.first_tokens.append((ttft, now - row.admitted_at))
             text = row.state.append(token)
-            events.append(Token(row.id, token, text, row.state.finish_reason))
+            events.append(Token(row.id, token, text, row.state.finish_reason, cached_tokens=cached))
             if row.state.finish_reason is not None:
                 leaving.append(row)
                 e2e, decode = now - row.submit.submitted_at, now - row.first_token_at

@@ -1,19 +1,28 @@
 """Who decodes next: admission, chunked prefill and finishing, as a pure object.
 
 The :class:`Scheduler` holds no tensors, threads or clocks; it decides, and the engine carries
-the decisions out on a ``model.decode.DecodeBatch``. Each step's :class:`StepPlan` says which
-prompt tokens to prefill: first the rest of a prompt already being prefilled, then new requests
-from the waiting queue in priority order (vLLM's polarity: a lower ``priority`` is admitted
-sooner; arrival order among equals) while a batch row is free and the step's prompt-token
-budget (``prefill_chunk``) lasts. A prompt that fits the budget is prefilled whole; a prompt
-longer than the whole budget is prefilled in chunks over several steps (the rows already
-decoding take a step between chunks); one that fits the budget but not what is left of it waits
-for the next step. A request that only scores its prompt (``needs_row`` False) takes no row.
+the decisions out on a ``model.decode.DecodeBatch``. Each step has a budget of tokens
+(``prefill_chunk``) shared by decode and prefill, as vLLM's ``max_num_batched_tokens``: every
+row already decoding takes one, and the rest goes to prompt tokens — first the rest of a prompt
+already being prefilled, then new requests from the waiting queue in priority order (vLLM's
+polarity: a lower ``priority`` is admitted sooner; arrival order among equals) while a batch
+row is free and the budget lasts. So a burst of short prompts joins in one step, and a step
+never holds more than the budget's tokens, however many streams decode. A prompt that fits
+what is left is prefilled whole; a prompt longer than the step's whole prompt budget is
+prefilled in chunks over several steps (the rows already decoding take a step between
+chunks); one that fits the step's budget but not what is left of it waits for the next step.
+The prompt budget is at least one token, so a waiting prompt is never starved by decoding rows.
+A request that only scores its prompt (``needs_row`` False) takes no row.
+
+With ``cached`` (the engine's prefix cache), a request's first ``cached(request)`` prompt
+tokens are reused rather than prefilled: asked once, when it is admitted, they cost no budget,
+and ``StepPlan.reused`` says how many the engine must copy into its row.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Generic, Protocol, TypeVar
@@ -46,22 +55,31 @@ class StepPlan(Generic[R]):
     """One step's decisions. ``prefill``: (request, prompt tokens to prefill now), the request
     being prefilled first, then the newly admitted ones in arrival order; ``admitted``: the
     requests taken from the queue this step (``scored`` those that only score their prompt:
-    they are done once scored)."""
+    they are done once scored); ``reused``: admitted request → its first prompt tokens taken
+    from the prefix cache (only those with some), which its chunk starts after; ``decoding``:
+    the rows that decode this step, each one token of the budget."""
 
     prefill: list[tuple[R, int]] = field(default_factory=list)
     admitted: list[R] = field(default_factory=list)
     scored: list[R] = field(default_factory=list)
+    reused: dict[int, int] = field(default_factory=dict)  # id(request) → tokens
+    decoding: int = 0
 
 
 class Scheduler(Generic[R]):
     """Admission by priority, then arrival, into ``max_rows`` rows, at most ``prefill_chunk``
-    prompt tokens a step. A request already holding a row keeps it (no preemption)."""
+    tokens a step (decoding rows and prompt tokens together). A request already holding a row
+    keeps it (no preemption). ``cached``: how many of a request's first prompt tokens need no
+    prefill (None: none ever)."""
 
-    def __init__(self, max_rows: int, prefill_chunk: int) -> None:
+    def __init__(
+        self, max_rows: int, prefill_chunk: int, cached: Callable[[R], int] | None = None
+    ) -> None:
         if max_rows < 1 or prefill_chunk < 1:
             raise ValueError(f"max_rows and prefill_chunk must be ≥ 1: {max_rows}, {prefill_chunk}")
         self.max_rows = max_rows
         self.prefill_chunk = prefill_chunk
+        self.cached = cached
         self.waiting: deque[R] = deque()
         self.running: list[R] = []  # holding a row, in admission order
         self._prefilled: dict[int, int] = {}  # id(request) → prompt tokens planned so far
@@ -122,27 +140,34 @@ class Scheduler(Generic[R]):
     def schedule(self) -> StepPlan[R]:
         """Decide the next step, and count its prompt tokens as prefilled."""
         plan: StepPlan[R] = StepPlan()
-        budget = self.prefill_chunk
+        plan.decoding = sum(1 for r in self.running if not self._left(r))
+        step_budget = max(1, self.prefill_chunk - plan.decoding)  # what prompts may take
+        budget = step_budget
         partial = next((r for r in self.running if self._left(r)), None)
         if partial is not None:
             budget -= self._take(plan, partial, budget)
             partial = partial if self._left(partial) else None
         while self.waiting and budget > 0 and partial is None:
             request = self.waiting[0]
-            length = request.prompt_length
-            fits = length <= budget
-            whole_step = budget == self.prefill_chunk
             if not request.needs_row:
-                if not (fits or whole_step):
+                length = request.prompt_length
+                if not (length <= budget or budget == step_budget):
                     break
                 plan.scored.append(self._admit())
                 plan.admitted.append(request)
                 budget -= min(length, budget)
                 continue
-            if len(self.running) >= self.max_rows or not (fits or length > self.prefill_chunk):
+            if len(self.running) >= self.max_rows:
+                break
+            reused = self.cached(request) if self.cached is not None else 0
+            reused = max(0, min(reused, request.prompt_length - 1))  # the last token is fed
+            length = request.prompt_length - reused
+            if not (length <= budget or length > step_budget):
                 break
             self.running.append(self._admit())
-            self._prefilled[id(request)] = 0
+            self._prefilled[id(request)] = reused
+            if reused:
+                plan.reused[id(request)] = reused
             plan.admitted.append(request)
             budget -= self._take(plan, request, budget)
             partial = request if self._left(request) else None
