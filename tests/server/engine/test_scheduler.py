@@ -47,14 +47,60 @@ def test_arrivals_take_free_rows_in_order_and_the_rest_wait() -> None:
     assert scheduler.phase(first) == Phase.GONE
 
 
-def test_the_token_budget_splits_arrivals_over_steps_without_splitting_prompts() -> None:
+def test_decoding_rows_and_prompt_tokens_share_the_step_budget() -> None:
+    """vLLM's token budget: each decoding row takes one token of the step's, prompts the rest;
+    a prompt that fits what a step leaves prompts but not what is left of it waits whole, one
+    longer than that is prefilled in chunks."""
     scheduler: Scheduler[Ask] = Scheduler(max_rows=8, prefill_chunk=10)
-    for request in asks(4, 4, 4, 9):
+    for request in asks(4, 4, 4, 8, 9):
         scheduler.add(request)
-    assert plan_of(scheduler.schedule()) == [("r0", 4), ("r1", 4)]  # r2 fits 10, not the 2 left
-    assert plan_of(scheduler.schedule()) == [("r2", 4)]  # r3 (9) waits: it fits a whole step
-    assert plan_of(scheduler.schedule()) == [("r3", 9)]
-    assert scheduler.schedule().prefill == []
+    plan = scheduler.schedule()  # r2 fits 10, not the 2 left
+    assert (plan_of(plan), plan.decoding) == ([("r0", 4), ("r1", 4)], 0)
+    plan = scheduler.schedule()  # 2 decode: 8 for prompts; r3 (8) fits them, not the 4 left
+    assert (plan_of(plan), plan.decoding) == ([("r2", 4)], 2)
+    plan = scheduler.schedule()  # 3 decode: 7 for prompts, fewer than r3's 8
+    assert (plan_of(plan), plan.decoding) == ([("r3", 7)], 3)
+    plan = scheduler.schedule()
+    assert (plan_of(plan), plan.decoding) == ([("r3", 1), ("r4", 6)], 3)  # r4 (9): chunked
+    plan = scheduler.schedule()
+    assert (plan_of(plan), plan.decoding) == ([("r4", 3)], 4)
+    assert scheduler.schedule().decoding == 5
+
+
+def test_a_burst_of_short_prompts_joins_in_one_step() -> None:
+    scheduler: Scheduler[Ask] = Scheduler(max_rows=64, prefill_chunk=2048)
+    burst = asks(*[32] * 64)
+    for request in burst:
+        scheduler.add(request)
+    plan = scheduler.schedule()
+    assert plan.admitted == burst and plan_of(plan) == [(r.name, 32) for r in burst]
+    assert scheduler.schedule().decoding == 64
+
+
+def test_decoding_rows_never_starve_a_waiting_prompt() -> None:
+    scheduler: Scheduler[Ask] = Scheduler(max_rows=4, prefill_chunk=3)
+    for request in asks(1, 1, 1, 2):
+        scheduler.add(request)
+    assert plan_of(scheduler.schedule()) == [("r0", 1), ("r1", 1), ("r2", 1)]
+    assert plan_of(scheduler.schedule()) == [("r3", 1)]  # 3 rows decode: one token is left
+    assert plan_of(scheduler.schedule()) == [("r3", 1)]
+
+
+def test_tokens_held_by_the_prefix_cache_cost_no_budget() -> None:
+    cached = {"long": 32, "whole": 40}
+    scheduler: Scheduler[Ask] = Scheduler(
+        max_rows=4, prefill_chunk=10, cached=lambda request: cached.get(request.name, 0)
+    )
+    long, whole, short = Ask(40, name="long"), Ask(40, name="whole"), Ask(5, name="short")
+    for request in (long, whole, short):
+        scheduler.add(request)
+    plan = scheduler.schedule()
+    # the last token of a prompt is always fed (its logits are the first draw)
+    assert plan_of(plan) == [("long", 8), ("whole", 1)]
+    assert plan.reused == {id(long): 32, id(whole): 39}
+    assert scheduler.phase(long) == scheduler.phase(whole) == Phase.DECODING
+    plan = scheduler.schedule()  # 2 decode: short fits the 8 left now
+    assert (plan_of(plan), plan.reused) == ([("short", 5)], {})
 
 
 def test_a_prompt_longer_than_the_budget_is_prefilled_in_chunks_first() -> None:
@@ -64,9 +110,10 @@ def test_a_prompt_longer_than_the_budget_is_prefilled_in_chunks_first() -> None:
         scheduler.add(request)
     assert plan_of(scheduler.schedule()) == [("r0", 3), ("r1", 7)]  # the rest of the budget
     assert scheduler.phase(long) == Phase.PREFILLING
-    assert plan_of(scheduler.schedule()) == [("r1", 10)]  # nobody overtakes it
-    assert plan_of(scheduler.schedule()) == [("r1", 8), ("r2", 2)]  # done: the next joins
+    assert plan_of(scheduler.schedule()) == [("r1", 9)]  # nobody overtakes it; r0 takes one
+    assert plan_of(scheduler.schedule()) == [("r1", 9)]  # done, and the budget with it
     assert scheduler.phase(long) == Phase.DECODING
+    assert plan_of(scheduler.schedule()) == [("r2", 2)]  # the next joins
 
 
 def test_a_scoring_request_takes_budget_but_no_row() -> None:
@@ -119,10 +166,15 @@ def test_random_arrivals_respect_rows_budget_order_and_finish_every_prompt(seed:
         for _ in range(rng.randint(0, 3)):
             if pending:
                 scheduler.add(pending.pop(0))
+        decoding_rows = sum(1 for r in scheduler.running if id(r) in decoding)
         plan = scheduler.schedule()
-        assert sum(count for _, count in plan.prefill) + sum(
-            r.prompt_length for r in plan.scored
-        ) <= max(16, *(r.prompt_length for r in plan.scored), 0)
+        assert plan.decoding == decoding_rows
+        prompt_tokens = sum(count for _, count in plan.prefill)
+        scored = sum(r.prompt_length for r in plan.scored)
+        # decoding rows and prompts within the budget (a prompt always gets a token; a scored
+        # prompt past the budget is scored alone beside the decoding rows)
+        total = prompt_tokens + scored + plan.decoding
+        assert total <= max(16, decoding_rows + 1, scored + plan.decoding)
         assert len(scheduler.running) <= 3
         started += plan.admitted
         for request, count in plan.prefill:
