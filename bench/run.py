@@ -1,8 +1,10 @@
 """``make bench``: run every speed benchmark, keep the results, write docs/benchmarks.md.
 
 Stages: ``decode`` (in-process, bench.decode; the long one), ``http`` (the real server,
-bench.http) and ``bound`` (matmul bound, bench.bound). Each writes bench/results/<stage>.json; a
-stage left out of ``--stages`` is read back from there, so one figure can be redone alone.
+bench.http), ``bound`` (matmul bound, bench.bound) and ``prefix`` (a repeated prompt's time to
+first token with and without the prefix cache, bench.prefix). Each writes
+bench/results/<stage>.json; a stage left out of ``--stages`` is read back from there, so one
+figure can be redone alone.
 
     python -m bench.run                      # everything, several minutes
     python -m bench.run --quick              # one repeat, rope only, short HTTP levels
@@ -23,12 +25,12 @@ from typing import Any, NamedTuple
 
 import torch
 
-from bench import bound, decode, http
+from bench import bound, decode, http, prefix
 from model.files import write_json_atomic, write_text_atomic
 from model.markdown import markdown_table
 from model.positional import SCHEMES
 
-STAGES = ("decode", "http", "bound")
+STAGES = ("decode", "http", "bound", "prefix")
 GPT2_LAYOUT = "learned+bias"  # bench.decode's row with GPT-2's exact layout
 Results = dict[str, Any]
 
@@ -62,6 +64,8 @@ def run_stage(stage: str, args: argparse.Namespace) -> Results:
     if stage == "http":
         levels = (2.0, 1) if args.quick else (10.0, 2)
         return http.run(args.checkpoints, *levels)
+    if stage == "prefix":
+        return prefix.ttft(args.checkpoints.resolve(), 5 if args.quick else 20)
     return bound.run(args.checkpoints, 0.05 if args.quick else 0.5)
 
 
@@ -322,6 +326,36 @@ def targets_section(results: dict[str, Results]) -> str:
     )
 
 
+def prefix_section(results: Results) -> str:
+    """Issue #24's prefix-caching figure: a repeated prompt's TTFT, cached against uncached."""
+    cached, uncached = results["cached"], results["uncached"]
+    rows = [
+        [
+            name,
+            str(row["cached_tokens"]),
+            f"{row['ttft_ms_p50']:.1f}",
+            f"{row['ttft_ms_p90']:.1f}",
+        ]
+        for name, row in (
+            ("prefix cache (default)", cached),
+            ("`--prefix-cache-tokens 0`", uncached),
+        )
+    ]
+    share = results["cached_over_uncached_p50"]
+    return (
+        f"## Prefix caching\n\nA {results['prompt_tokens']}-token prompt repeated with a new "
+        f"ending (its last {results['new_ending']} tokens change), {cached['requests']} "
+        "requests to each of two rope servers running side by side, taking turns; streamed, one "
+        "token, time to its first token (`python -m bench.prefix ttft`; measured "
+        f"{results['date']}, load average {results['load_average_at_start']:.1f} at start)."
+        "\n\n"
+        + table(["server", "cached tokens", "TTFT ms p50", "p90"], rows)
+        + "\nCached ÷ uncached, p50: "
+        + target(share, 0.3, f"{share:.0%} (goal ≤ 30%)", at_most=True)
+        + "\n"
+    )
+
+
 def memory_section(results: Results) -> str:
     memory = results["memory"]
     rows = [
@@ -442,6 +476,7 @@ def render(results: dict[str, Results]) -> str:
         ("http", lambda: http_section(results["http"], in_process, one_thread)),
         ("http", lambda: memory_section(results["http"])),
         ("bound", lambda: bound_section(results["bound"], measured_rates(results))),
+        ("prefix", lambda: prefix_section(results["prefix"])),
     ]
     # The targets need both the decode and the HTTP figures.
     present = set(results) | ({"targets"} if {"decode", "http"} <= set(results) else set())

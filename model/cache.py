@@ -119,7 +119,7 @@ class KVCache:
         if new_counts is None:
             starts = start.tolist()
             key_length = max(starts, default=0) + n_new
-            self._make_room(key_length)
+            self.make_room(key_length)
             if starts and min(starts) == max(starts):
                 return CacheWrite(rows, positions, start + n_new, key_length, starts[0], None)
             valid = torch.ones(positions.shape, dtype=torch.bool)
@@ -136,7 +136,7 @@ class KVCache:
             positions = torch.minimum(positions, last_real.unsqueeze(1))
             end = start + counts
             key_length = int(end.max()) if end.numel() else 0
-            self._make_room(key_length)
+            self.make_room(key_length)
             valid = offsets.unsqueeze(0) < counts.unsqueeze(1)  # [B, T]
         row_index, token_index = valid.nonzero(as_tuple=True)
         slots = positions[row_index, token_index]
@@ -144,7 +144,9 @@ class KVCache:
         scatter = (row_index.to(device), token_index.to(device), slots.to(device))
         return CacheWrite(rows, positions, end, key_length, None, scatter)
 
-    def _make_room(self, key_length: int) -> None:
+    def make_room(self, key_length: int) -> None:
+        """Allocate ``key_length`` slots per row now (CacheFull past the most), so that the
+        writes up to it need no reallocation."""
         if key_length > self.max_length:
             raise CacheFull(
                 f"the cache holds {self.max_length} positions per row; this step needs {key_length}"
@@ -191,7 +193,7 @@ class KVCache:
         ``values`` [layers, heads, n, hd] and ``states`` [layers, heads, n] (as :meth:`slots`
         gives them): its length becomes n, and its next token takes position n."""
         length = keys.shape[2]
-        self._make_room(length)
+        self.make_room(length)
         self.keys[:, row, :, :length] = keys
         self.values[:, row, :, :length] = values
         if self._keeps_state:

@@ -149,12 +149,14 @@ class DecodeBatch(Generic[R]):
         """``row`` takes the next free cache row now rather than with its first chunk, so that
         its first slots can be filled before (``KVCache.fill``: a reused prefix, whose chunks
         then start after it); returns that cache row. Rows join in the order their chunks
-        come."""
+        come. Room for its prompt and first token is allocated at once (one reallocation,
+        not one per doubling)."""
         if row.index is not None or not self.free:
             raise ValueError("only a row outside the batch may join, while a row is free")
         row.index = len(self.members)
         self.members.append(row)
         self.cache.reserve_rows(len(self.members))
+        self.cache.make_room(min(len(row.tokens.prompt_ids) + 1, self.cache.max_length))
         return row.index
 
     def _decode(self) -> Tensor:

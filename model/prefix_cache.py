@@ -4,7 +4,8 @@ prompt that begins with the same tokens.
 A prompt is cut into blocks of ``block`` tokens (16, vLLM's default); block i is named by a
 digest chained over every token before its end (:func:`block_digests`), so equal names mean
 equal prefixes, and a block is reused only after all the blocks before it. The kept blocks sit
-in one pool per tensor ([blocks, layers, heads, block, head_dim], grown by doubling up to
+in one pool per tensor ([layers, heads, blocks·block, head_dim]: block s is the s-th run of
+``block`` slots, laid out as the KV cache's rows are; grown by doubling up to
 ``capacity_tokens``), evicted least recently used first. A block's parent is touched after it
 on every use, so eviction takes the ends of chains before their beginnings.
 
@@ -59,8 +60,9 @@ class PrefixCache:
         self._keeps_state = SCHEMES[config.scheme].keeps_key_state
         self._slots: OrderedDict[bytes, int] = OrderedDict()  # digest → pool slot, LRU first
         self._free: list[int] = []
-        # [slots, layers, heads, block, hd] (states: no hd, float32); empty until first stored
+        # [layers, heads, slots·block, hd] (states: no hd, float32); empty until first stored
         self.keys = self.values = self.states = torch.empty(0)
+        self._within = torch.arange(block)
 
     @property
     def held_tokens(self) -> int:
@@ -68,7 +70,7 @@ class PrefixCache:
 
     @property
     def allocated_tokens(self) -> int:
-        return self.keys.shape[0] * self.block if self.keys.numel() else 0
+        return self.keys.shape[2] if self.keys.numel() else 0
 
     def match(self, digests: list[bytes], prompt_length: int) -> int:
         """How many of the prompt's first tokens are held: its leading held blocks, but never
@@ -85,14 +87,10 @@ class PrefixCache:
         :meth:`match` said) into the empty cache row ``row``."""
         used = digests[: -(-length // self.block)]
         self._touch(used)
-        slots = torch.tensor([self._slots[digest] for digest in used], device=self.keys.device)
-
-        def gathered(pool: torch.Tensor) -> torch.Tensor:  # [n, L, H, B, ...] → [L, H, length, ...]
-            picked = pool.index_select(0, slots).movedim(0, 2)
-            return picked.flatten(2, 3)[:, :, :length]
-
-        states = gathered(self.states) if self._keeps_state else None
-        cache.fill(row, gathered(self.keys), gathered(self.values), states)
+        slots = self._token_slots([self._slots[digest] for digest in used])[:length]
+        keys, values = self.keys.index_select(2, slots), self.values.index_select(2, slots)
+        states = self.states.index_select(2, slots) if self._keeps_state else None
+        cache.fill(row, keys, values, states)
 
     def store(self, digests: list[bytes], cache: KVCache, row: int) -> None:
         """Keep the full blocks of the prompt whose whole length is in cache row ``row`` (the
@@ -110,14 +108,17 @@ class PrefixCache:
             slots.append(self._take_slot())
             self._slots[digest] = slots[-1]
         slots.reverse()
-        blocks = torch.tensor([index for index, _ in new], device=self.keys.device)
-        index = torch.tensor(slots, device=self.keys.device)
+        sources = self._token_slots([index for index, _ in new])  # the row's slots = positions
+        targets = self._token_slots(slots)
         keys, values, states = cache.slots(row, len(digests) * self.block)
         for pool, kept in ((self.keys, keys), (self.values, values), (self.states, states)):
             if kept is not None:
-                # [L, H, blocks·B, ...] → [blocks, L, H, B, ...], the new blocks only
-                split = kept.unflatten(2, (len(digests), self.block)).movedim(2, 0)
-                pool.index_copy_(0, index, split.index_select(0, blocks).to(pool.dtype))
+                pool.index_copy_(2, targets, kept.index_select(2, sources).to(pool.dtype))
+
+    def _token_slots(self, blocks: list[int]) -> torch.Tensor:
+        """The slots of ``blocks`` (block b: slots b·block … b·block + block − 1), in order."""
+        starts = torch.tensor(blocks).unsqueeze(1) * self.block
+        return (starts + self._within).flatten().to(self.keys.device)
 
     def clear(self) -> None:
         """Forget every block and free the pool (nothing can be reused afterwards)."""
@@ -134,7 +135,7 @@ class PrefixCache:
         """A pool slot for a new block: a free one, a new one (the pool doubles up to its
         capacity), or the least recently used block's."""
         if not self._free:
-            allocated = self.keys.shape[0] if self.keys.numel() else 0
+            allocated = self.allocated_tokens // self.block
             if allocated < self.capacity:
                 self._grow(min(self.capacity, max(8, 2 * allocated)))
             else:
@@ -143,15 +144,15 @@ class PrefixCache:
         return self._free.pop()
 
     def _grow(self, blocks: int) -> None:
-        """A pool of ``blocks`` slots, holding the old one's."""
+        """A pool of ``blocks`` blocks, holding the old one's."""
         layers, heads, head_dim, device, dtype = self._layout
-        shape = (blocks, layers, heads, self.block, head_dim)
-        old = self.keys.shape[0] if self.keys.numel() else 0
+        old = self.allocated_tokens // self.block
+        shape = (layers, heads, blocks * self.block, head_dim)
 
         def grown(pool: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
             new = torch.zeros(shape, device=device, dtype=dtype)
             if old:
-                new[:old] = pool
+                new[:, :, : old * self.block] = pool
             return new
 
         self.keys, self.values = grown(self.keys, shape, dtype), grown(self.values, shape, dtype)

@@ -64,12 +64,13 @@ class Settings(BaseSettings):
         ),
     )
     prefill_chunk: int = Field(
-        256,
+        2048,
         ge=1,
         description=(
-            "most prompt tokens prefilled per decode step, over all joining requests; a longer "
-            "prompt is prefilled over several steps, so the streams already decoding wait at "
-            "most one chunk between two tokens"
+            "tokens per decode step, shared as vLLM's max_num_batched_tokens: each decoding "
+            "stream takes one, prompt tokens of joining requests the rest, so a burst of "
+            "prompts joins in one step; a longer prompt is prefilled over several steps, the "
+            "streams already decoding taking a step between its chunks"
         ),
     )
     prefix_cache_tokens: int = Field(

@@ -48,6 +48,10 @@ def test_the_report_shows_every_row(results: dict) -> None:
     assert "| 10 | alibi, binary" in report  # RSS with every shipped model loaded
     assert "bound tokens/s" in report and "of bound" in report
     assert "—" not in report.split("## Against")[1].split("## Through")[0]  # every ratio measured
+    prefix = report.split("## Prefix caching")[1]
+    cached = results["prefix"]["cached"]
+    assert f"| prefix cache (default) | {cached['cached_tokens']} |" in prefix
+    assert "Cached ÷ uncached, p50: " in prefix
 
 
 def test_the_report_opens_with_each_target_of_issue_12_measured(results: dict) -> None:

@@ -30,6 +30,7 @@ from server.api.app import create_app, serving
 from server.api.client import Launcher, ModelClient
 from server.api.service import Service
 from server.api.settings import Settings
+from server.messages import EngineConfig
 from tests.model.conftest import SCHEME_SETTINGS
 from tests.server.engine_control import Control, Gate
 
@@ -149,6 +150,25 @@ def wait_for(condition: Callable[[], bool], what: str, timeout: float = 30.0) ->
         if time.monotonic() > deadline:
             raise TimeoutError(f"timed out waiting for {what}")
         time.sleep(0.005)
+
+
+def engine_config(
+    folders: dict[str, Path], root: Path, rope_variants: list[str] | None = None
+) -> EngineConfig:
+    """What an engine process is sent to load ``folders`` (on the CPU, a batch of 4, chunks of
+    16 prompt tokens), for the tests that load models without a process."""
+    return EngineConfig(
+        models=[(name, str(folder)) for name, folder in folders.items()],
+        checkpoints=str(root),
+        device="cpu",
+        dtype="float32",
+        threads=1,
+        max_batch_size=4,
+        max_context=None,
+        prefill_chunk=16,
+        stream_interval=0.0,
+        rope_variants=rope_variants or [],
+    )
 
 
 def test_settings(folder: Path, **changes: Any) -> Settings:

@@ -13,24 +13,14 @@ from model.prefix_cache import BLOCK
 from model.sampling_params import SamplingParams
 from server.engine.engine import ModelEngine, Outbox
 from server.engine.loader import LoadedModel, load_all
-from server.messages import EngineConfig, Submit, Token
+from server.messages import Submit, Token
+from tests.server.conftest import engine_config
 
 NEW_TOKENS = 5
 
 
 def load(checkpoints: Path, name: str = "rope", variants: tuple[str, ...] = ()) -> LoadedModel:
-    config = EngineConfig(
-        models=[("rope", str(checkpoints / "rope"))],
-        checkpoints=str(checkpoints),
-        device="cpu",
-        dtype="float32",
-        threads=1,
-        max_batch_size=4,
-        max_context=None,
-        prefill_chunk=256,
-        stream_interval=0.0,
-        rope_variants=list(variants),
-    )
+    config = engine_config({"rope": checkpoints / "rope"}, checkpoints, list(variants))
     return next(r for r in load_all(config) if isinstance(r, LoadedModel) and r.name == name)
 
 

@@ -9,24 +9,13 @@ import pytest
 
 from server.engine.loader import LoadedModel, context_limit, load_all
 from server.messages import EngineConfig, ModelFailed
-from tests.server.conftest import CONTEXT_LENGTH, MAX_POSITIONS, tiny_model
+from tests.server.conftest import CONTEXT_LENGTH, MAX_POSITIONS, engine_config, tiny_model
 
 VARIANTS = ["yarn4", "ntk4"]
 
 
 def config_for(folders: dict[str, Path], root: Path) -> EngineConfig:
-    return EngineConfig(
-        models=[(name, str(folder)) for name, folder in folders.items()],
-        checkpoints=str(root),
-        device="cpu",
-        dtype="float32",
-        threads=1,
-        max_batch_size=2,
-        max_context=None,
-        prefill_chunk=16,
-        stream_interval=0.0,
-        rope_variants=VARIANTS,
-    )
+    return engine_config(folders, root, VARIANTS)
 
 
 def test_variants_share_the_weights_and_a_broken_checkpoint_fails_alone(
