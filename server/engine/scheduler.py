@@ -15,8 +15,9 @@ The prompt budget is at least one token, so a waiting prompt is never starved by
 A request that only scores its prompt (``needs_row`` False) takes no row.
 
 With ``cached`` (the engine's prefix cache), a request's first ``cached(request)`` prompt
-tokens are reused rather than prefilled: asked once, when it is admitted, they cost no budget,
-and ``StepPlan.reused`` says how many the engine must copy into its row.
+tokens are reused rather than prefilled: asked when a row is free for it (the cache may have
+changed while it waited), they cost no budget, and ``StepPlan.reused`` says how many the engine
+must copy into its row.
 """
 
 from __future__ import annotations
