@@ -290,3 +290,37 @@ def test_a_key_state_is_kept_like_the_keys_through_writes_growth_and_moves() -> 
     cache.move_row(2, 0)
     for layer in range(LAYERS):  # row 0 now holds what row 2 held (not the other way round)
         assert torch.equal(cache.states[layer, 0, :, :5], written[2, :, :5] + layer)
+
+
+@pytest.mark.parametrize("scheme", ["rope", "fox"])
+def test_a_row_filled_from_another_cache_holds_what_it_held_and_continues_after_it(
+    scheme: str,
+) -> None:
+    """``slots`` gives a row's first slots (views), ``fill`` puts them in an empty row of a
+    growing cache (the prefix cache's copy): same keys, values and key states, the row's
+    length set, the next write at the next position, the other rows untouched."""
+    config = tiny_config(scheme)
+    source, target = KVCache(config, 2, 12), KVCache(config, 3, 12, reserve=(3, 2))
+    keys, values = entries(2, 7)
+    plan = source.positions(slice(0, 2), 7)
+    write_every_layer(source, plan, keys, values)
+    if scheme == "fox":
+        for layer in range(LAYERS):
+            source.write_key_state(layer, plan, keys[..., 0] + layer)
+    kept_keys, kept_values, kept_states = source.slots(1, 5)
+    assert kept_keys.shape == (LAYERS, HEADS, 5, HEAD_DIM)
+    assert kept_keys.data_ptr() == source.keys[:, 1].data_ptr()  # a view, no copy
+    assert (kept_states is None) == (scheme != "fox")
+    target.fill(2, kept_keys, kept_values, kept_states)
+    assert target.lengths.tolist() == [0, 0, 5]
+    assert target.allocated[1] >= 5  # grown to hold them
+    assert torch.equal(target.keys[:, 2, :, :5], source.keys[:, 1, :, :5])
+    assert torch.equal(target.values[:, 2, :, :5], source.values[:, 1, :, :5])
+    assert not target.keys[:, :2].any() and not target.values[:, :2].any()
+    if scheme == "fox":
+        assert torch.equal(target.states[:, 2, :, :5], source.states[:, 1, :, :5])
+    assert target.positions(slice(2, 3), 2).positions.tolist() == [[5, 6]]
+    target.make_room(12)
+    assert target.allocated == (3, 12)
+    with pytest.raises(CacheFull):
+        target.make_room(13)
