@@ -120,12 +120,6 @@ class PrefixCache:
         starts = torch.tensor(blocks).unsqueeze(1) * self.block
         return (starts + self._within).flatten().to(self.keys.device)
 
-    def clear(self) -> None:
-        """Forget every block and free the pool (nothing can be reused afterwards)."""
-        self._slots.clear()
-        self._free.clear()
-        self.keys = self.values = self.states = torch.empty(0)
-
     def _touch(self, digests: list[bytes]) -> None:
         """Mark ``digests`` (a chain's blocks, in prompt order) used now, the first last."""
         for digest in reversed(digests):
