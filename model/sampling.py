@@ -3,6 +3,11 @@
 Both offline ``generate()`` and the server's continuous-batching engine call this module on a
 batch whose rows each carry their own :class:`SamplingParams`. Filters apply in this order:
 
+-1. **Grammar** (structured outputs): a row with a :class:`TokenConstraint` (its
+   ``SamplingParams.grammar``, matched by ``model.grammar``) gets −inf for every token its
+   grammar does not allow next, so each filter below sees only allowed tokens; after the draw
+   its matcher advances by the token drawn. Rows without one pay nothing: no mask is built
+   for them.
 0. **Logit bias** (OpenAI's ``logit_bias``): a fixed amount added to chosen tokens' logits.
 1. **Repetition penalty** on the logits of tokens the row has already seen (prompt and
    generated), CTRL rule: a positive logit is divided by the penalty, a negative one multiplied.
@@ -29,10 +34,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property, partial
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 from torch import Tensor
@@ -46,6 +52,7 @@ _MASS_TOLERANCE = 1e-6
 logger = logging.getLogger("ordinal.sampling")
 
 _NO_UNIFORM = torch.zeros(1)  # the stand-in uniform of a row whose generator failed
+_BIT_SHIFTS = torch.arange(8, dtype=torch.uint8)  # a grammar's bitmask, unpacked a byte at a time
 
 
 class Draw(NamedTuple):
@@ -105,19 +112,46 @@ class SamplingMetadata:
         return SamplingMetadata(**{name: getattr(self, name)[index] for name in self.names()})
 
 
+class TokenConstraint(Protocol):
+    """Which tokens a row may draw next (``model.grammar.GrammarMatcher`` is one). Each method
+    raises (any exception) when the constraint has failed: the row then fails alone."""
+
+    def allowed(self) -> bytes:
+        """Bit t of the little-endian bitmask set: token t may come next."""
+        ...
+
+    def advance(self, token: int) -> None:
+        """The row drew ``token``."""
+        ...
+
+    @property
+    def complete(self) -> bool:
+        """Nothing more may follow: the sequence ends here."""
+        ...
+
+
 class RowSampler:
-    """One sequence's sampling state: its parameters and its own CPU random generator.
+    """One sequence's sampling state: its parameters, its own CPU random generator and, for a
+    row whose output keeps to a grammar, its ``constraint``.
 
     Create it once per request and keep it while the request decodes, across batch rebuilds.
     """
 
-    def __init__(self, params: SamplingParams) -> None:
+    def __init__(self, params: SamplingParams, constraint: TokenConstraint | None = None) -> None:
+        if params.grammar is not None and constraint is None:
+            raise ValueError("params.grammar needs its constraint (a model.grammar matcher)")
         self.params = params
+        self.constraint = constraint
         self.generator = torch.Generator(device="cpu")
         if params.seed is None:
             self.generator.seed()  # a fresh nondeterministic seed, leaving global RNG alone
         else:
             self.generator.manual_seed(params.seed)
+
+    @property
+    def complete(self) -> bool:
+        """The row's grammar allows nothing more (always False without one)."""
+        return self.constraint is not None and self.constraint.complete
 
     def next_uniform(self) -> Tensor:
         """One uniform draw in [0, 1) from this row's generator. Shape [1], CPU, float32."""
@@ -163,6 +197,7 @@ class SamplingBatch:
         self.uses_counts = any(p.frequency_penalty or p.presence_penalty for p in params)
         self._bias: Tensor | None = None  # [B, V], built at the first draw that needs it
         self.uses_bias = any(p.logit_bias for p in params)
+        self._constrained = [i for i, row in enumerate(self.rows) if row.constraint is not None]
         paths = [_path(p) for p in params]
         self._groups = [
             self._group([i for i, path in enumerate(paths) if path == kind], kind, device)
@@ -212,6 +247,8 @@ class SamplingBatch:
             for row in (~finite).nonzero().flatten().tolist():
                 failures[row] = FailureReason.NON_FINITE_LOGITS
             logits = logits.masked_fill(~finite.unsqueeze(-1), 0.0)  # any finite row will do
+        if self._constrained:
+            logits = self._constrain(logits, failures)
         uniforms = self._uniforms(failures, logits.device)
         history = _History(seen, counts)
         try:
@@ -223,7 +260,44 @@ class SamplingBatch:
         if outside.any():
             for row in outside.nonzero().flatten().tolist():
                 failures.setdefault(row, FailureReason.SAMPLING_ERROR)
+        if self._constrained:
+            self._advance(tokens, failures)
         return Draw(tokens, failures)
+
+    def _constrain(self, logits: Tensor, failures: dict[int, FailureReason]) -> Tensor:
+        """Step -1: ``logits`` [B, V] with −inf where a constrained row's grammar forbids the
+        token (a new tensor: the caller's raw logits stay for the logprobs). A row whose
+        constraint fails is reported and left unmasked (its token is discarded)."""
+        vocab = logits.shape[-1]
+        masked, masks = [], []
+        for index in self._constrained:
+            try:
+                masks.append(self.rows[index].constraint.allowed())  # type: ignore[union-attr]
+                masked.append(index)
+            except Exception:
+                logger.exception("row %d: its grammar failed", index)
+                failures[index] = FailureReason.SAMPLING_ERROR
+        if not masked:
+            return logits
+        bits = torch.frombuffer(bytearray(b"".join(masks)), dtype=torch.uint8)
+        allowed = (bits.view(len(masked), -1, 1) >> _BIT_SHIFTS) & 1  # [c, V/8, 8], bit t of t
+        allowed = allowed.view(len(masked), -1)[:, :vocab].to(logits.device, torch.bool)
+        if allowed.shape[-1] < vocab:  # tokens past the grammar's vocabulary are never allowed
+            allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[-1]))
+        rows = torch.tensor(masked, device=logits.device)
+        return logits.index_put((rows,), logits[rows].masked_fill(~allowed, -math.inf))
+
+    def _advance(self, tokens: Tensor, failures: dict[int, FailureReason]) -> None:
+        """Each constrained row's matcher takes its token; one that refuses fails its row."""
+        drawn = tokens[self._constrained].tolist()
+        for index, token in zip(self._constrained, drawn, strict=True):
+            if index in failures:
+                continue
+            try:
+                self.rows[index].constraint.advance(token)  # type: ignore[union-attr]
+            except Exception:
+                logger.exception("row %d: its grammar refused token %d", index, token)
+                failures[index] = FailureReason.SAMPLING_ERROR
 
     def _uniforms(self, failures: dict[int, FailureReason], device: torch.device) -> Tensor | None:
         """One uniform per row per step, whichever path it draws along (None: all greedy)."""
