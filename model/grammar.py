@@ -15,12 +15,15 @@ from __future__ import annotations
 import functools
 import json
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import llguidance
 from tokenizers import Tokenizer
 
 from model.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions
 
 Kind = Literal["json", "regex", "choice", "grammar"]
 
@@ -31,7 +34,7 @@ Kind = Literal["json", "regex", "choice", "grammar"]
 MAX_CONSTRAINT_CHARS = 32_768
 
 # JSON without optional whitespace: a model then spends no tokens on indentation.
-_JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False}
+_JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False}
 
 # Matchers are compiled here, off the engine loop (llguidance drops the GIL while it compiles).
 _BUILDER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ordinal-grammar")
