@@ -64,7 +64,7 @@ def grammar_of(kind: Kind, spec: Any) -> str:
                 raise GrammarError("must hold at least one string")
             return llguidance.grammar_from("choice", spec)
         return llguidance.grammar_from("grammar", spec)
-    except ValueError as error:
+    except Exception as error:  # whatever llguidance cannot read is the request's fault
         raise GrammarError(str(error)) from None
 
 

@@ -201,17 +201,18 @@ class StructuredOutputs(StrictBody):
     json_object: bool | None = None
 
     def constraint(self, field: str = "structured_outputs") -> Constraint | None:
+        given: list[tuple[Kind, Any, str]] = [
+            ("choice", self.choice, "choice"),
+            ("regex", self.regex, "regex"),
+            ("json", self.json_schema, "json"),
+            ("grammar", self.grammar, "grammar"),
+            ("json", ANY_JSON_OBJECT if self.json_object else None, "json_object"),
+        ]
         return only_one(
             [
-                Constraint("choice", self.choice, f"{field}.choice") if self.choice else None,
-                Constraint("regex", self.regex, f"{field}.regex") if self.regex else None,
-                Constraint("json", self.json_schema, f"{field}.json")
-                if self.json_schema is not None
-                else None,
-                Constraint("grammar", self.grammar, f"{field}.grammar") if self.grammar else None,
-                Constraint("json", ANY_JSON_OBJECT, f"{field}.json_object")
-                if self.json_object
-                else None,
+                Constraint(kind, spec, f"{field}.{name}")
+                for kind, spec, name in given
+                if spec is not None
             ]
         )
 
