@@ -37,7 +37,7 @@ MAX_CONSTRAINT_CHARS = 32_768
 _JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False}
 
 # Matchers are compiled here, off the engine loop (llguidance drops the GIL while it compiles).
-_BUILDER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ordinal-grammar")
+_COMPILER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ordinal-grammar")
 
 
 class GrammarError(ValueError):
@@ -83,13 +83,16 @@ def grammar_error(grammar: str, tokenizer: llguidance.LLTokenizer) -> str | None
 
 class GrammarMatcher:
     """One sequence's place in its grammar. Compiling starts at once, on a worker thread; the
-    first call that needs the matcher waits for it (by then, usually, it is long done)."""
+    first call that needs the matcher waits for it (by then, usually, it is long done). Masks
+    are computed on the caller's thread: handing each step's mask to a worker cost more than
+    computing it (the worker waits for the GIL behind the decode step)."""
 
     def __init__(self, tokenizer: llguidance.LLTokenizer, grammar: str) -> None:
-        self._future: Future[llguidance.LLMatcher] = _BUILDER.submit(_compile, tokenizer, grammar)
+        self._future: Future[llguidance.LLMatcher] = _COMPILER.submit(_compile, tokenizer, grammar)
 
     @property
     def _matcher(self) -> llguidance.LLMatcher:
+        """The compiled matcher; GrammarError if it has failed."""
         matcher = self._future.result()
         if matcher.is_error():
             raise GrammarError(matcher.get_error())
@@ -104,12 +107,17 @@ class GrammarMatcher:
         """Record the token drawn; GrammarError if the grammar did not allow it."""
         matcher = self._matcher
         if not matcher.consume_token(token):
-            raise GrammarError(f"token {token} is not allowed here: {matcher.get_error()}")
+            why = matcher.get_error().splitlines()[0]
+            raise GrammarError(f"token {token} is not allowed here: {why}")
 
     @property
     def complete(self) -> bool:
         """Nothing can follow: the output is whole, and the sequence should end now."""
         return self._matcher.is_stopped()
+
+    def restart(self) -> None:
+        """Back to the grammar's start, as a new sequence."""
+        self._matcher.reset()
 
 
 def _compile(tokenizer: llguidance.LLTokenizer, grammar: str) -> llguidance.LLMatcher:

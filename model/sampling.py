@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from functools import cached_property, partial
 from typing import NamedTuple, Protocol
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -52,7 +53,6 @@ _MASS_TOLERANCE = 1e-6
 logger = logging.getLogger("ordinal.sampling")
 
 _NO_UNIFORM = torch.zeros(1)  # the stand-in uniform of a row whose generator failed
-_BIT_SHIFTS = torch.arange(8, dtype=torch.uint8)  # a grammar's bitmask, unpacked a byte at a time
 
 
 class Draw(NamedTuple):
@@ -267,8 +267,10 @@ class SamplingBatch:
     def _constrain(self, logits: Tensor, failures: dict[int, FailureReason]) -> Tensor:
         """Step -1: ``logits`` [B, V] with −inf where a constrained row's grammar forbids the
         token (a new tensor: the caller's raw logits stay for the logprobs). A row whose
-        constraint fails is reported and left unmasked (its token is discarded)."""
-        vocab = logits.shape[-1]
+        constraint fails is reported and left unmasked (its token is discarded).
+
+        The masks are unpacked in numpy (~1 µs, where each torch op costs ~10 µs on this CPU)
+        and written in place into one copy, row by row."""
         masked, masks = [], []
         for index in self._constrained:
             try:
@@ -279,18 +281,21 @@ class SamplingBatch:
                 failures[index] = FailureReason.SAMPLING_ERROR
         if not masked:
             return logits
-        bits = torch.frombuffer(bytearray(b"".join(masks)), dtype=torch.uint8)
-        allowed = (bits.view(len(masked), -1, 1) >> _BIT_SHIFTS) & 1  # [c, V/8, 8], bit t of t
-        allowed = allowed.view(len(masked), -1)[:, :vocab].to(logits.device, torch.bool)
-        if allowed.shape[-1] < vocab:  # tokens past the grammar's vocabulary are never allowed
-            allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[-1]))
-        rows = torch.tensor(masked, device=logits.device)
-        return logits.index_put((rows,), logits[rows].masked_fill(~allowed, -math.inf))
+        vocab = logits.shape[-1]
+        packed = np.frombuffer(b"".join(masks), dtype=np.uint8).reshape(len(masked), -1)
+        # [c, V]; tokens past the grammar's vocabulary are unpacked as 0: forbidden too
+        allowed = np.unpackbits(packed, axis=1, count=vocab, bitorder="little").view(np.bool_)
+        forbidden = torch.from_numpy(~allowed).to(logits.device)
+        constrained = logits.clone()
+        for row, index in enumerate(masked):
+            constrained[index].masked_fill_(forbidden[row], -math.inf)
+        return constrained
 
     def _advance(self, tokens: Tensor, failures: dict[int, FailureReason]) -> None:
         """Each constrained row's matcher takes its token; one that refuses fails its row."""
-        drawn = tokens[self._constrained].tolist()
-        for index, token in zip(self._constrained, drawn, strict=True):
+        drawn = tokens.tolist()
+        for index in self._constrained:
+            token = drawn[index]
             if index in failures:
                 continue
             try:
