@@ -567,21 +567,29 @@ def sampling_stages(
     params: SamplingParams,
     seen: Tensor | None = None,
     counts: Tensor | None = None,
+    constraint: TokenConstraint | None = None,
 ) -> list[Stage]:
     """One row's next-token distribution after each stage the sampler applies, in its order.
 
     logits [V] (any float dtype); seen [V] bool (the prompt's and output's tokens) or None.
     Returns stages with probs [V] float32 in vocabulary order, each summing to 1: ``logits``
-    (softmax of the raw logits), then ``logit_bias`` (if any), ``repetition_penalty`` (if not 1
-    and ``seen`` is given), ``frequency_presence_penalty`` (if set and ``counts`` is given),
-    ``temperature``, and ``top_k`` / ``top_p`` / ``min_p`` where they are set. The last stage
-    is the distribution :class:`SamplingBatch` draws this row from: it runs the same steps,
-    along the same path (sorted, or vocabulary order without top-k and top-p).
+    (softmax of the raw logits), then ``grammar`` (with a ``constraint``: the row's grammar
+    mask; it raises if the constraint fails), ``logit_bias`` (if any), ``repetition_penalty``
+    (if not 1 and ``seen`` is given), ``frequency_presence_penalty`` (if set and ``counts``
+    is given), ``temperature``, and ``top_k`` / ``top_p`` / ``min_p`` where they are set. The
+    last stage is the distribution :class:`SamplingBatch` draws this row from: it runs the same
+    steps, along the same path (sorted, or vocabulary order without top-k and top-p).
     """
     logits = logits.float().unsqueeze(0)
-    batch = SamplingBatch([RowSampler(params)], logits.device)
+    batch = SamplingBatch([RowSampler(params, constraint)], logits.device)
     meta = batch.metadata
     stages = [Stage("logits", logits.softmax(dim=-1))]
+    if constraint is not None:
+        failures: dict[int, FailureReason] = {}
+        logits = batch._constrain(logits, failures)
+        if failures:
+            constraint.allowed()  # raises the constraint's own error
+        stages.append(Stage("grammar", logits.softmax(dim=-1)))
     if params.logit_bias:
         logits = logits + batch._bias_table(logits)
         stages.append(Stage("logit_bias", logits.softmax(dim=-1)))

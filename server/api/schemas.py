@@ -662,7 +662,7 @@ class HeadRef(StrictBody):
     head: int = Field(ge=0)
 
 
-class TraceRequest(PromptRequest):
+class TraceRequest(PromptRequest, Structured):
     """``POST /v1/trace``: one forward pass over the prompt, and the next token's distribution
     through each sampling stage for these settings (validated exactly like completions).
 
@@ -673,7 +673,8 @@ class TraceRequest(PromptRequest):
     The interventions (``position_offset``, ``ablate``, ``drop_positional``) change the forward
     pass itself (``model.transformer.Intervention``): every field of the response, attention
     and surprisal included, is that of the changed pass. Layers and heads past the model's are
-    a 400, and so is an offset that takes a position past a table's last row.
+    a 400, and so is an offset that takes a position past a table's last row. A constraint
+    (``structured_outputs``, ``guided_*``) adds its ``grammar`` stage: the first token's mask.
     """
 
     top: int = Field(DEFAULT_TRACE_TOP, ge=1, le=2**16)

@@ -2,7 +2,8 @@
 random checkpoints: their free text is noise, so whatever validates was made so by the mask):
 ``beta.chat.completions.parse`` with a pydantic model on three schemes, ``choice`` and
 ``regex`` over 50 seeds, a grammar llguidance rejects as a 400 naming the field,
-``responses.create`` with ``text.format``, and tools (required, named, auto)."""
+``responses.create`` with ``text.format``, tools (required, named, auto), and the trace's
+``grammar`` stage."""
 
 from __future__ import annotations
 
@@ -11,11 +12,13 @@ import re
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import httpx
 import jsonschema
 import openai
 import pytest
 from pydantic import BaseModel, Field
 
+from model.grammar import GrammarMatcher, grammar_of, grammar_tokenizer
 from tests.server.conftest import Running
 from tests.server.conftest import openai_client as client_of
 
@@ -226,3 +229,27 @@ def test_auto_is_a_400_and_none_ignores_the_tools(server: Running) -> None:
             _call(server, tool_choice)
     reply = _call(server, "none").choices[0]
     assert reply.message.tool_calls is None and reply.finish_reason in ("stop", "length")
+
+
+def test_the_trace_shows_the_grammar_stage_the_sampler_applies(server: Running) -> None:
+    body = {"prompt": "Fair is", "model": "t5", "top": 400, "temperature": 0.7}
+    stages = {
+        s["name"]: s
+        for s in httpx.post(
+            f"{server.url}/v1/trace",
+            json={**body, "structured_outputs": {"choice": CHOICES}},
+            timeout=30,
+        ).json()["next_token"]["stages"]
+    }
+    assert list(stages)[:2] == ["logits", "grammar"]
+    served = server.service.models["t5"]
+    matcher = GrammarMatcher(
+        grammar_tokenizer(served.tokenizer, served.eos), grammar_of("choice", CHOICES)
+    )
+    bits = int.from_bytes(matcher.allowed(), "little")
+    allowed = {token for token in range(served.vocab) if bits >> token & 1}
+    grammar = {entry["id"]: entry["prob"] for entry in stages["grammar"]["top"]}
+    assert set(grammar) == allowed and stages["grammar"]["kept"] == len(allowed)
+    raw = {entry["id"]: entry["prob"] for entry in stages["logits"]["top"]}
+    mass = sum(raw[token] for token in allowed)  # top 400 ≥ the vocabulary: every token listed
+    assert all(grammar[t] == pytest.approx(raw[t] / mass, rel=1e-4) for t in allowed)
