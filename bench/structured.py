@@ -16,6 +16,7 @@ round's paired ratio) against the batch without it and against the same batch wi
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from pathlib import Path
@@ -88,7 +89,14 @@ def measure(checkpoints: Path, batches: list[int], rounds: int) -> dict[str, Any
     vocab = tokenizer.get_vocab_size()
     tokens = grammar_tokenizer(tokenizer, special_ids(tokenizer).eos)
     grammar = grammar_of("choice", CHOICES)
-    results: dict[str, Any] = {"steps": STEPS, "rounds": rounds, "choices": CHOICES, "batches": {}}
+    results: dict[str, Any] = {
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "load_average_at_start": os.getloadavg()[0],
+        "steps": STEPS,
+        "rounds": rounds,
+        "choices": CHOICES,
+        "batches": {},
+    }
     for others in batches:
         rates: dict[str, list[float]] = {variant: [] for variant in VARIANTS}
         for round_ in range(rounds + 1):  # round 0 warms up and is dropped
