@@ -17,7 +17,6 @@ from server.api.errors import APIError
 from server.api.offload import off_loop
 from server.api.schemas import CompletionRequest, Constraint, ToolCall
 from server.api.service import ServedModel
-from server.api.sse import sse_event
 from server.api.writer import ChatWriter, Piece
 
 
@@ -114,13 +113,4 @@ class ToolCallWriter(ChatWriter):
             else:
                 delta["content"] = self.text
         self.opened = True
-        choice = {
-            "index": self.index,
-            "delta": delta,
-            "logprobs": logprobs,
-            "finish_reason": reason,
-        }
-        chunk = self._envelope([choice])
-        if self.body.include_usage:
-            chunk["usage"] = usage
-        return sse_event(chunk)
+        return self._delta_event(delta, logprobs, reason, usage)
