@@ -1,8 +1,9 @@
 """``make bench``: run every speed benchmark, keep the results, write docs/benchmarks.md.
 
 Stages: ``decode`` (in-process, bench.decode; the long one), ``http`` (the real server,
-bench.http), ``bound`` (matmul bound, bench.bound) and ``prefix`` (a repeated prompt's time to
-first token with and without the prefix cache, bench.prefix). Each writes
+bench.http), ``bound`` (matmul bound, bench.bound), ``prefix`` (a repeated prompt's time to
+first token with and without the prefix cache, bench.prefix) and ``structured`` (what a
+choice-constrained row costs its batch, bench.structured). Each writes
 bench/results/<stage>.json; a stage left out of ``--stages`` is read back from there, so one
 figure can be redone alone.
 
@@ -25,12 +26,12 @@ from typing import Any, NamedTuple
 
 import torch
 
-from bench import bound, decode, http, prefix
+from bench import bound, decode, http, prefix, structured
 from model.files import write_json_atomic, write_text_atomic
 from model.markdown import markdown_table
 from model.positional import SCHEMES
 
-STAGES = ("decode", "http", "bound", "prefix")
+STAGES = ("decode", "http", "bound", "prefix", "structured")
 GPT2_LAYOUT = "learned+bias"  # bench.decode's row with GPT-2's exact layout
 Results = dict[str, Any]
 
@@ -66,6 +67,8 @@ def run_stage(stage: str, args: argparse.Namespace) -> Results:
         return http.run(args.checkpoints, *levels)
     if stage == "prefix":
         return prefix.ttft(args.checkpoints.resolve(), 5 if args.quick else 20)
+    if stage == "structured":
+        return structured.measure(args.checkpoints, [8, 32], 2 if args.quick else 9)
     return bound.run(args.checkpoints, 0.05 if args.quick else 0.5)
 
 
@@ -367,6 +370,32 @@ def memory_section(results: Results) -> str:
     )
 
 
+def structured_section(results: Results) -> str:
+    rows = [
+        [
+            others,
+            *(rate(row["tokens_per_s"][variant]) for variant in structured.VARIANTS),
+            f"{row['cost_vs_alone']:.1%} ({row['cost_vs_alone_range'][0]:.1%} to "
+            f"{row['cost_vs_alone_range'][1]:.1%})",
+            f"{row['cost_vs_free_row']:.1%}",
+            f"{row['cost_of_a_free_row']:.1%}",
+        ]
+        for others, row in results["batches"].items()
+    ]
+    header = ["other rows", *structured.VARIANTS, "choice row's cost (rounds)", "vs a free row"]
+    intro = (
+        "## A constrained row's cost to its batch\n\n"
+        "`python -m bench.structured`: the other rows' tokens per CPU second over "
+        f"{results['steps']} decode steps (rope, one torch thread), the median of "
+        f"{results['rounds']} interleaved rounds, beside no extra row, a free one, and one "
+        "that keeps to "
+        "`structured_outputs.choice` (the cost: the median of each round's paired ratio, and "
+        f"their range). Goal (issue #24): ≤ 5%. Measured {results['date']}, load average "
+        f"{results['load_average_at_start']:.1f} at the start.\n\n"
+    )
+    return intro + table([*header, "a free row's cost"], rows)
+
+
 class Measured(NamedTuple):
     """A measured rate to hold against the bound of ``size`` at ``batch`` on ``device``."""
 
@@ -477,6 +506,7 @@ def render(results: dict[str, Results]) -> str:
         ("http", lambda: memory_section(results["http"])),
         ("bound", lambda: bound_section(results["bound"], measured_rates(results))),
         ("prefix", lambda: prefix_section(results["prefix"])),
+        ("structured", lambda: structured_section(results["structured"])),
     ]
     # The targets need both the decode and the HTTP figures.
     present = set(results) | ({"targets"} if {"decode", "http"} <= set(results) else set())

@@ -16,6 +16,7 @@ import torch
 from tokenizers import Tokenizer
 
 from model.decode import DecodeBatch, Row, Sampled, Tokens
+from model.grammar import constraint_of
 from model.sampling import RowSampler, raise_if_failed
 from model.sampling_params import SamplingParams
 from model.tokenizer import IncrementalDecoder, encode_prompt, special_ids
@@ -91,14 +92,17 @@ class SequenceState:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def append(self, token_id: int) -> str:
-        """Record a sampled token; return the text it completes (may be empty)."""
+    def append(self, token_id: int, complete: bool = False) -> str:
+        """Record a sampled token; return the text it completes (may be empty). ``complete``:
+        the sequence's grammar allows nothing more (``RowSampler.complete``), so it ends here."""
         self.generated_ids.append(token_id)
         if token_id == self.eos_id:
             text, reason = self.decoder.flush(), "stop"
         else:
             text, reason = self.decoder.push(token_id), None
-            if len(self.generated_ids) >= self.max_new_tokens:
+            if complete:
+                text, reason = text + self.decoder.flush(), "stop"
+            elif len(self.generated_ids) >= self.max_new_tokens:
                 text, reason = text + self.decoder.flush(), "length"
         emitted, hit_stop = self.stop.push(text)
         if hit_stop:
@@ -204,7 +208,11 @@ def generate(
         SequenceState.start(tokenizer, encode_prompt(tokenizer, p), max_new_tokens, stop)
         for p in prompts
     ]
-    rows = [Row(state, RowSampler(p)) for state, p in zip(states, params, strict=True)]
+    eos = special_ids(tokenizer).eos
+    rows = [
+        Row(state, RowSampler(p, constraint_of(p, tokenizer, eos)))
+        for state, p in zip(states, params, strict=True)
+    ]
     vocab = min(tokenizer.get_vocab_size(), model.config.vocab_size)
     batch, sampled = _start(model, rows, max_new_tokens, vocab, special_ids(tokenizer).pad)
     while sampled is not None:
@@ -212,7 +220,7 @@ def generate(
         for row, token in zip(sampled.rows, _sample_all(sampled), strict=True):
             state = row.tokens
             assert isinstance(state, SequenceState)
-            state.append(token)
+            state.append(token, row.sampler.complete)
             if state.finished:
                 finished.append(row)
         batch.remove(finished)

@@ -3,6 +3,11 @@
 Both offline ``generate()`` and the server's continuous-batching engine call this module on a
 batch whose rows each carry their own :class:`SamplingParams`. Filters apply in this order:
 
+-1. **Grammar** (structured outputs): a row with a :class:`TokenConstraint` (its
+   ``SamplingParams.grammar``, matched by ``model.grammar``) gets −inf for every token its
+   grammar does not allow next, so each filter below sees only allowed tokens; after the draw
+   its matcher advances by the token drawn. Rows without one pay nothing: no mask is built
+   for them.
 0. **Logit bias** (OpenAI's ``logit_bias``): a fixed amount added to chosen tokens' logits.
 1. **Repetition penalty** on the logits of tokens the row has already seen (prompt and
    generated), CTRL rule: a positive logit is divided by the penalty, a negative one multiplied.
@@ -29,11 +34,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property, partial
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -105,19 +112,46 @@ class SamplingMetadata:
         return SamplingMetadata(**{name: getattr(self, name)[index] for name in self.names()})
 
 
+class TokenConstraint(Protocol):
+    """Which tokens a row may draw next (``model.grammar.GrammarMatcher`` is one). Each method
+    raises (any exception) when the constraint has failed: the row then fails alone."""
+
+    def allowed(self) -> bytes:
+        """Bit t of the little-endian bitmask set: token t may come next."""
+        ...
+
+    def advance(self, token: int) -> None:
+        """The row drew ``token``."""
+        ...
+
+    @property
+    def complete(self) -> bool:
+        """Nothing more may follow: the sequence ends here."""
+        ...
+
+
 class RowSampler:
-    """One sequence's sampling state: its parameters and its own CPU random generator.
+    """One sequence's sampling state: its parameters, its own CPU random generator and, for a
+    row whose output keeps to a grammar, its ``constraint``.
 
     Create it once per request and keep it while the request decodes, across batch rebuilds.
     """
 
-    def __init__(self, params: SamplingParams) -> None:
+    def __init__(self, params: SamplingParams, constraint: TokenConstraint | None = None) -> None:
+        if params.grammar is not None and constraint is None:
+            raise ValueError("params.grammar needs its constraint (a model.grammar matcher)")
         self.params = params
+        self.constraint = constraint
         self.generator = torch.Generator(device="cpu")
         if params.seed is None:
             self.generator.seed()  # a fresh nondeterministic seed, leaving global RNG alone
         else:
             self.generator.manual_seed(params.seed)
+
+    @property
+    def complete(self) -> bool:
+        """The row's grammar allows nothing more (always False without one)."""
+        return self.constraint is not None and self.constraint.complete
 
     def next_uniform(self) -> Tensor:
         """One uniform draw in [0, 1) from this row's generator. Shape [1], CPU, float32."""
@@ -163,6 +197,9 @@ class SamplingBatch:
         self.uses_counts = any(p.frequency_penalty or p.presence_penalty for p in params)
         self._bias: Tensor | None = None  # [B, V], built at the first draw that needs it
         self.uses_bias = any(p.logit_bias for p in params)
+        self._constrained = [  # (row, its constraint) for the rows that have one
+            (i, row.constraint) for i, row in enumerate(self.rows) if row.constraint is not None
+        ]
         paths = [_path(p) for p in params]
         self._groups = [
             self._group([i for i, path in enumerate(paths) if path == kind], kind, device)
@@ -212,6 +249,8 @@ class SamplingBatch:
             for row in (~finite).nonzero().flatten().tolist():
                 failures[row] = FailureReason.NON_FINITE_LOGITS
             logits = logits.masked_fill(~finite.unsqueeze(-1), 0.0)  # any finite row will do
+        if self._constrained:
+            logits = self._constrain(logits, failures)
         uniforms = self._uniforms(failures, logits.device)
         history = _History(seen, counts)
         try:
@@ -223,7 +262,49 @@ class SamplingBatch:
         if outside.any():
             for row in outside.nonzero().flatten().tolist():
                 failures.setdefault(row, FailureReason.SAMPLING_ERROR)
+        if self._constrained:
+            self._advance(tokens, failures)
         return Draw(tokens, failures)
+
+    def _constrain(self, logits: Tensor, failures: dict[int, FailureReason]) -> Tensor:
+        """Step -1: ``logits`` [B, V] with −inf where a constrained row's grammar forbids the
+        token (a new tensor: the caller's raw logits stay for the logprobs). A row whose
+        constraint fails is reported and left unmasked (its token is discarded).
+
+        The masks are unpacked in numpy (~1 µs, where each torch op costs ~10 µs on this CPU)
+        and written in place into one copy, row by row."""
+        masked, masks = [], []
+        for index, constraint in self._constrained:
+            try:
+                masks.append(constraint.allowed())
+                masked.append(index)
+            except Exception:
+                logger.exception("row %d: its grammar failed", index)
+                failures[index] = FailureReason.SAMPLING_ERROR
+        if not masked:
+            return logits
+        vocab = logits.shape[-1]
+        packed = np.frombuffer(b"".join(masks), dtype=np.uint8).reshape(len(masked), -1)
+        # [c, V]; tokens past the grammar's vocabulary are unpacked as 0: forbidden too
+        allowed = np.unpackbits(packed, axis=1, count=vocab, bitorder="little").view(np.bool_)
+        forbidden = torch.from_numpy(~allowed).to(logits.device)
+        constrained = logits.clone()
+        for row, index in enumerate(masked):
+            constrained[index].masked_fill_(forbidden[row], -math.inf)
+        return constrained
+
+    def _advance(self, tokens: Tensor, failures: dict[int, FailureReason]) -> None:
+        """Each constrained row's matcher takes its token; one that refuses fails its row."""
+        drawn = tokens.tolist()
+        for index, constraint in self._constrained:
+            token = drawn[index]
+            if index in failures:
+                continue
+            try:
+                constraint.advance(token)
+            except Exception:
+                logger.exception("row %d: its grammar refused token %d", index, token)
+                failures[index] = FailureReason.SAMPLING_ERROR
 
     def _uniforms(self, failures: dict[int, FailureReason], device: torch.device) -> Tensor | None:
         """One uniform per row per step, whichever path it draws along (None: all greedy)."""
@@ -488,21 +569,29 @@ def sampling_stages(
     params: SamplingParams,
     seen: Tensor | None = None,
     counts: Tensor | None = None,
+    constraint: TokenConstraint | None = None,
 ) -> list[Stage]:
     """One row's next-token distribution after each stage the sampler applies, in its order.
 
     logits [V] (any float dtype); seen [V] bool (the prompt's and output's tokens) or None.
     Returns stages with probs [V] float32 in vocabulary order, each summing to 1: ``logits``
-    (softmax of the raw logits), then ``logit_bias`` (if any), ``repetition_penalty`` (if not 1
-    and ``seen`` is given), ``frequency_presence_penalty`` (if set and ``counts`` is given),
-    ``temperature``, and ``top_k`` / ``top_p`` / ``min_p`` where they are set. The last stage
-    is the distribution :class:`SamplingBatch` draws this row from: it runs the same steps,
-    along the same path (sorted, or vocabulary order without top-k and top-p).
+    (softmax of the raw logits), then ``grammar`` (with a ``constraint``: the row's grammar
+    mask; it raises if the constraint fails), ``logit_bias`` (if any), ``repetition_penalty``
+    (if not 1 and ``seen`` is given), ``frequency_presence_penalty`` (if set and ``counts``
+    is given), ``temperature``, and ``top_k`` / ``top_p`` / ``min_p`` where they are set. The
+    last stage is the distribution :class:`SamplingBatch` draws this row from: it runs the same
+    steps, along the same path (sorted, or vocabulary order without top-k and top-p).
     """
     logits = logits.float().unsqueeze(0)
-    batch = SamplingBatch([RowSampler(params)], logits.device)
+    batch = SamplingBatch([RowSampler(params, constraint)], logits.device)
     meta = batch.metadata
     stages = [Stage("logits", logits.softmax(dim=-1))]
+    if constraint is not None:
+        failures: dict[int, FailureReason] = {}
+        logits = batch._constrain(logits, failures)
+        if failures:
+            constraint.allowed()  # raises the constraint's own error
+        stages.append(Stage("grammar", logits.softmax(dim=-1)))
     if params.logit_bias:
         logits = logits + batch._bias_table(logits)
         stages.append(Stage("logit_bias", logits.softmax(dim=-1)))

@@ -39,6 +39,8 @@ class SamplingParams:
     presence_penalty: float = 0.0  # OpenAI's, in [-2, 2]: 0 = off
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit in [-100, 100])
     seed: int | None = None  # None = nondeterministic
+    # llguidance's grammar text (model.grammar.grammar_of) the output keeps to; None = free
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
         def require(ok: bool, field: str, valid: str) -> None:

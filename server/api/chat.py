@@ -6,6 +6,7 @@ cancellation, timeouts — is the completions path itself."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -15,15 +16,18 @@ from server.api.completions import Names, build_job, choice_seed, respond
 from server.api.errors import APIError
 from server.api.job import Job
 from server.api.offload import check_prompt_size, off_loop
-from server.api.schemas import ChatRequest, CompletionRequest
+from server.api.schemas import ChatRequest, CompletionRequest, Constraint
 from server.api.service import ServedModel, Service
+from server.api.structured import ToolCallWriter, compile_constraint
 from server.api.writer import ChatWriter
 
 
 async def create_chat_completion(body: ChatRequest, request: Request, service: Service) -> Response:
     """Answer one chat completion request (400/404/429/503 are raised as APIError)."""
     served = service.get(body.model)
-    jobs, writers = await chat_jobs(body, served, ChatWriter)
+    call = body.tool_call()
+    writer = ChatWriter if call is None else partial(ToolCallWriter, call)
+    jobs, writers = await chat_jobs(body, served, writer, body.constraint())
     return await respond(jobs, writers, served, request, service)
 
 
@@ -32,11 +36,13 @@ WriterOf = Callable[[CompletionRequest, ServedModel, list[int], int], ChatWriter
 
 
 async def chat_jobs(
-    body: ChatRequest, served: ServedModel, writer: WriterOf
+    body: ChatRequest, served: ServedModel, writer: WriterOf, constraint: Constraint | None
 ) -> tuple[list[Job | None], list[ChatWriter]]:
     """The conversation's jobs, one per choice, and the ``writer`` of each: the chat endpoint's
     and the Responses endpoint's (which writes the same pieces in its own shape). The scene is
-    rendered and tokenised off the event loop, within a time bound."""
+    rendered and tokenised off the event loop, within a time bound. ``constraint``: what the
+    reply keeps to (its grammar, not the scene's speaker lines, then says where it ends)."""
+    grammar = await compile_constraint(constraint, served)
     messages = [
         Message("system" if m.role == "developer" else m.role, m.text, m.name)
         for m in body.messages
@@ -58,7 +64,7 @@ async def chat_jobs(
         echo=False,
         max_tokens=body.token_budget or max(room, 1),
         seed=body.seed,
-        stop=[*(body.stop or []), *scene.stops],
+        stop=[*(body.stop or []), *(scene.stops if grammar is None else [])],
         stream=body.stream,
         stream_options=body.stream_options,
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
@@ -72,7 +78,7 @@ async def chat_jobs(
     budget = "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"
     names = Names("messages", "messages: the scene", budget)
     jobs = [
-        build_job(completion, served, scene.prompt_ids, choice_seed(body.seed, j), names)
+        build_job(completion, served, scene.prompt_ids, choice_seed(body.seed, j), names, grammar)
         for j in range(body.n)
     ]
     writers = [writer(completion, served, scene.prompt_ids, index) for index in range(body.n)]

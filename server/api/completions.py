@@ -24,6 +24,7 @@ from server.api.metrics import TIMEOUT
 from server.api.offload import check_prompt_size, off_loop, token_ids
 from server.api.schemas import DEFAULT_MAX_TOKENS, MAX_CHOICES, CompletionRequest, Prompt
 from server.api.service import ServedModel, Service
+from server.api.structured import compile_constraint
 from server.api.writer import CompletionWriter, Piece, total_usage
 
 logger = logging.getLogger("ordinal.server")
@@ -48,12 +49,13 @@ async def create_completion(
             f"most {MAX_CHOICES} per request",
             param="n",
         )
+    grammar = await compile_constraint(body.constraint(), served)
     writers: list[CompletionWriter] = []
     jobs: list[Job | None] = []
     for prompt in prompts:
         prompt_ids = await prompt_ids_of(prompt, served)
         for j in range(body.n):
-            job = build_job(body, served, prompt_ids, choice_seed(body.seed, j))
+            job = build_job(body, served, prompt_ids, choice_seed(body.seed, j), grammar=grammar)
             writers.append(CompletionWriter(body, served, prompt_ids, index=len(writers)))
             jobs.append(job)
     return await respond(jobs, writers, served, request, service)
@@ -132,8 +134,10 @@ def build_job(
     prompt_ids: list[int],
     seed: int | None,
     names: Names = COMPLETION_NAMES,
+    grammar: str | None = None,
 ) -> Job | None:
-    """The job to run for ``prompt_ids`` (None when there is nothing to compute).
+    """The job to run for ``prompt_ids`` (None when there is nothing to compute); ``grammar``:
+    the output's constraint, compiled (``server.api.structured``).
 
     Raises a 400 APIError when the prompt or max_tokens does not fit the model (``names``: the
     request's own names for them).
@@ -143,7 +147,7 @@ def build_job(
         return None
     job = Job(
         prompt_ids,
-        body.sampling_params(served.vocab, seed=seed),
+        body.sampling_params(served.vocab, seed=seed, grammar=grammar),
         max_tokens=max_tokens,
         stop=body.stops,
         eos_id=None if body.ignore_eos else served.eos,

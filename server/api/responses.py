@@ -8,7 +8,9 @@ part is ``output_text``, or, streaming, the event sequence OpenAI sends — ``re
 ``response.output_text.delta`` per piece of text, then ``response.output_text.done``,
 ``response.content_part.done``, ``response.output_item.done`` and ``response.completed`` (or
 ``response.incomplete`` when ``max_output_tokens`` ran out), each ``event: TYPE`` with a
-``sequence_number``. Nothing is stored: ``store: true`` and ``previous_response_id`` are 400s.
+``sequence_number``. ``text.format`` constrains the text as chat's ``response_format`` does
+(a JSON schema, or any JSON object). Nothing is stored: ``store: true`` and
+``previous_response_id`` are 400s.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ from server.api.writer import ChatWriter, CompletionWriter, Piece
 async def create_response(body: ResponsesRequest, request: Request, service: Service) -> Response:
     """Answer one Responses request (400/404/429/503 are raised as APIError)."""
     served = service.get(body.model)
-    jobs, writers = await chat_jobs(body.chat(), served, partial(ResponsesWriter, body))
+    writer = partial(ResponsesWriter, body)
+    jobs, writers = await chat_jobs(body.chat(), served, writer, body.constraint())
     return await respond(jobs, writers, served, request, service)
 
 
@@ -56,6 +59,8 @@ class ResponsesWriter(ChatWriter):
         self.text = ""
         self.sequence = 0
         self.started = False
+        form = request.text.format if request.text else None
+        self.text_format = form.model_dump(by_alias=True) if form else {"type": "text"}
 
     def _event(self, kind: str, **fields: Any) -> bytes:
         event = {"type": kind, "sequence_number": self.sequence, **fields}
@@ -96,7 +101,7 @@ class ResponsesWriter(ChatWriter):
             "previous_response_id": None,
             "store": False,
             "temperature": request.temperature,
-            "text": {"format": {"type": "text"}},
+            "text": {"format": self.text_format},
             "tool_choice": "none",
             "tools": [],
             "top_p": request.top_p,

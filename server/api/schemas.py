@@ -13,10 +13,12 @@ the vocabulary) are checked once the model is known, in ``server.api.completions
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal, cast
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
+from model.grammar import Kind
 from model.sampling_params import (
     MAX_OPENAI_PENALTY,
     MAX_REPETITION_PENALTY,
@@ -100,9 +102,12 @@ class SamplingRequest(StrictBody):
         validated) that samples the same way."""
         return {field: getattr(self, field) for field in SamplingRequest.model_fields}
 
-    def sampling_params(self, vocab: int, seed: int | None = None) -> SamplingParams:
+    def sampling_params(
+        self, vocab: int, seed: int | None = None, grammar: str | None = None
+    ) -> SamplingParams:
         """These settings for a model of ``vocab`` tokens: a top_k that keeps the whole
         vocabulary is off, so it draws exactly as top_k 0 (and never overflows int64).
+        ``grammar``: llguidance's text of the output's constraint (``server.api.structured``).
         Raises a 400 APIError for a logit_bias token outside the vocabulary."""
         bias = tuple((int(token), value) for token, value in (self.logit_bias or {}).items())
         outside = [token for token, _ in bias if token >= vocab]
@@ -122,6 +127,7 @@ class SamplingRequest(StrictBody):
             presence_penalty=self.presence_penalty,
             logit_bias=bias,
             seed=seed,
+            grammar=grammar,
         )
 
 
@@ -150,6 +156,94 @@ def refused_unless(noop: Any = None, why: str = "") -> AfterValidator:
     return AfterValidator(refuse)
 
 
+@dataclass(frozen=True)
+class Constraint:
+    """What a request's output must keep to (``model.grammar.grammar_of``'s kind and spec), and
+    the field that asked for it, which a 400 about it names (``response_format.json_schema``'s
+    ``schema``: ``response_format.json_schema.schema``)."""
+
+    kind: Kind
+    spec: Any
+    field: str
+
+    @property
+    def param(self) -> str:
+        """The top-level field (an error's ``param``)."""
+        return self.field.split(".")[0].split("[")[0]
+
+
+ANY_JSON_OBJECT = {"type": "object"}
+JsonSchema = dict[str, Any]
+
+
+def only_one(constraints: list[Constraint | None]) -> Constraint | None:
+    """The one constraint given (None: none); a 400 naming the second when two are."""
+    given = [constraint for constraint in constraints if constraint is not None]
+    if len(given) > 1:
+        raise APIError(
+            400,
+            f"{given[1].field}: the output is already constrained by {given[0].field}; "
+            "send one of them",
+            param=given[1].param,
+        )
+    return given[0] if given else None
+
+
+class StructuredOutputs(StrictBody):
+    """vLLM's ``structured_outputs``: one of ``choice`` (the output is one of these strings),
+    ``regex`` (it matches the whole pattern), ``json`` (a JSON schema, or its text) and
+    ``grammar`` (Lark, or llama.cpp's GBNF), or ``json_object: true`` (any JSON object)."""
+
+    choice: list[Text] | None = None
+    regex: Text | None = None
+    json_schema: JsonSchema | Text | None = Field(None, alias="json")
+    grammar: Text | None = None
+    json_object: bool | None = None
+
+    def constraint(self, field: str = "structured_outputs") -> Constraint | None:
+        given: list[tuple[Kind, Any, str]] = [
+            ("choice", self.choice, "choice"),
+            ("regex", self.regex, "regex"),
+            ("json", self.json_schema, "json"),
+            ("grammar", self.grammar, "grammar"),
+            ("json", ANY_JSON_OBJECT if self.json_object else None, "json_object"),
+        ]
+        return only_one(
+            [
+                Constraint(kind, spec, f"{field}.{name}")
+                for kind, spec, name in given
+                if spec is not None
+            ]
+        )
+
+
+class Structured(StrictBody):
+    """The constraints vLLM accepts on completions and chat: ``structured_outputs``, and its
+    older top-level ``guided_choice``, ``guided_regex``, ``guided_json``, ``guided_grammar``."""
+
+    structured_outputs: StructuredOutputs | None = None
+    guided_choice: list[Text] | None = None
+    guided_regex: Text | None = None
+    guided_json: JsonSchema | Text | None = None
+    guided_grammar: Text | None = None
+
+    def constraint(self) -> Constraint | None:
+        """The request's constraint (None: free text); a 400 when it asks for two."""
+        guided = StructuredOutputs.model_construct(
+            choice=self.guided_choice,
+            regex=self.guided_regex,
+            json_schema=self.guided_json,
+            grammar=self.guided_grammar,
+        )
+        old = [
+            Constraint(c.kind, c.spec, c.field.replace("guided.", "guided_"))
+            for c in [guided.constraint("guided")]
+            if c is not None
+        ]
+        new = self.structured_outputs.constraint() if self.structured_outputs else None
+        return only_one([new, *old])
+
+
 class OpenAIHints(StrictBody):
     """Fields of OpenAI's API that only inform OpenAI's own service (storage, caching, abuse
     tracking): accepted and ignored, which is what honouring them means here."""
@@ -168,7 +262,7 @@ class Queued(StrictBody):
     priority: int = Field(0, ge=-(2**31), lt=2**31)
 
 
-class CompletionRequest(SamplingRequest, OpenAIHints, Queued):
+class CompletionRequest(SamplingRequest, OpenAIHints, Queued, Structured):
     """``POST /v1/completions``, as in OpenAI's legacy completions API."""
 
     # OpenAI's four forms: a text, token ids, or a list of either (one prompt each)
@@ -242,7 +336,84 @@ class ChatMessage(StrictBody):
         return "".join(part.text for part in self.content)
 
 
-class ChatRequest(SamplingRequest, OpenAIHints, Queued):
+class JsonObjectFormat(StrictBody):
+    type: Literal["json_object"]
+
+
+class JsonSchemaSpec(StrictBody):
+    name: Text = Field(max_length=64)
+    description: Text | None = None
+    schema_: JsonSchema | None = Field(None, alias="schema")  # None: any JSON object
+    strict: bool | None = None  # the output keeps to the schema either way
+
+
+class JsonSchemaFormat(StrictBody):
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaSpec
+
+
+class TextFormat(StrictBody):
+    type: Literal["text"]
+
+
+ResponseFormat = Annotated[
+    TextFormat | JsonObjectFormat | JsonSchemaFormat, Field(discriminator="type")
+]
+
+
+def format_constraint(
+    form: TextFormat | JsonObjectFormat | JsonSchemaFormat | None, field: str
+) -> Constraint | None:
+    """A ``response_format``'s constraint: none for text, any JSON object, or the schema."""
+    if isinstance(form, JsonObjectFormat):
+        return Constraint("json", ANY_JSON_OBJECT, f"{field}.type")
+    if isinstance(form, JsonSchemaFormat):
+        schema = form.json_schema.schema_
+        return Constraint("json", schema or ANY_JSON_OBJECT, f"{field}.json_schema.schema")
+    return None
+
+
+ToolName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]  # OpenAI's rule
+
+
+class FunctionDefinition(StrictBody):
+    name: ToolName
+    description: Text | None = None
+    parameters: JsonSchema | None = None  # None: no arguments ({})
+    strict: bool | None = None  # the arguments keep to the schema either way
+
+
+class Tool(StrictBody):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(StrictBody):
+    name: ToolName
+
+
+class NamedToolChoice(StrictBody):
+    type: Literal["function"]
+    function: FunctionName
+
+
+CANNOT_DECIDE = (
+    'this model cannot decide whether to call a tool: send tool_choice "required" (or '
+    '{"type": "function", "function": {"name": ...}}) to have it call one, or "none"'
+)
+NO_ARGUMENTS = {"type": "object", "properties": {}, "additionalProperties": False}
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """The call a chat request asks for: one of ``names`` (the only one: its arguments are the
+    whole output; several: the output is ``{"name", "arguments"}``)."""
+
+    names: list[str]
+    constraint: Constraint
+
+
+class ChatRequest(SamplingRequest, OpenAIHints, Queued, Structured):
     """``POST /v1/chat/completions``, as in OpenAI's chat completions API."""
 
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
@@ -260,13 +431,13 @@ class ChatRequest(SamplingRequest, OpenAIHints, Queued):
     function_call: Annotated[Unsupported, refused_unless()] = None
     functions: Annotated[Unsupported, refused_unless()] = None
     modalities: Annotated[Unsupported, refused_unless(["text"])] = None
-    parallel_tool_calls: Annotated[Unsupported, refused_unless()] = None
+    parallel_tool_calls: bool | None = None  # one call is made either way
     prediction: Annotated[Unsupported, refused_unless()] = None
     reasoning_effort: Annotated[Unsupported, refused_unless()] = None
-    response_format: Annotated[Unsupported, refused_unless({"type": "text"})] = None
+    response_format: ResponseFormat | None = None
     store: Annotated[Unsupported, refused_unless(False)] = None
-    tool_choice: Annotated[Unsupported, refused_unless("none")] = None
-    tools: Annotated[Unsupported, refused_unless([])] = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    tools: list[Tool] | None = Field(None, max_length=128)
     verbosity: Annotated[Unsupported, refused_unless()] = None
     web_search_options: Annotated[Unsupported, refused_unless()] = None
 
@@ -281,6 +452,64 @@ class ChatRequest(SamplingRequest, OpenAIHints, Queued):
     def token_budget(self) -> int | None:
         """The most tokens the reply may have (None: as many as the context has room for)."""
         return self.max_completion_tokens or self.max_tokens
+
+    def tool_call(self) -> ToolCall | None:
+        """The tool call asked for (None: a message): ``tool_choice`` "required" or a named
+        function, served as JSON constrained by the function's parameters. A 400 for tools
+        the model would have to decide to call ("auto", or no tool_choice) and for a name
+        not among ``tools``."""
+        tools, choice = self.tools or [], self.tool_choice
+        if choice == "none" or (not tools and choice is None):
+            return None
+        if not tools:
+            raise APIError(400, "tool_choice: there are no tools to call", param="tool_choice")
+        if choice is None or choice == "auto":
+            field = "tool_choice" if choice else "tools"
+            raise APIError(400, f"{field}: {CANNOT_DECIDE}", param=field)
+        if isinstance(choice, NamedToolChoice):
+            named = [
+                i for i, tool in enumerate(tools) if tool.function.name == choice.function.name
+            ]
+            if not named:
+                raise APIError(
+                    400,
+                    f"tool_choice.function.name: no tool is named {choice.function.name!r}",
+                    param="tool_choice",
+                )
+            chosen = named[:1]
+        else:
+            chosen = list(range(len(tools)))
+        functions = [tools[i].function for i in chosen]
+        if len(functions) == 1:
+            field = f"tools[{chosen[0]}].function.parameters"
+            schema = functions[0].parameters or NO_ARGUMENTS
+            return ToolCall([functions[0].name], Constraint("json", schema, field))
+        calls = [
+            {
+                "type": "object",
+                "properties": {
+                    "name": {"const": function.name},
+                    "arguments": function.parameters or NO_ARGUMENTS,
+                },
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            }
+            for function in functions
+        ]
+        call = Constraint("json", {"anyOf": calls}, "tools")
+        return ToolCall([function.name for function in functions], call)
+
+    def constraint(self) -> Constraint | None:
+        """The reply's constraint: a tool call's, ``response_format``'s or vLLM's fields'
+        (a 400 when two are given)."""
+        call = self.tool_call()
+        return only_one(
+            [
+                call.constraint if call else None,
+                format_constraint(self.response_format, "response_format"),
+                super().constraint(),
+            ]
+        )
 
 
 class InputText(StrictBody):
@@ -312,12 +541,21 @@ class InputMessage(StrictBody):
         return "".join(part.text for part in self.content)
 
 
-class TextFormat(StrictBody):
-    type: Literal["text"]
+class ResponsesJsonSchema(StrictBody):
+    """The Responses API's ``text.format`` for a schema: the chat format's fields, flattened."""
+
+    type: Literal["json_schema"]
+    name: Text = Field(max_length=64)
+    description: Text | None = None
+    schema_: JsonSchema = Field(alias="schema")
+    strict: bool | None = None
 
 
 class ResponseText(StrictBody):
-    format: TextFormat | None = None
+    format: (
+        Annotated[TextFormat | JsonObjectFormat | ResponsesJsonSchema, Field(discriminator="type")]
+        | None
+    ) = None
     verbosity: Annotated[Unsupported, refused_unless()] = None
 
 
@@ -349,6 +587,15 @@ class ResponsesRequest(SamplingRequest, OpenAIHints, Queued):
     tools: Annotated[Unsupported, refused_unless([])] = None
     top_logprobs: Annotated[Unsupported, refused_unless(0)] = None
     truncation: Annotated[Unsupported, refused_unless("disabled")] = None
+
+    def constraint(self) -> Constraint | None:
+        """The output's constraint, from ``text.format`` (None: free text)."""
+        form = self.text.format if self.text else None
+        if isinstance(form, ResponsesJsonSchema):
+            return Constraint("json", form.schema_, "text.format.schema")
+        if isinstance(form, JsonObjectFormat):
+            return format_constraint(form, "text.format")
+        return None
 
     def chat(self) -> ChatRequest:
         """The same conversation and settings as a chat request (already validated)."""
@@ -415,7 +662,7 @@ class HeadRef(StrictBody):
     head: int = Field(ge=0)
 
 
-class TraceRequest(PromptRequest):
+class TraceRequest(PromptRequest, Structured):
     """``POST /v1/trace``: one forward pass over the prompt, and the next token's distribution
     through each sampling stage for these settings (validated exactly like completions).
 
@@ -426,7 +673,8 @@ class TraceRequest(PromptRequest):
     The interventions (``position_offset``, ``ablate``, ``drop_positional``) change the forward
     pass itself (``model.transformer.Intervention``): every field of the response, attention
     and surprisal included, is that of the changed pass. Layers and heads past the model's are
-    a 400, and so is an offset that takes a position past a table's last row.
+    a 400, and so is an offset that takes a position past a table's last row. A constraint
+    (``structured_outputs``, ``guided_*``) adds its ``grammar`` stage: the first token's mask.
     """
 
     top: int = Field(DEFAULT_TRACE_TOP, ge=1, le=2**16)

@@ -47,6 +47,7 @@ from server.api.completions import prompt_ids_of
 from server.api.errors import APIError
 from server.api.schemas import DEFAULT_LENS_TOP, MAX_TRACE_TOKENS, TraceRequest
 from server.api.service import ServedModel
+from server.api.structured import compile_constraint
 
 # ---- the response, as documented in the OpenAPI spec ---------------------------------------
 
@@ -75,8 +76,9 @@ class StageToken(BaseModel):
 
 class TraceStage(BaseModel):
     name: str = Field(
-        description="logits (softmax of the raw logits), repetition_penalty, temperature, "
-        "top_k, top_p or min_p — in the order the sampler applies them"
+        description="logits (softmax of the raw logits), grammar (a constraint's mask), "
+        "logit_bias, repetition_penalty, frequency_presence_penalty, temperature, top_k, top_p "
+        "or min_p — in the order the sampler applies them"
     )
     kept: int = Field(description="tokens with non-zero probability after this stage")
     top: list[StageToken] = Field(description="the most probable tokens (non-zero), descending")
@@ -168,7 +170,9 @@ async def create_trace(body: TraceRequest, served: ServedModel) -> bytes:
             param="prompt",
             code="context_length_exceeded",
         )
-    params = body.sampling_params(served.vocab)  # a bad field is a 400 here, not in the engine
+    grammar = await compile_constraint(body.constraint(), served)
+    # a bad field is a 400 here, not in the engine
+    params = body.sampling_params(served.vocab, grammar=grammar)
     check_interventions(body, served, len(prompt_ids))
     n_layers = served.info.n_layers
     args = {

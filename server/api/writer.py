@@ -210,9 +210,19 @@ class ChatWriter(CompletionWriter):
 
     def chunk(self, piece: Piece, usage: dict[str, Any] | None = None) -> bytes:
         text, logprobs, finish_reason = piece
-        delta: dict[str, str] = {"content": text} if text or not finish_reason else {}
+        delta: dict[str, Any] = {"content": text} if text or not finish_reason else {}
         if not self._role_sent:
             delta, self._role_sent = {"role": "assistant", **delta}, True
+        return self._delta_event(delta, logprobs, finish_reason, usage)
+
+    def _delta_event(
+        self,
+        delta: dict[str, Any],
+        logprobs: Logprobs | None,
+        finish_reason: str | None,
+        usage: dict[str, int] | None,
+    ) -> bytes:
+        """One ``chat.completion.chunk`` event of this choice carrying ``delta``."""
         choice = {
             "index": self.index,
             "delta": delta,

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 from model.decode import DecodeBatch, Row, Sampled, Tokens
 from model.generate import SequenceState, StopMatcher
+from model.grammar import constraint_of
 from model.prefix_cache import PrefixCache, block_digests
 from model.sampling import RowSampler
 from model.sampling_params import FailureReason
@@ -163,7 +164,9 @@ class ModelEngine:
             )
         request = Request(
             tokens=state or Tokens(submit.prompt_ids, []),
-            sampler=RowSampler(submit.params),
+            sampler=RowSampler(
+                submit.params, constraint_of(submit.params, self.loaded.tokenizer, self.loaded.eos)
+            ),
             logprobs=submit.logprobs,
             submit=submit,
             state=state,
@@ -293,7 +296,7 @@ class ModelEngine:
                 row.first_token_at, urgent, cached = now, True, row.cached_tokens
                 ttft = now - row.submit.submitted_at
                 stats.first_tokens.append((ttft, now - row.admitted_at))
-            text = row.state.append(token)
+            text = row.state.append(token, row.sampler.complete)
             events.append(Token(row.id, token, text, row.state.finish_reason, cached_tokens=cached))
             if row.state.finish_reason is not None:
                 leaving.append(row)

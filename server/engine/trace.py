@@ -21,8 +21,10 @@ from typing import Any, Protocol
 
 import numpy as np
 import torch
+from tokenizers import Tokenizer
 from torch import Tensor
 
+from model.grammar import constraint_of
 from model.positional import positions_table
 from model.sampling import sampling_stages
 from model.sampling_params import SamplingParams
@@ -36,7 +38,9 @@ class Traceable(Protocol):
 
     name: str
     model: Transformer
+    tokenizer: Tokenizer
     token_strings: list[str]
+    eos: int
     max_context: int
 
     @property
@@ -91,7 +95,8 @@ def trace_document(
 
         seen = torch.zeros(logits.shape[-1], dtype=torch.bool, device=device)
         seen[ids] = True
-        stages = sampling_stages(logits[-1], params, seen)
+        constraint = constraint_of(params, served.tokenizer, served.eos)
+        stages = sampling_stages(logits[-1], params, seen, constraint=constraint)
         logprobs = torch.log_softmax(logits[:-1], dim=-1).gather(-1, ids[1:, None])[:, 0]
 
     top = min(top, vocab)

@@ -150,9 +150,8 @@ def test_top_logprobs_go_up_to_20(server: Running) -> None:
 @pytest.mark.parametrize(
     ("field", "value"),
     [
-        ("tools", [{"type": "function", "function": {"name": "f"}}]),
-        ("response_format", {"type": "json_object"}),
-        ("tool_choice", "auto"),
+        ("prediction", {"type": "content", "content": "x"}),
+        ("web_search_options", {}),
         ("audio", {"voice": "alloy"}),
         ("store", True),
         ("reasoning_effort", "high"),

@@ -101,7 +101,7 @@ def test_a_conversation_passed_back_continues_it(server: Running) -> None:
     [
         ("store", True),
         ("previous_response_id", "resp_123"),
-        ("text", {"format": {"type": "json_object"}}),
+        ("tools", [{"type": "function", "name": "f"}]),
     ],
 )
 def test_what_needs_a_store_or_is_not_built_is_a_clear_400(
@@ -111,7 +111,7 @@ def test_what_needs_a_store_or_is_not_built_is_a_clear_400(
     assert answer.status_code == 400, answer.text
     error = answer.json()["error"]
     assert error["param"] == field
-    if field != "text":
+    if field != "tools":
         assert "keeps no responses" in error["message"]
 
 

@@ -1,0 +1,137 @@
+"""Structured outputs in the one sampling place: a constrained row draws only tokens its grammar
+allows (−inf before every filter), ends where its grammar does, draws exactly what it draws
+alone when it shares a batch, and costs the unconstrained rows of its batch nothing (their
+tokens are unchanged) — on rope and two other schemes, since the mask never sees positions."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+from tokenizers import Tokenizer
+
+from model.generate import generate
+from model.grammar import (
+    MAX_CONSTRAINT_CHARS,
+    GrammarError,
+    GrammarMatcher,
+    grammar_error,
+    grammar_of,
+    grammar_tokenizer,
+)
+from model.sampling import RowSampler, SamplingBatch
+from model.sampling_params import FailureReason, SamplingParams
+from tests.model.conftest import TINY_VOCAB, random_model
+
+PATTERN = r"(yes|no|maybe)-[a-z]{2,6}"
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "word": {"type": "string", "maxLength": 6},
+        "count": {"type": "integer", "minimum": 0, "maximum": 99},
+    },
+    "required": ["word", "count"],
+    "additionalProperties": False,
+}
+
+
+class Allow:
+    """A constraint allowing a fixed set of tokens; records what it was given."""
+
+    def __init__(self, tokens: list[int], fail: bool = False) -> None:
+        self.tokens, self.fail, self.taken = tokens, fail, []
+
+    def allowed(self) -> bytes:
+        if self.fail:
+            raise RuntimeError("broken grammar")
+        bits = bytearray(TINY_VOCAB // 8 + 1)
+        for token in self.tokens:
+            bits[token // 8] |= 1 << (token % 8)
+        return bytes(bits)
+
+    def advance(self, token: int) -> None:
+        self.taken.append(token)
+
+    @property
+    def complete(self) -> bool:
+        return False
+
+
+def test_the_mask_applies_before_temperature_top_k_and_top_p() -> None:
+    logits = torch.randn(3, TINY_VOCAB, generator=torch.Generator().manual_seed(0))
+    allowed = [7, 40, 41, 300]
+    greedy, sampled = SamplingParams(temperature=0), SamplingParams(temperature=1.5, top_k=2)
+    constraints = [Allow(allowed), Allow(allowed)]
+    batch = SamplingBatch(
+        [
+            RowSampler(greedy, constraints[0]),
+            RowSampler(SamplingParams(temperature=0)),  # unconstrained: the raw argmax
+            RowSampler(sampled, constraints[1]),
+        ]
+    )
+    tokens = batch.sample(logits).tolist()
+    assert tokens[0] == max(allowed, key=lambda t: logits[0, t].item())
+    assert tokens[1] == logits[1].argmax().item()
+    # top_k 2 keeps the two best *allowed* tokens: the mask came first
+    best_two = sorted(allowed, key=lambda t: logits[2, t].item())[-2:]
+    assert tokens[2] in best_two
+    assert [c.taken for c in constraints] == [[tokens[0]], [tokens[2]]]
+
+
+def test_a_failing_grammar_fails_its_row_alone() -> None:
+    logits = torch.randn(2, TINY_VOCAB, generator=torch.Generator().manual_seed(1))
+    rows = [RowSampler(SamplingParams(temperature=0), Allow([], fail=True))]
+    rows.append(RowSampler(SamplingParams(temperature=0.7, seed=3)))
+    alone = SamplingBatch([RowSampler(SamplingParams(temperature=0.7, seed=3))])
+    tokens, failures = SamplingBatch(rows).draw(logits)
+    assert failures == {0: FailureReason.SAMPLING_ERROR}
+    assert tokens[1] == alone.sample(logits[1:])[0]
+
+
+def test_a_row_with_a_grammar_needs_its_matcher() -> None:
+    with pytest.raises(ValueError, match="constraint"):
+        RowSampler(SamplingParams(grammar=grammar_of("regex", "a")))
+
+
+def test_what_llguidance_rejects_is_named_and_a_huge_constraint_is_refused(
+    tiny_tokenizer: Tokenizer,
+) -> None:
+    tokens = grammar_tokenizer(tiny_tokenizer, tiny_tokenizer.token_to_id("<|eos|>"))
+    assert "unclosed group" in (grammar_error(grammar_of("regex", "a(b"), tokens) or "")
+    assert "strin" in (grammar_error(grammar_of("json", {"type": "strin"}), tokens) or "")
+    assert "foo" in (grammar_error(grammar_of("grammar", "start: foo"), tokens) or "")
+    assert grammar_error(grammar_of("grammar", 'root ::= "a" [b-c]+'), tokens) is None  # GBNF
+    assert grammar_error(grammar_of("choice", ["x", "y"]), tokens) is None
+    with pytest.raises(GrammarError, match="at most"):
+        grammar_of("regex", "a" * (MAX_CONSTRAINT_CHARS + 1))
+    with pytest.raises(GrammarError, match="at least one"):
+        grammar_of("choice", [])
+    broken = GrammarMatcher(tokens, grammar_of("regex", "a(b"))
+    with pytest.raises(GrammarError, match="unclosed group"):
+        broken.allowed()
+
+
+@pytest.mark.parametrize("scheme", ["rope", "alibi", "learned"])
+def test_constrained_rows_match_and_share_a_batch_as_if_alone(
+    scheme: str, tiny_tokenizer: Tokenizer
+) -> None:
+    model = random_model(scheme, seed=2)
+    regex, schema = grammar_of("regex", PATTERN), grammar_of("json", SCHEMA)
+    free = [SamplingParams(temperature=1.0, seed=s) for s in (11, 12)]
+    constrained = [SamplingParams(temperature=1.0, seed=s, grammar=regex) for s in range(4)]
+    constrained += [SamplingParams(temperature=1.0, seed=s, grammar=schema) for s in range(2)]
+    prompts = ["To be", "Fair is foul", "Now is", "All the", "If music", "We are", "So", "Or"]
+    settings = [free[0], *constrained[:3], free[1], *constrained[3:]]
+    together = generate(model, tiny_tokenizer, prompts, max_new_tokens=56, sampling=settings)
+    for prompt, params, completion in zip(prompts, settings, together, strict=True):
+        alone = generate(model, tiny_tokenizer, [prompt], max_new_tokens=56, sampling=params)[0]
+        assert completion.token_ids == alone.token_ids  # constrained or not, as alone
+        if params.grammar == regex:
+            assert re.fullmatch(PATTERN, completion.text), completion.text
+            assert completion.finish_reason == "stop"
+        elif params.grammar == schema:
+            assert completion.finish_reason == "stop", completion.text
+            value = json.loads(completion.text)
+            assert set(value) == {"word", "count"} and 0 <= value["count"] <= 99
