@@ -126,6 +126,16 @@ def _store_column_major(linear: nn.Linear) -> None:
         linear.weight.data = linear.weight.data.t().contiguous().t()
 
 
+def project_onto(residual: Tensor, x: Tensor, linear: nn.Linear) -> Tensor:
+    """``residual + linear(x)``, [..., out], the sum taken inside the product (one ``addmm``:
+    no temporary for the projection and one kernel fewer per residual branch and step)."""
+    flat = x.reshape(-1, x.shape[-1])
+    out = torch.addmm(residual.reshape(-1, residual.shape[-1]), flat, linear.weight.t())
+    if linear.bias is not None:
+        out += linear.bias
+    return out.view(residual.shape)
+
+
 def make_norm(config: ModelConfig) -> nn.Module:
     if config.norm == "rmsnorm":
         return nn.RMSNorm(config.d_model, eps=config.norm_eps)
@@ -163,10 +173,13 @@ class Attention(nn.Module):
         recorder: AttentionRecorder | None = None,
         scheme: PositionalScheme | None = None,
         head_gates: Tensor | None = None,
+        *,
+        residual: Tensor | None = None,
     ) -> Tensor:
         """``x`` [B, T, d_model] → [B, T, d_model]; ``recorder`` keeps the weights if given;
         ``scheme``'s per-layer hooks (fox, cope) add their bias to ``mask``; ``head_gates``
-        [H, 1, 1] scale each head's output (an Intervention's ablation)."""
+        [H, 1, 1] scale each head's output (an Intervention's ablation); ``residual``
+        [B, T, d_model] is added to the output inside its projection (eval only: no dropout)."""
         batch, length, width = x.shape
         heads, kv_heads = self.n_heads, self.n_kv_heads
         qkv = self.qkv(x).view(batch, length, heads + 2 * kv_heads, self.head_dim)
@@ -202,7 +215,10 @@ class Attention(nn.Module):
         )  # [B, H, T, hd]
         if head_gates is not None:
             out = out * head_gates.to(out.dtype)
-        out = self.proj(out.transpose(1, 2).reshape(batch, length, width))
+        out = out.transpose(1, 2).reshape(batch, length, width)
+        if residual is not None:
+            return project_onto(residual, out, self.proj)
+        out = self.proj(out)
         return F.dropout(out, self.dropout) if self.training else out
 
 
@@ -220,8 +236,9 @@ class FeedForward(nn.Module):
         self.down = nn.Linear(config.d_ff, config.d_model, bias=config.bias)
         self.dropout = config.dropout
 
-    def forward(self, x: Tensor) -> Tensor:
-        """``x`` [B, T, d_model] → [B, T, d_model]."""
+    def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
+        """``x`` [B, T, d_model] → [B, T, d_model], plus ``residual`` [B, T, d_model] added
+        inside the down projection (eval only: no dropout between them)."""
         hidden = self.up(x)
         if self.gated:
             gate, value = hidden.chunk(2, dim=-1)
@@ -230,6 +247,8 @@ class FeedForward(nn.Module):
             hidden = F.relu(hidden).square()
         else:
             hidden = F.gelu(hidden, approximate=self.gelu_approximation)
+        if residual is not None:
+            return project_onto(residual, hidden, self.down)
         out = self.down(hidden)
         return F.dropout(out, self.dropout) if self.training else out
 
@@ -245,8 +264,11 @@ class Block(nn.Module):
         self.mlp = FeedForward(config)
 
     def forward(self, x: Tensor, *attention_inputs) -> Tensor:
-        x = x + self.attention(self.attention_norm(x), *attention_inputs)
-        return x + self.mlp(self.mlp_norm(x))
+        if self.training:  # dropout sits between each branch and its residual sum
+            x = x + self.attention(self.attention_norm(x), *attention_inputs)
+            return x + self.mlp(self.mlp_norm(x))
+        x = self.attention(self.attention_norm(x), *attention_inputs, residual=x)
+        return self.mlp(self.mlp_norm(x), residual=x)
 
 
 class Transformer(nn.Module):
