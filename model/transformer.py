@@ -126,14 +126,24 @@ def _store_column_major(linear: nn.Linear) -> None:
         linear.weight.data = linear.weight.data.t().contiguous().t()
 
 
-def project_onto(residual: Tensor, x: Tensor, linear: nn.Linear) -> Tensor:
-    """``residual + linear(x)``, [..., out], the sum taken inside the product (one ``addmm``:
-    no temporary for the projection and one kernel fewer per residual branch and step)."""
-    flat = x.reshape(-1, x.shape[-1])
-    out = torch.addmm(residual.reshape(-1, residual.shape[-1]), flat, linear.weight.t())
-    if linear.bias is not None:
-        out += linear.bias
-    return out.view(residual.shape)
+def pin_members(root: nn.Module) -> None:
+    """Give every parameter, buffer and child module of ``root`` and its descendants a plain
+    instance attribute as well, so that reading ``self.qkv`` is one dict lookup.
+
+    nn.Module keeps them only in ``_parameters``/``_buffers``/``_modules``: each read first
+    misses the instance dict, builds an AttributeError (its message formatted, then dropped)
+    and only then reaches ``Module.__getattr__`` — thousands of instructions a read, and a
+    decode step makes ~120 such reads (every ``self.weight``, ``self.bias``, ``self.qkv``...):
+    13-20% of a batch-1 step's instructions (callgrind; docs/performance.md).
+    ``Module.__setattr__`` drops the plain attribute whenever the name is assigned anew,
+    loading and the column-major layout change tensors in place, and ``Transformer._apply``
+    (``.to()``, ``.float()``, which may put new tensors into the tables) pins again, so it stays
+    the member it mirrors. Writing ``_parameters`` directly (``torch.func.functional_call``) or
+    deleting a member would leave it stale; nothing in ordinal does either.
+    """
+    for module in root.modules():
+        for table in (module._parameters, module._buffers, module._modules):
+            module.__dict__.update(table)  # None too: a Linear without bias reads its None
 
 
 def make_norm(config: ModelConfig) -> nn.Module:
@@ -173,13 +183,10 @@ class Attention(nn.Module):
         recorder: AttentionRecorder | None = None,
         scheme: PositionalScheme | None = None,
         head_gates: Tensor | None = None,
-        *,
-        residual: Tensor | None = None,
     ) -> Tensor:
         """``x`` [B, T, d_model] → [B, T, d_model]; ``recorder`` keeps the weights if given;
         ``scheme``'s per-layer hooks (fox, cope) add their bias to ``mask``; ``head_gates``
-        [H, 1, 1] scale each head's output (an Intervention's ablation); ``residual``
-        [B, T, d_model] is added to the output inside its projection (eval only: no dropout)."""
+        [H, 1, 1] scale each head's output (an Intervention's ablation)."""
         batch, length, width = x.shape
         heads, kv_heads = self.n_heads, self.n_kv_heads
         qkv = self.qkv(x).view(batch, length, heads + 2 * kv_heads, self.head_dim)
@@ -215,10 +222,7 @@ class Attention(nn.Module):
         )  # [B, H, T, hd]
         if head_gates is not None:
             out = out * head_gates.to(out.dtype)
-        out = out.transpose(1, 2).reshape(batch, length, width)
-        if residual is not None:
-            return project_onto(residual, out, self.proj)
-        out = self.proj(out)
+        out = self.proj(out.transpose(1, 2).reshape(batch, length, width))
         return F.dropout(out, self.dropout) if self.training else out
 
 
@@ -236,9 +240,8 @@ class FeedForward(nn.Module):
         self.down = nn.Linear(config.d_ff, config.d_model, bias=config.bias)
         self.dropout = config.dropout
 
-    def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
-        """``x`` [B, T, d_model] → [B, T, d_model], plus ``residual`` [B, T, d_model] added
-        inside the down projection (eval only: no dropout between them)."""
+    def forward(self, x: Tensor) -> Tensor:
+        """``x`` [B, T, d_model] → [B, T, d_model]."""
         hidden = self.up(x)
         if self.gated:
             gate, value = hidden.chunk(2, dim=-1)
@@ -247,8 +250,6 @@ class FeedForward(nn.Module):
             hidden = F.relu(hidden).square()
         else:
             hidden = F.gelu(hidden, approximate=self.gelu_approximation)
-        if residual is not None:
-            return project_onto(residual, hidden, self.down)
         out = self.down(hidden)
         return F.dropout(out, self.dropout) if self.training else out
 
@@ -264,11 +265,8 @@ class Block(nn.Module):
         self.mlp = FeedForward(config)
 
     def forward(self, x: Tensor, *attention_inputs) -> Tensor:
-        if self.training:  # dropout sits between each branch and its residual sum
-            x = x + self.attention(self.attention_norm(x), *attention_inputs)
-            return x + self.mlp(self.mlp_norm(x))
-        x = self.attention(self.attention_norm(x), *attention_inputs, residual=x)
-        return self.mlp(self.mlp_norm(x), residual=x)
+        x = x + self.attention(self.attention_norm(x), *attention_inputs)
+        return x + self.mlp(self.mlp_norm(x))
 
 
 class Transformer(nn.Module):
@@ -288,6 +286,14 @@ class Transformer(nn.Module):
         for module in self.modules():
             if isinstance(module, nn.Linear):
                 _store_column_major(module)
+        pin_members(self)
+
+    def _apply(self, fn, recurse=True):  # nn.Module's signature
+        # .to() / .float() / .cuda(): a buffer, or a parameter that cannot be changed in place,
+        # is replaced in its module's table, behind the plain attribute pin_members left.
+        applied = super()._apply(fn, recurse)
+        pin_members(self)
+        return applied
 
     def _initialise(self) -> None:
         # GPT-2 initialisation; residual projections shrink with depth so the residual stream's
