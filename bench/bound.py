@@ -1,10 +1,17 @@
-"""The machine's bound on decode speed: the matrix products of one decode step, timed alone.
+"""The machine's bound on decode speed: the matrix products of one decode step, timed alone,
+and the true bound of the step's work against the machine's measured peak and bandwidth.
 
 A decode step of B sequences multiplies [B, d_in] by every linear layer's weight and, per layer
 and head, one query by the cached keys and the attention weights by the cached values. Timing just
-those products at their exact shapes gives the step's overhead-free time, hence an upper bound on
-tokens/s that a measured rate can be held against. FLOPs per token (2 per multiply-add of those
-products at batch 1) and a large square product's GFLOP/s (the machine's practical peak) go with it.
+those products at their exact shapes gives the step's per-call time (each product is still one
+torch call, with its dispatch), hence a bound on tokens/s that a measured rate can be held against.
+
+The true bound (``roofline``) has no call in it: a step must do its FLOPs (2 per multiply-add of
+those products) and read its bytes (every weight once, each row's cached keys and values, its
+embedding row), so it takes at least max(FLOPs ÷ peak, bytes ÷ bandwidth). The peak is a large
+square product's GFLOP/s; the bandwidth is that of reading a buffer as large as the step's
+footprint (weights + cache: a few MB sit in the CPU's caches, which is what a decode step reads
+from), and the DRAM figure of a 256 MiB buffer goes with it.
 
     python -m bench.bound --out bench/results/bound.json
 """
@@ -29,6 +36,7 @@ from model.transformer import Transformer
 
 CONTEXT = PROMPT_TOKENS + NEW_TOKENS // 2  # the decode benchmark's mean context
 SQUARE = {"cpu": 1024, "cuda": 8192}
+DRAM_BYTES = 256 * 2**20  # far past any CPU cache: a read of it streams from memory
 
 
 class Product(NamedTuple):
@@ -67,6 +75,59 @@ def step_products(model: Transformer, batch: int, context: int) -> list[Product]
 def flops_per_token(model: Transformer, context: int = CONTEXT) -> int:
     """FLOPs of one token's decode step: 2 × parameters touched + the attention products."""
     return sum(p.flops * p.count for p in step_products(model, 1, context))
+
+
+def step_bytes(model: Transformer, batch: int, context: int, element: int) -> dict[str, int]:
+    """Bytes one decode step of ``batch`` rows at ``context`` cached tokens must read, with
+    ``element`` bytes per value: every weight once (a tied embedding counted once, and only its
+    ``batch`` rows when it is not also the unembedding), and each row's keys and values."""
+    config = model.config
+    weights = sum(
+        module.weight.numel() for module in model.modules() if isinstance(module, nn.Linear)
+    )
+    norms = sum(
+        parameter.numel()
+        for name, parameter in model.named_parameters()
+        if "norm" in name or name.endswith("bias")
+    )
+    embedding_rows = 0 if config.tie_embeddings else batch * config.d_model
+    kv = 2 * config.n_layers * config.key_value_heads * config.head_dim * context * batch
+    return {"weights": element * (weights + norms + embedding_rows), "cache": element * kv}
+
+
+def read_gbs(size: int, device: str, dtype: torch.dtype, min_time: float) -> float:
+    """GB/s of reading a buffer of ``size`` bytes (one sum over it, repeated: a buffer that
+    fits in a cache is read from that cache)."""
+    element = torch.empty(0, dtype=dtype).element_size()
+    buffer = torch.randn(max(size // element, 1), device=device).to(dtype)
+    return buffer.numel() * element / seconds_per_call(lambda: buffer.sum(), min_time) / 1e9
+
+
+def roofline(
+    model: Transformer,
+    batch: int,
+    device: str,
+    dtype: torch.dtype,
+    peak_gflops: float,
+    min_time: float,
+) -> dict[str, Any]:
+    """The true bound of one decode step: its FLOPs at the square peak, or its bytes at the
+    bandwidth of a read as large as its footprint, whichever takes longer."""
+    element = torch.empty(0, dtype=dtype).element_size()
+    flops = sum(p.flops * p.count for p in step_products(model, batch, CONTEXT))
+    read = step_bytes(model, batch, CONTEXT, element)
+    footprint = read["weights"] + read["cache"]
+    bandwidth = read_gbs(footprint, device, dtype, min_time)
+    seconds = max(flops / (peak_gflops * 1e9), footprint / (bandwidth * 1e9))
+    return {
+        "flops_per_token": flops / batch,
+        "bytes_per_token": footprint / batch,
+        "footprint_bytes": footprint,
+        "read_gbs": bandwidth,
+        "bound_by": "bytes" if footprint / bandwidth > flops / peak_gflops else "flops",
+        "step_ms": 1000 * seconds,
+        "tokens_per_s": batch / seconds,
+    }
 
 
 def seconds_per_call(work: Callable[[], object], min_time: float) -> float:
@@ -128,12 +189,20 @@ def run(checkpoints: Path, min_time: float = 0.5) -> dict[str, Any]:
     }
     for device, dtype in devices():
         key = f"{device} {str(dtype).removeprefix('torch.')}"
+        square = square_gflops(device, dtype, min_time)
         steps = {
-            name: {f"batch_{b}": step_bound(model, b, device, dtype, min_time) for b in BATCHES}
+            name: {
+                f"batch_{b}": {
+                    **step_bound(model, b, device, dtype, min_time),
+                    "roofline": roofline(model, b, device, dtype, square["gflops"], min_time),
+                }
+                for b in BATCHES
+            }
             for name, model in models.items()
         }
-        results["devices"][key] = {"square": square_gflops(device, dtype, min_time), "steps": steps}
-        print("bound", key, results["devices"][key]["square"], flush=True)
+        dram = read_gbs(DRAM_BYTES, device, dtype, min_time)
+        results["devices"][key] = {"square": square, "dram_read_gbs": dram, "steps": steps}
+        print("bound", key, square, f"DRAM read {dram:.1f} GB/s", flush=True)
     return results
 
 

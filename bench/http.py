@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import contextlib
 import itertools
+import os
 import resource
 import signal
 import socket
@@ -126,12 +127,18 @@ def running_server(
 
 @contextlib.contextmanager
 def running_process(
-    command: list[str], ready_url: str, name: str, ready_timeout: float
+    command: list[str],
+    ready_url: str,
+    name: str,
+    ready_timeout: float,
+    environment: dict[str, str] | None = None,
 ) -> Iterator[subprocess.Popen]:
-    """Run the server ``command`` until the block ends (SIGINT, then kill after 30 s), once
-    ``ready_url`` answers 200; its output goes to a temporary log, shown if it exits early."""
+    """Run the server ``command`` (with ``environment`` added to this one's) until the block
+    ends (SIGINT, then kill after 30 s), once ``ready_url`` answers 200; its output goes to a
+    temporary log, shown if it exits early."""
+    env = None if environment is None else {**os.environ, **environment}
     with tempfile.TemporaryFile() as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
         try:
             wait_until_healthy(ready_url, process, ready_timeout, log, name)
             yield process
@@ -176,6 +183,12 @@ async def stream_completion(
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    return await stream_body(client, body)
+
+
+async def stream_body(client: httpx.AsyncClient, body: dict[str, Any]) -> Stream:
+    """Send the streaming completion request ``body`` (any OpenAI-compatible server) and time
+    each chunk that carries text as it arrives."""
     stream = Stream(sent=time.perf_counter())
     async with client.stream("POST", "/v1/completions", json=body) as response:
         response.raise_for_status()
@@ -185,7 +198,10 @@ async def stream_completion(
             chunk = orjson.loads(line[6:])
             if "error" in chunk:
                 raise RuntimeError(f"server error mid-stream: {chunk['error']}")
-            if chunk.get("choices"):  # one chunk per generated token (or a few, if behind)
+            choices = chunk.get("choices")
+            # One chunk per generated token (or a few, if behind); a peer's closing chunk
+            # carries only its finish_reason.
+            if choices and any(choice.get("text") for choice in choices):
                 stream.token_times.append(time.perf_counter())
             elif chunk.get("usage"):
                 stream.usage_tokens = chunk["usage"]["completion_tokens"]

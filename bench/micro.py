@@ -9,7 +9,13 @@
    streams of 256 tokens after a 32-token prompt, with a frame sent every step
    (``stream_interval`` 0) and at most every 20 ms — what the server costs before any HTTP work.
 
+``--profile`` instead profiles one decode step (``DecodeBatch.step``: the forward, the cache and
+the sampling) of the shipped rope checkpoint at batch 1 and 32, sampled at temperature 0.8:
+the torch ops it issues from Python (a count that does not move with the machine's load) and
+where their time goes (torch.profiler, self CPU time by op).
+
     python -m bench.micro            # prints markdown tables
+    python -m bench.micro --profile  # ops per decode step, and their time
 """
 
 from __future__ import annotations
@@ -17,15 +23,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import time
+from collections import Counter
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch.profiler import ProfilerActivity, profile
 
 from bench.decode import NEW_TOKENS, PROMPT_TOKENS
 from bench.run import rate, ratio, table
+from model.checkpoint import load_checkpoint
+from model.decode import DecodeBatch, Row, Tokens
 from model.sampling import RowSampler, SamplingBatch
 from model.sampling_params import SamplingParams
 from server.api.job import Job
@@ -132,11 +142,57 @@ def engine_without_http(checkpoint: Path) -> str:
     )
 
 
+def step_profile(checkpoint: Path, steps: int = 20) -> str:
+    """Ops and time of one ``DecodeBatch.step`` at batch 1 and 32 (after a 32-token prompt)."""
+    model, _ = load_checkpoint(checkpoint, device="cpu", dtype="float32")
+    vocab = model.config.vocab_size
+    parts = []
+    for batch in (1, 32):
+        params = SamplingParams(0.8, seed=1)
+        rows = [
+            Row(Tokens(list(range(3, 3 + PROMPT_TOKENS)), []), RowSampler(params))
+            for _ in range(batch)
+        ]
+        decoding: DecodeBatch[Row] = DecodeBatch(model, batch, PROMPT_TOKENS + 64, vocab, 0)
+        decoding.step([(row, PROMPT_TOKENS) for row in rows])
+        for _ in range(5):  # warm-up: allocator, the rope table
+            decoding.step()
+        with profile(activities=[ProfilerActivity.CPU]) as profiler:
+            for _ in range(steps):
+                decoding.step()
+        issued: Counter[str] = Counter()  # ops called from Python, not from inside another op
+        for event in profiler.events():
+            parent = event.cpu_parent
+            if event.name.startswith("aten::") and not (
+                parent and parent.name.startswith("aten::")
+            ):
+                issued[event.name.removeprefix("aten::")] += 1
+        ops = ", ".join(f"{name} {count / steps:g}" for name, count in issued.most_common())
+        averages = sorted(profiler.key_averages(), key=lambda e: -e.self_cpu_time_total)
+        total = sum(e.self_cpu_time_total for e in averages)
+        rows_shown = [
+            [e.key.removeprefix("aten::"), f"{e.self_cpu_time_total / steps:,.0f}",
+             f"{e.self_cpu_time_total / total:.0%}", f"{e.count / steps:g}"]
+            for e in averages[:12]
+        ]  # fmt: skip
+        parts.append(
+            f"Batch {batch}: {sum(issued.values()) / steps:g} torch ops issued per step ({ops}); "
+            f"self CPU time by op, µs per step (under the profiler):\n\n"
+            + table(["op", "µs / step", "share", "calls / step"], rows_shown)
+        )
+    return "One decode step of the shipped rope checkpoint, profiled:\n\n" + "\n".join(parts)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--checkpoint", type=Path, default=Path("checkpoints/rope"))
+    parser.add_argument("--profile", action="store_true", help="ops and time of a decode step")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.profile:
+        with torch.inference_mode():
+            print(step_profile(args.checkpoint), flush=True)
+        return
     with torch.inference_mode():
         for section in (linear_layouts, gelu_forms, sampling_paths):
             print(section() + "\n", flush=True)

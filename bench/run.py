@@ -443,20 +443,27 @@ def bound_section(results: Results, measured: list[Measured]) -> str:
                 f"{results['flops_per_token'][size] / 1e6:.2f}",
                 f"{step['step_ms']:.3f}",
                 rate(step["bound_tokens_per_s"]),
+                *roofline_cells(step.get("roofline")),
             ]
             for size, steps in data["steps"].items()
             for batch, step in steps.items()
         ]
-        header = ["size", "batch", "MFLOP/token", "products ms/step", "bound tokens/s"]
+        header = [
+            "size", "batch", "MFLOP/token", "products ms/step", "per-call bound tokens/s",
+            "MB read/token", "read GB/s at the footprint", "true bound tokens/s",
+        ]  # fmt: skip
         parts.append(
             f"### {device}\n\nLarge square product [{data['square']['size']}]²: "
-            f"{square:,.1f} GFLOP/s.\n\n" + table(header, rows)
+            f"{square:,.1f} GFLOP/s; reading 256 MiB: {data.get('dram_read_gbs', 0):,.1f} GB/s. "
+            "The true bound is max(FLOPs ÷ that peak, bytes ÷ the read bandwidth at the step's "
+            "footprint), per step.\n\n" + table(header, rows)
         )
         fractions = []
         for m in measured:
             if not device.startswith(m.device):
                 continue
             bound_rate = data["steps"][m.size][m.batch]["bound_tokens_per_s"]
+            true_rate = data["steps"][m.size][m.batch].get("roofline", {}).get("tokens_per_s")
             flops = results["flops_per_token"][m.size]
             achieved = None if m.tokens_per_s is None else m.tokens_per_s * flops / 1e9
             fractions.append(
@@ -464,15 +471,31 @@ def bound_section(results: Results, measured: list[Measured]) -> str:
                     m.label,
                     rate(m.tokens_per_s),
                     percent(divide(m.tokens_per_s, bound_rate)),
+                    percent(divide(m.tokens_per_s, true_rate)),
                     "—" if achieved is None else f"{achieved:.2f}",
                     percent(divide(achieved, square)),
                 ]
             )
-        header = ["measured", "tokens/s", "of bound", "GFLOP/s", "of square peak"]
+        header = [
+            "measured", "tokens/s", "of per-call bound", "of true bound", "GFLOP/s",
+            "of square peak",
+        ]  # fmt: skip
         if fractions:
             parts.append("Fraction of the bound reached:\n\n" + table(header, fractions))
         parts.append(products_table(data["steps"]))
     return "\n".join(parts)
+
+
+def roofline_cells(roofline: Results | None) -> list[str]:
+    """MB read per token, the read bandwidth at the footprint and the true bound (— for a
+    bound.json from before it had them)."""
+    if roofline is None:
+        return ["—", "—", "—"]
+    return [
+        f"{roofline['bytes_per_token'] / 1e6:.2f}",
+        f"{roofline['read_gbs']:,.0f}",
+        f"{rate(roofline['tokens_per_s'])} ({roofline['bound_by']})",
+    ]
 
 
 def products_table(steps: dict[str, Results]) -> str:
@@ -494,6 +517,63 @@ def products_table(steps: dict[str, Results]) -> str:
     return "GFLOP/s of each product:\n\n" + table(header, rows)
 
 
+PEER_NAMES = {"vllm": "vLLM", "llama.cpp": "llama.cpp"}
+
+
+def peers_section(load: Results) -> str:
+    """``bench.peers --load``'s table: ordinal beside each peer at each load, with ordinal's
+    ratio (tokens/s: ordinal ÷ peer, higher is better; latencies: ordinal ÷ peer, lower is)."""
+    medians, engines = load["medians"], load["engines"]
+    rows = []
+
+    def cells(label: str, key: str, ordinal_name: str = "ordinal") -> list[str]:
+        ours = medians[label][ordinal_name][key]
+        found = [f"{ours:,.1f}" if key != "tokens_per_s" else rate(ours)]
+        for engine in engines:
+            theirs = medians[label].get(engine, {}).get(key)
+            shown = (
+                "—"
+                if theirs is None
+                else (rate(theirs) if key == "tokens_per_s" else f"{theirs:,.1f}")
+            )
+            found.append(f"{shown} (ordinal {ratio(divide(ours, theirs))})")
+        return found
+
+    loads = load["loads"]
+    for entry in loads:
+        rows.append([f"{entry['label']}, tokens/s", *cells(entry["label"], "tokens_per_s")])
+    for entry in loads[1:]:
+        rows.append(
+            [
+                f"time to first token p99, {entry['label']}, ms",
+                *cells(entry["label"], "ttft_ms_p99"),
+            ]
+        )
+    for entry in loads[1:]:
+        label = f"inter-token gap p99, {entry['label']}, ms (ordinal `--stream-interval 0`)"
+        rows.append([label, *cells(entry["label"], "gap_ms_p99", "ordinal, stream interval 0")])
+    header = ["load", "ordinal", *(PEER_NAMES.get(engine, engine) for engine in engines)]
+    return (
+        "## Against vLLM and llama.cpp (`bench.peers --load`)\n\n"
+        f"`{load['command']}`, {load['date']}, load average at start "
+        f"{load['load_average_at_start']:.2f}; medians of {load['rounds']} interleaved rounds, "
+        "the same streaming client and greedy requests for every server, one compute thread "
+        "each. Ratios are ordinal ÷ the peer (tokens/s: above 1 is ordinal faster; latencies: "
+        "below 1 is ordinal faster).\n\n" + table(header, rows)
+    )
+
+
+def load_results(folder: Path) -> dict[str, Results]:
+    """Every result kept in ``folder`` (machine, each stage's, and bench.peers' load) that
+    exists, as ``render`` takes them."""
+    results: dict[str, Results] = {}
+    for name in ("machine", *STAGES, "peers"):
+        path = folder / f"{name}.json"
+        if path.exists():
+            results[name] = json.loads(path.read_text())
+    return results
+
+
 def render(results: dict[str, Results]) -> str:
     """docs/benchmarks.md from the stage results (a missing stage is left out)."""
     decoded = results.get("decode", {"sizes": {}})
@@ -507,6 +587,7 @@ def render(results: dict[str, Results]) -> str:
         ("bound", lambda: bound_section(results["bound"], measured_rates(results))),
         ("prefix", lambda: prefix_section(results["prefix"])),
         ("structured", lambda: structured_section(results["structured"])),
+        ("peers", lambda: peers_section(results["peers"])),
     ]
     # The targets need both the decode and the HTTP figures.
     present = set(results) | ({"targets"} if {"decode", "http"} <= set(results) else set())
@@ -532,16 +613,10 @@ def main() -> None:
     args = parser.parse_args()
     args.schemes = args.schemes or (["rope"] if args.quick else list(SCHEMES))
 
-    results: dict[str, Results] = {"machine": machine()}
-    write_json_atomic(args.results / "machine.json", results["machine"])
-    for stage in STAGES:
-        path = args.results / f"{stage}.json"
-        if stage in args.stages:
-            results[stage] = run_stage(stage, args)
-            write_json_atomic(path, results[stage])
-        elif path.exists():
-            results[stage] = json.loads(path.read_text())
-    write_text_atomic(args.doc, render(results))
+    write_json_atomic(args.results / "machine.json", machine())
+    for stage in args.stages:
+        write_json_atomic(args.results / f"{stage}.json", run_stage(stage, args))
+    write_text_atomic(args.doc, render(load_results(args.results)))
     print(f"wrote {args.doc}")
 
 

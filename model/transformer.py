@@ -126,6 +126,26 @@ def _store_column_major(linear: nn.Linear) -> None:
         linear.weight.data = linear.weight.data.t().contiguous().t()
 
 
+def pin_members(root: nn.Module) -> None:
+    """Give every parameter, buffer and child module of ``root`` and its descendants a plain
+    instance attribute as well, so that reading ``self.qkv`` is one dict lookup.
+
+    nn.Module keeps them only in ``_parameters``/``_buffers``/``_modules``: each read first
+    misses the instance dict, builds an AttributeError (its message formatted, then dropped)
+    and only then reaches ``Module.__getattr__`` — thousands of instructions a read, and a
+    decode step makes ~120 such reads (every ``self.weight``, ``self.bias``, ``self.qkv``...):
+    13-20% of a batch-1 step's instructions (callgrind; docs/performance.md).
+    ``Module.__setattr__`` drops the plain attribute whenever the name is assigned anew,
+    loading and the column-major layout change tensors in place, and ``Transformer._apply``
+    (``.to()``, ``.float()``, which may put new tensors into the tables) pins again, so it stays
+    the member it mirrors. Writing ``_parameters`` directly (``torch.func.functional_call``) or
+    deleting a member would leave it stale; nothing in ordinal does either.
+    """
+    for module in root.modules():
+        for table in (module._parameters, module._buffers, module._modules):
+            module.__dict__.update(table)  # None too: a Linear without bias reads its None
+
+
 def make_norm(config: ModelConfig) -> nn.Module:
     if config.norm == "rmsnorm":
         return nn.RMSNorm(config.d_model, eps=config.norm_eps)
@@ -266,6 +286,14 @@ class Transformer(nn.Module):
         for module in self.modules():
             if isinstance(module, nn.Linear):
                 _store_column_major(module)
+        pin_members(self)
+
+    def _apply(self, fn, recurse=True):  # nn.Module's signature
+        # .to() / .float() / .cuda(): a buffer, or a parameter that cannot be changed in place,
+        # is replaced in its module's table, behind the plain attribute pin_members left.
+        applied = super()._apply(fn, recurse)
+        pin_members(self)
+        return applied
 
     def _initialise(self) -> None:
         # GPT-2 initialisation; residual projections shrink with depth so the residual stream's

@@ -42,3 +42,30 @@ def test_the_peers_serve_the_export_in_float32_at_ordinals_context() -> None:
     assert vllm[vllm.index("--tensor-parallel-size") + 1] == "2"
     llama = llama_cpp_command(Path("rope.gguf"), 8123, 512)
     assert "rope.gguf" in llama and "8123" in llama and "512" in llama
+
+
+def test_the_load_table_gives_ordinals_ratio_to_each_peer() -> None:
+    from bench.run import peers_section
+
+    def figures(rate: float, ttft: float, gap: float) -> dict:
+        return {"tokens_per_s": rate, "ttft_ms_p99": ttft, "gap_ms_p99": gap}
+
+    medians = {
+        "1 stream × 256": {"ordinal": figures(1500, 5, 1), "llama.cpp": figures(1000, 4, 1)},
+        "32 streams × 128": {
+            "ordinal": figures(6000, 120, 30),
+            "ordinal, stream interval 0": figures(5800, 118, 16),
+            "llama.cpp": figures(2000, 240, 20),
+        },
+    }
+    load = {
+        "medians": medians, "engines": ["llama.cpp"], "command": "python -m bench.peers --load",
+        "date": "2026-12-02 06:00", "load_average_at_start": 0.5, "rounds": 5,
+        "loads": [{"label": label} for label in medians],
+    }  # fmt: skip
+    rows = {line.split(" | ")[0]: line for line in peers_section(load).splitlines()}
+    assert "1,000 (ordinal 1.50×)" in rows["| 1 stream × 256, tokens/s"]
+    assert "2,000 (ordinal 3.00×)" in rows["| 32 streams × 128, tokens/s"]
+    assert "240.0 (ordinal 0.50×)" in rows["| time to first token p99, 32 streams × 128, ms"]
+    gap = rows["| inter-token gap p99, 32 streams × 128, ms (ordinal `--stream-interval 0`)"]
+    assert "| 16.0 | 20.0 (ordinal 0.80×)" in gap  # from the stream-interval-0 server

@@ -46,7 +46,8 @@ def test_the_report_shows_every_row(results: dict) -> None:
         assert f"\n| {clients} |" in report  # the concurrency levels
     assert "HTTP, 1 client" in report and "TTFT p99" in report
     assert "| 10 | alibi, binary" in report  # RSS with every shipped model loaded
-    assert "bound tokens/s" in report and "of bound" in report
+    assert "per-call bound tokens/s" in report and "of per-call bound" in report
+    assert "true bound tokens/s" in report and "of true bound" in report
     assert "—" not in report.split("## Against")[1].split("## Through")[0]  # every ratio measured
     prefix = report.split("## Prefix caching")[1]
     cached = results["prefix"]["cached"]

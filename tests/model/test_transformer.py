@@ -304,3 +304,33 @@ def test_the_logit_lens_of_the_last_block_is_the_logits() -> None:
     assert len(recorder.residuals) == model.config.n_layers
     torch.testing.assert_close(lens[-1], logits, atol=0, rtol=0)
     assert not torch.allclose(lens[0], logits)  # earlier layers read differently
+
+
+def test_pinned_members_are_the_modules_own_after_loading_moving_and_reassigning() -> None:
+    # pin_members gives each member a plain attribute; what the forward reads must still be
+    # the module's current member after the ways ordinal changes one.
+    model, source = random_model("rope", seed=1), random_model("rope", seed=2)
+    tokens = random_tokens(2, 9, seed=3)
+    model.load_state_dict(source.state_dict())
+    model.to(torch.float64).to(torch.float32)
+    torch.testing.assert_close(model(tokens), source(tokens), atol=0, rtol=0)
+    attention = model.blocks[0].attention
+    attention.proj = torch.nn.Linear(attention.proj.in_features, attention.proj.out_features)
+    attention.proj.weight = torch.nn.Parameter(torch.zeros_like(attention.proj.weight))
+    assert attention.proj is attention._modules["proj"]
+    assert attention.proj.weight is attention.proj._parameters["weight"]
+    assert not torch.allclose(model(tokens), source(tokens))  # the new zero projection is used
+    for module in model.modules():
+        for table in (module._parameters, module._modules):
+            for name, member in table.items():
+                assert getattr(module, name) is member, name
+
+
+def test_a_buffer_moved_by_to_is_the_one_the_forward_reads() -> None:
+    # .to() puts a new buffer into the module's table (mds keeps its coordinates in one).
+    model, source = random_model("mds", seed=1), random_model("mds", seed=1)
+    tokens = random_tokens(2, 9, seed=3)
+    doubled = model.double()
+    coordinates = dict(doubled.named_buffers())["positional.coordinates"]
+    assert doubled.positional.coordinates is coordinates and coordinates.dtype == torch.float64
+    torch.testing.assert_close(doubled(tokens), source.double()(tokens), atol=0, rtol=0)
