@@ -127,22 +127,21 @@ def _store_column_major(linear: nn.Linear) -> None:
 
 
 def pin_members(root: nn.Module) -> None:
-    """Give every parameter, buffer and child module of ``root`` and its descendants a plain
-    instance attribute as well, so that reading ``self.qkv`` is one dict lookup.
+    """Give every parameter and child module of ``root`` and its descendants a plain instance
+    attribute as well, so that reading ``self.qkv`` is one dict lookup.
 
-    nn.Module keeps them only in ``_parameters``/``_buffers``/``_modules``: each read first
-    misses the instance dict, builds an AttributeError (its message formatted, then dropped)
-    and only then reaches ``Module.__getattr__`` — thousands of instructions a read, and a
-    decode step makes ~120 such reads (every ``self.weight``, ``self.bias``, ``self.qkv``...):
-    13-20% of a batch-1 step's instructions (callgrind; docs/performance.md).
-    ``Module.__setattr__`` drops the plain attribute whenever the name is assigned anew,
-    loading and the column-major layout change tensors in place, and ``Transformer._apply``
-    (``.to()``, ``.float()``, which may put new tensors into the tables) pins again, so it stays
-    the member it mirrors. Writing ``_parameters`` directly (``torch.func.functional_call``) or
-    deleting a member would leave it stale; nothing in ordinal does either.
+    nn.Module keeps them only in ``_parameters``/``_modules``: each read first misses the
+    instance dict, builds an AttributeError (its message formatted, then dropped) and only then
+    reaches ``Module.__getattr__`` — thousands of instructions a read, and a decode step makes
+    ~120 such reads (every ``self.weight``, ``self.bias``, ``self.qkv``...): 13-20% of a batch-1
+    step's instructions (callgrind; docs/performance.md). Assigning a Parameter or a Module to
+    the name (``load_state_dict(assign=True)`` included) drops the plain attribute, and loading
+    changes tensors in place, so it stays the member it mirrors. Buffers are left out: assigning
+    a tensor to a buffer's name would not drop it, and the few buffer reads cost little. Setting
+    a member to None after pinning would leave it stale; nothing in ordinal does.
     """
     for module in root.modules():
-        for table in (module._parameters, module._buffers, module._modules):
+        for table in (module._parameters, module._modules):
             module.__dict__.update(table)  # None too: a Linear without bias reads its None
 
 
@@ -289,8 +288,8 @@ class Transformer(nn.Module):
         pin_members(self)
 
     def _apply(self, fn, recurse=True):  # nn.Module's signature
-        # .to() / .float() / .cuda(): a buffer, or a parameter that cannot be changed in place,
-        # is replaced in its module's table, behind the plain attribute pin_members left.
+        # .to() / .float() / .cuda(): a parameter that cannot be changed in place is replaced in
+        # its module's table, behind the plain attribute pin_members left.
         applied = super()._apply(fn, recurse)
         pin_members(self)
         return applied

@@ -334,3 +334,5 @@ def test_a_buffer_moved_by_to_is_the_one_the_forward_reads() -> None:
     coordinates = dict(doubled.named_buffers())["positional.coordinates"]
     assert doubled.positional.coordinates is coordinates and coordinates.dtype == torch.float64
     torch.testing.assert_close(doubled(tokens), source.double()(tokens), atol=0, rtol=0)
+    doubled.positional.coordinates = torch.zeros_like(coordinates)  # a buffer assigned anew
+    assert doubled.positional.coordinates is doubled.positional._buffers["coordinates"]
