@@ -1,8 +1,9 @@
 """The checkpoints shipped in ./checkpoints: one per scheme, loadable, generating text, small.
 
-A missing checkpoint fails these tests (it is not skipped): all ten ship with the service. The
-second round's schemes (``NOT_TRAINED_YET``) are registered before their checkpoints exist; they
-join ``SHIPPED_SCHEMES`` when those are trained (issue #25, checkpoints/README.md).
+A missing checkpoint fails these tests (it is not skipped): one per registered scheme, named after
+it, and two recipes on a scheme of the registry (``RECIPES``: p-RoPE and DroPE, issue #25,
+checkpoints/README.md), all but ``NOT_TRAINED_YET``: registered schemes whose checkpoints are
+still to be trained, which join the shipped ones when they are (the test says so).
 Each model's next-token logits for one prompt are pinned in ``tests/data/shipped_logits.json``;
 after a deliberate change to the weights or to the model code, rewrite it with
 ``python -m tests.test_shipped_checkpoints --update`` (and say why in the commit).
@@ -20,12 +21,13 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from model.checkpoint import WEIGHTS_FILE, load_checkpoint
+from model.checkpoint import WEIGHTS_FILE, check_weights, load_checkpoint
 from model.generate import generate
 from model.positional import SCHEMES
 from model.tokenizer import encode_prompt
 
 SHIPPED = Path(__file__).resolve().parent.parent / "checkpoints"
+# The first round: the ten schemes of the design card, each exported exactly (model/interop).
 SHIPPED_SCHEMES = (
     "none",
     "integer",
@@ -38,9 +40,15 @@ SHIPPED_SCHEMES = (
     "mds",
     "lowrank",
 )
-# Registered schemes whose shipped checkpoints are still to be trained (checkpoints/README.md,
-# "The second round"): each moves to SHIPPED_SCHEMES with its checkpoint.
-NOT_TRAINED_YET = ("fox", "cope", "fire")
+# The second round (issue #25): the new schemes trained so far, and two recipes, folder → scheme.
+SECOND_ROUND_SCHEMES = ("fox",)
+RECIPES = {"prope": "rope", "drope": "none"}
+NOT_TRAINED_YET = ("cope", "fire")
+# Every shipped checkpoint, folder name → the scheme its config names.
+SHIPPED_MODELS = {
+    **{name: name for name in SHIPPED_SCHEMES + SECOND_ROUND_SCHEMES},
+    **RECIPES,
+}
 SIZE_LIMIT_BYTES = 40 * 10**6
 HALF_PRECISION = {"BF16", "F16"}
 
@@ -53,19 +61,21 @@ STRIDE = 128  # every 128th logit of the vocabulary is pinned too, not only the 
 ATOL = 1e-4
 
 
-def test_one_checkpoint_per_scheme() -> None:
-    assert set(SHIPPED_SCHEMES) | set(NOT_TRAINED_YET) == set(SCHEMES)
-    assert not set(SHIPPED_SCHEMES) & set(NOT_TRAINED_YET)
-    for scheme in NOT_TRAINED_YET:  # once one is trained, it must be tested as shipped
-        assert not (SHIPPED / scheme).exists(), f"{scheme} is trained: add it to SHIPPED_SCHEMES"
+def test_one_checkpoint_per_scheme_and_recipe() -> None:
+    shipped = set(SHIPPED_SCHEMES) | set(SECOND_ROUND_SCHEMES)
+    assert shipped | set(NOT_TRAINED_YET) == set(SCHEMES) and not shipped & set(NOT_TRAINED_YET)
+    assert set(RECIPES.values()) <= set(SCHEMES) and not set(RECIPES) & set(SCHEMES)
+    folders = {path.name for path in SHIPPED.iterdir() if path.is_dir()}
+    assert not folders & set(NOT_TRAINED_YET), "it is trained: move it to the shipped ones"
+    assert folders == set(SHIPPED_MODELS), "a checkpoint folder is missing or not tested"
 
 
-@pytest.mark.parametrize("scheme", SHIPPED_SCHEMES)
-def test_shipped_checkpoint_loads_and_generates(scheme: str) -> None:
-    model, tokenizer = load_checkpoint(SHIPPED / scheme, device="cpu")
+@pytest.mark.parametrize(("name", "scheme"), SHIPPED_MODELS.items())
+def test_shipped_checkpoint_loads_and_generates(name: str, scheme: str) -> None:
+    model, tokenizer = load_checkpoint(SHIPPED / name, device="cpu")
     assert model.config.positional["scheme"] == scheme
     assert model.config.dtype in ("bfloat16", "float16")
-    with safe_open(SHIPPED / scheme / WEIGHTS_FILE, framework="pt") as weights:
+    with safe_open(SHIPPED / name / WEIGHTS_FILE, framework="pt") as weights:
         stored = {weights.get_slice(name).get_dtype() for name in weights.keys()}  # noqa: SIM118
     assert stored <= HALF_PRECISION, stored
 
@@ -73,11 +83,22 @@ def test_shipped_checkpoint_loads_and_generates(scheme: str) -> None:
     assert completion.text.strip(), completion
 
 
-def next_token_logits(scheme: str) -> tuple[list[int], torch.Tensor]:
+def test_the_recipes_are_what_their_names_say() -> None:
+    """prope is rope keeping 75% of its frequencies; drope is the shipped rope checkpoint's
+    weights, recalibrated without positions, and says so in its metrics."""
+    prope = json.loads((SHIPPED / "prope" / "config.json").read_text())
+    assert prope["positional"] == {"scheme": "rope", "fraction": 0.75}
+    drope = json.loads((SHIPPED / "drope" / "metrics.json").read_text())
+    rope_config = load_checkpoint(SHIPPED / "rope", device="cpu").model.config
+    assert drope["init"]["scheme"] == "rope" and drope["init"]["checkpoint"] == "checkpoints/rope"
+    assert drope["init"]["sha256"] == check_weights(SHIPPED / "rope" / WEIGHTS_FILE, rope_config)
+
+
+def next_token_logits(name: str) -> tuple[list[int], torch.Tensor]:
     """PROMPT's token ids and the float32 CPU logits after them [vocab], as float64."""
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a shipped checkpoint carries its checksum
-        model, tokenizer = load_checkpoint(SHIPPED / scheme, device="cpu", dtype="float32")
+        model, tokenizer = load_checkpoint(SHIPPED / name, device="cpu", dtype="float32")
     ids = encode_prompt(tokenizer, PROMPT)
     with torch.inference_mode():
         logits = model(torch.tensor([ids]), last_only=True)[0]
@@ -104,10 +125,10 @@ def fingerprint(ids: list[int], logits: torch.Tensor) -> dict[str, list]:
     }
 
 
-@pytest.mark.parametrize("scheme", SHIPPED_SCHEMES)
-def test_shipped_logits_match_the_reference(scheme: str) -> None:
-    reference = json.loads(REFERENCE_LOGITS.read_text())["schemes"][scheme]
-    ids, logits = next_token_logits(scheme)
+@pytest.mark.parametrize("name", SHIPPED_MODELS)
+def test_shipped_logits_match_the_reference(name: str) -> None:
+    reference = json.loads(REFERENCE_LOGITS.read_text())["schemes"][name]
+    ids, logits = next_token_logits(name)
     assert ids == reference["prompt_ids"], "the tokenizer encodes the prompt differently"
 
     def close(actual: torch.Tensor | list[float], expected: list[float], what: str) -> None:
@@ -127,12 +148,12 @@ def test_shipped_logits_match_the_reference(scheme: str) -> None:
 
 
 def test_shipped_checkpoints_fit_in_40_mb() -> None:
-    missing = [scheme for scheme in SHIPPED_SCHEMES if not (SHIPPED / scheme).is_dir()]
+    missing = [name for name in SHIPPED_MODELS if not (SHIPPED / name).is_dir()]
     assert not missing, f"checkpoints not shipped yet: {missing}"
     size = sum(
         file.stat().st_size
-        for scheme in SHIPPED_SCHEMES
-        for file in (SHIPPED / scheme).rglob("*")
+        for name in SHIPPED_MODELS
+        for file in (SHIPPED / name).rglob("*")
         if file.is_file()
     )
     assert size <= SIZE_LIMIT_BYTES, f"{size / 1e6:.1f} MB"
@@ -140,7 +161,7 @@ def test_shipped_checkpoints_fit_in_40_mb() -> None:
 
 def write_reference_logits() -> None:
     """Rewrite REFERENCE_LOGITS from the checkpoints as they are now."""
-    schemes = {scheme: fingerprint(*next_token_logits(scheme)) for scheme in SHIPPED_SCHEMES}
+    schemes = {name: fingerprint(*next_token_logits(name)) for name in SHIPPED_MODELS}
     text = json.dumps({"prompt": PROMPT, "schemes": schemes}, indent=2)
     # One line per list of numbers keeps the file small and its diffs readable.
     text = re.sub(r"\[\s+([^\[\]{}]*?)\s+\]", lambda m: "[" + " ".join(m[1].split()) + "]", text)

@@ -27,7 +27,7 @@ from server.api.playground import GEOMETRY_REPORTS
 from server.api.schemas import MAX_TRACE_TOKENS
 from server.engine.trace import round_significant
 from tests.server.conftest import Running
-from tests.test_shipped_checkpoints import SHIPPED_SCHEMES
+from tests.test_shipped_checkpoints import SHIPPED_MODELS, SHIPPED_SCHEMES
 
 PROMPT = "To be, or not to be, that is the question"
 # About 45 tokens: past t5's max_distance (24), within the table schemes' 64 positions.
@@ -587,14 +587,14 @@ SHIPPED = Path(__file__).resolve().parents[2] / "checkpoints"
 
 @pytest.fixture(scope="module")
 def shipped(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    """The ten shipped checkpoints, served as users get them."""
+    """The shipped checkpoints, served as users get them."""
     from tests.server.conftest import running_server, test_settings
 
     with running_server(test_settings(SHIPPED)) as running:
         yield running
 
 
-@pytest.mark.parametrize("scheme", SHIPPED_SCHEMES)
+@pytest.mark.parametrize("scheme", SHIPPED_MODELS)
 def test_the_shipped_models_trace_causal_attention_and_normalised_stages(
     shipped: Running, scheme: str
 ) -> None:
