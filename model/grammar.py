@@ -89,11 +89,15 @@ class GrammarMatcher:
 
     def __init__(self, tokenizer: llguidance.LLTokenizer, grammar: str) -> None:
         self._future: Future[llguidance.LLMatcher] = _COMPILER.submit(_compile, tokenizer, grammar)
+        self._compiled: llguidance.LLMatcher | None = None  # the future's result, once taken
 
     @property
     def _matcher(self) -> llguidance.LLMatcher:
-        """The compiled matcher; GrammarError if it has failed."""
-        matcher = self._future.result()
+        """The compiled matcher; GrammarError if it has failed. Read three times a step, so the
+        future is waited on once, not on every read."""
+        matcher = self._compiled
+        if matcher is None:
+            matcher = self._compiled = self._future.result()
         if matcher.is_error():
             raise GrammarError(matcher.get_error())
         return matcher
