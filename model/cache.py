@@ -188,18 +188,23 @@ class KVCache:
         states = self.states[:, row, :, span] if self._keeps_state else None
         return self.keys[:, row, :, span], self.values[:, row, :, span], states
 
-    def fill(self, row: int, keys: Tensor, values: Tensor, states: Tensor | None) -> None:
-        """Row ``row`` (empty, reserved) holds the sequence whose first tokens have ``keys``,
-        ``values`` [layers, heads, n, hd] and ``states`` [layers, heads, n] (as :meth:`slots`
-        gives them): its length becomes n, and its next token takes position n."""
-        length = keys.shape[2]
-        self.make_room(length)
-        self.keys[:, row, :, :length] = keys
-        self.values[:, row, :, :length] = values
+    def fill(
+        self, row: int, keys: Tensor, values: Tensor, states: Tensor | None, at: int = 0
+    ) -> None:
+        """Row ``row`` (reserved, holding ``at`` tokens) holds next the tokens whose ``keys``,
+        ``values`` [layers, heads, n, hd] and ``states`` [layers, heads, n] are given (as
+        :meth:`slots` gives them): its length becomes ``at`` + n, and its next token takes
+        that position."""
+        if at != int(self.lengths[row]):
+            raise ValueError(f"row {row} holds {int(self.lengths[row])} tokens, not {at}")
+        end = at + keys.shape[2]
+        self.make_room(end)
+        self.keys[:, row, :, at:end] = keys
+        self.values[:, row, :, at:end] = values
         if self._keeps_state:
             assert states is not None  # what slots() gave for a cache of the same scheme
-            self.states[:, row, :, :length] = states
-        self.lengths[row] = length
+            self.states[:, row, :, at:end] = states
+        self.lengths[row] = end
 
     def move_row(self, source: int, target: int) -> None:
         """Copy row ``source`` into row ``target`` (compacts a batch when a sequence leaves)."""

@@ -87,10 +87,14 @@ class PrefixCache:
         :meth:`match` said) into the empty cache row ``row``."""
         used = digests[: -(-length // self.block)]
         self._touch(used)
-        slots = self._token_slots([self._slots[digest] for digest in used])[:length]
-        keys, values = self.keys.index_select(2, slots), self.values.index_select(2, slots)
-        states = self.states.index_select(2, slots) if self._keeps_state else None
-        cache.fill(row, keys, values, states)
+        cache.make_room(length)
+        # Runs of blocks that sit in consecutive pool slots are copied as one slice each,
+        # straight into the row (a chain stored at once is one run).
+        for first, slot, count in _runs([self._slots[digest] for digest in used]):
+            start, end = first * self.block, min(length, (first + count) * self.block)
+            pool = slice(slot * self.block, slot * self.block + end - start)
+            states = self.states[:, :, pool] if self._keeps_state else None
+            cache.fill(row, self.keys[:, :, pool], self.values[:, :, pool], states, at=start)
 
     def store(self, digests: list[bytes], cache: KVCache, row: int) -> None:
         """Keep the full blocks of the prompt whose whole length is in cache row ``row`` (the
@@ -103,11 +107,9 @@ class PrefixCache:
         new = new[: self.capacity]
         if not new:
             return
-        slots = []
-        for _, digest in reversed(new):  # the first block most recently used
-            slots.append(self._take_slot())
-            self._slots[digest] = slots[-1]
-        slots.reverse()
+        slots = sorted(self._take_slot() for _ in new)  # ascending: one run for load()
+        for (_, digest), slot in zip(reversed(new), reversed(slots), strict=True):
+            self._slots[digest] = slot  # inserted last to first: the first most recently used
         sources = self._token_slots([index for index, _ in new])  # the row's slots = positions
         targets = self._token_slots(slots)
         keys, values, states = cache.slots(row, len(digests) * self.block)
@@ -153,3 +155,15 @@ class PrefixCache:
         if self._keeps_state:  # float32, as the cache keeps it
             self.states = grown(self.states, shape[:-1], torch.float32)
         self._free.extend(range(blocks - 1, old - 1, -1))  # pop() takes the lowest first
+
+
+def _runs(slots: list[int]) -> list[tuple[int, int, int]]:
+    """(first index, first slot, length) of each run of consecutive values in ``slots``."""
+    runs: list[tuple[int, int, int]] = []
+    for index, slot in enumerate(slots):
+        if runs and runs[-1][1] + runs[-1][2] == slot:
+            first, start, count = runs[-1]
+            runs[-1] = (first, start, count + 1)
+        else:
+            runs.append((index, slot, 1))
+    return runs

@@ -185,6 +185,14 @@ class Controller(threading.Thread):
 
         self._wrap(name, wrapper)
 
+    def idle_shrink(self, seconds: float) -> None:
+        """Models' caches shrink after ``seconds`` idle (``server.engine.core.IDLE_SHRINK``)."""
+        server.engine.core.IDLE_SHRINK = seconds
+
+    def allocated(self, name: str) -> tuple[int, int]:
+        """(rows, positions) the model's KV cache holds allocated now."""
+        return self.core.engines[name].batch.cache.allocated
+
     def reset(self, name: str | None = None) -> None:
         """Undo every gate and fault (of ``name``, or of every model), opening gates first."""
         names = list(self.core.engines) if name is None else [name]

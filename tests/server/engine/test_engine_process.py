@@ -114,3 +114,24 @@ def test_shutdown_fails_what_is_left_and_the_engine_exits_by_itself(checkpoints:
     assert all(isinstance(event, Token) for event in received[:-1])
     assert exitcode == 0  # it exited by itself, not killed
     assert [getattr(error, "status", None) for error in refused] == [503]
+
+
+def test_an_idle_models_cache_stays_grown_for_the_next_request_then_shrinks(
+    server: Running,
+) -> None:
+    """The KV cache a long prompt grew is still there when the next request comes (no new
+    allocation in its time to first token), and given back once the model has been idle."""
+    server.control.call("idle_shrink", 1.0)
+    try:
+        first = server.control.call("allocated", MODEL)
+        prompt = " ".join(["the king"] * 20)  # past the 64 positions a cache starts with
+        client = httpx.Client(base_url=server.url, timeout=60)
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 2}
+        response = client.post("/v1/completions", json=body)
+        assert response.status_code == 200, response.text
+        grown = server.control.call("allocated", MODEL)
+        assert grown[1] > first[1]  # the request has ended, and the growth is kept
+        wait_for(lambda: server.control.call("allocated", MODEL) < grown, "the cache to shrink")
+        client.close()
+    finally:
+        server.control.call("idle_shrink", 2.0)
