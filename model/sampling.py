@@ -37,7 +37,7 @@ import logging
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from functools import cached_property, partial
+from functools import cache, cached_property, partial
 from typing import NamedTuple, Protocol
 
 import numpy as np
@@ -45,6 +45,8 @@ import torch
 from torch import Tensor
 
 from model.sampling_params import MIN_TEMPERATURE, FailureReason, SamplingParams
+
+_DEFAULTS = SamplingParams()  # the value of each column a request leaves out
 
 # Float32 cumulative sums are off by about this much; mass within it of p counts as reaching p,
 # so that e.g. p = 0.85 over probabilities [0.5, 0.2, 0.15, ...] keeps exactly three tokens.
@@ -91,10 +93,9 @@ class SamplingMetadata:
         cls, batch: int, device: torch.device | str, **given: Tensor | Sequence[float]
     ) -> SamplingMetadata:
         """``batch`` rows with the ``given`` columns and every other column at its default."""
-        defaults = SamplingParams()
 
         def column(name: str) -> Tensor:
-            default = getattr(defaults, name)
+            default = getattr(_DEFAULTS, name)
             dtype = torch.long if isinstance(default, int) else torch.float32
             values = given.get(name, [default] * batch)
             return torch.as_tensor(values, dtype=dtype, device=device)
@@ -102,8 +103,9 @@ class SamplingMetadata:
         return cls(**{name: column(name) for name in cls.names()})
 
     @classmethod
-    def names(cls) -> list[str]:
-        return [field.name for field in dataclasses.fields(cls)]
+    @cache
+    def names(cls) -> tuple[str, ...]:
+        return tuple(field.name for field in dataclasses.fields(cls))
 
     def rows(self, index: Tensor | None) -> SamplingMetadata:
         """The columns of the rows at ``index`` [b] (None: every row)."""

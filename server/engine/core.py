@@ -66,7 +66,7 @@ class EngineCore:
     def __init__(self, config: EngineConfig, channel: Channel) -> None:
         self.config = config
         self.channel = channel
-        self.outbox = Outbox()
+        self.outbox = Outbox(send=self._send)
         self.engines: dict[str, ModelEngine] = {}
         self._loaded: queue.SimpleQueue[LoadedModel | ModelFailed | None] = queue.SimpleQueue()
         self._loading = True

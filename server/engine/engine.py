@@ -9,9 +9,11 @@
 2. prompts that asked for their logprobs are scored (one full forward each);
 3. ``DecodeBatch.step`` runs the cached decode forward, the ragged prefill forward and one
    sampling call (``model.decode``, the same core as offline ``generate()``);
-4. the prompts completed this step are kept in the prefix cache (their full blocks);
-5. each sampled token goes to its job's ``SequenceState`` (text, stop strings, token budget);
-   finished and failed jobs leave their rows at once.
+4. each sampled token goes to its job's ``SequenceState`` (text, stop strings, token budget),
+   and the step's events leave at once (``Outbox.flush``: a first token does not wait for
+   the bookkeeping that follows);
+5. the prompts completed this step are kept in the prefix cache (their full blocks);
+   finished and failed jobs leave their rows.
 
 Events and metric changes go to an :class:`Outbox`, which the process loop (``server.engine.core``)
 sends to the API process. A row that cannot be sampled fails alone; a step that raises fails
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from model.decode import DecodeBatch, Row, Sampled, Tokens
@@ -85,12 +88,20 @@ class Request(Row):
 
 
 class Outbox:
-    """What the engine process sends next: events in order, and each model's stats."""
+    """What the engine process sends next: events in order, and each model's stats.
 
-    def __init__(self) -> None:
+    ``send`` (the process loop's) sends what must not wait; :meth:`flush` calls it."""
+
+    def __init__(self, send: Callable[[], None] | None = None) -> None:
         self.events: list[Event] = []
         self.stats: dict[str, ModelStats] = {}
         self.urgent = False  # a first or last token, a failure: send without waiting
+        self._send = send
+
+    def flush(self) -> None:
+        """Send now what must not wait (nothing without a ``send``: the caller takes it)."""
+        if self._send is not None and self.urgent:
+            self._send()
 
     def add(self, event: Event, urgent: bool = False) -> None:
         self.events.append(event)
@@ -197,7 +208,8 @@ class ModelEngine:
             logger.exception("model '%s': decode step failed", self.name)
             self.batch.clear()
             failing = self.scheduler.clear_running()
-            failing += [r for r in admitted if not r.done and r not in failing]
+            failing += [r for r in admitted if r not in failing]
+            failing = [r for r in failing if not r.done]  # not those whose end has been sent
             failures = self.stats().failures
             failures[MODEL_ERROR] = failures.get(MODEL_ERROR, 0) + len(failing)
             for request in failing:
@@ -231,15 +243,16 @@ class ModelEngine:
                 self._score(request)
         decoding = bool(self.batch.decoding)
         sampled = self.batch.step([(request, count) for request, count in plan.prefill])
-        if self.prefix is not None:
-            self._keep_prompts(plan.prefill)
         now = time.monotonic()
         stats = self.stats()
         if decoding:
             stats.inter_token.append(now - self._last_step)
         self._last_step = now
-        if sampled is not None:
-            self._advance(sampled, now, stats)
+        leaving = self._advance(sampled, now, stats) if sampled is not None else []
+        self.outbox.flush()
+        if self.prefix is not None:  # before the leaving rows give their slots up
+            self._keep_prompts(plan.prefill)
+        self._leave(leaving)
 
     def _admit(self, request: Request, now: float) -> None:
         request.admitted_at = now
@@ -279,9 +292,9 @@ class ModelEngine:
         self.stats().finished.append(Finish("length", e2e, 0.0, 0))
         self._end(request, scores)
 
-    def _advance(self, sampled: Sampled, now: float, stats: ModelStats) -> None:
-        """Hand each row's token to its job; fail the rows that could not be sampled; let
-        finished jobs leave."""
+    def _advance(self, sampled: Sampled, now: float, stats: ModelStats) -> list[Request]:
+        """Hand each row's token to its job; fail the rows that could not be sampled; return
+        the rows that leave (finished or failed)."""
         events: list[Token | None] = []
         leaving: list[Request] = []
         urgent = False
@@ -314,11 +327,16 @@ class ModelEngine:
             stats.failures[reason] = stats.failures.get(reason, 0) + 1
             failure = Failed(row.id, 500, SAMPLING_FAILURES[reason], "sampling_failed")
             self.outbox.add(failure, urgent=True)
+        for request in leaving:
+            request.done = True  # its terminal event is in the outbox
+        return leaving
+
+    def _leave(self, leaving: list[Request]) -> None:
+        """``leaving`` give their rows up: their terminal events are sent or in the outbox."""
         if leaving:
             self.batch.remove(leaving)
             self.scheduler.finish(leaving)
             for request in leaving:
-                request.done = True
                 del self.requests[request.id]
             self.stats()
 
