@@ -1,14 +1,14 @@
 """What one ``choice``-constrained row costs the other rows of its batch.
 
 In process, on the shipped rope checkpoint (CPU float32): ``others`` rows decode 128 steps
-(seeded, temperature 0.8, a 16-token prompt each) three ways, interleaved round by round so that
-the machine's load hits each alike: alone; with one more free row; with one more row that keeps
-to ``structured_outputs.choice`` (four names from the plays, answered back to back: when one is
-complete its matcher starts again, so the mask is computed at every step, as under a stream of
-such requests). Reported: the other rows' tokens per CPU second (the process's CPU time, which
-other processes on a loaded machine disturb far less than they do the wall clock; one torch
-thread), the median over the rounds, and the cost of the constrained row (the median of each
-round's paired ratio) against the batch without it and against the same batch with a free row.
+(seeded, temperature 0.8, a 16-token prompt each) in three batches stepped in turn, step by
+step, so that the machine's changing speed hits each alike: alone; with one more free row; with
+one more row that keeps to ``structured_outputs.choice`` (four names from the plays, answered
+back to back: when one is complete its matcher starts again, as under a stream of such
+requests). Reported: the other rows' tokens per CPU second (this thread's CPU time of the
+median step; one torch thread), the median over the rounds, and the cost of the constrained row
+(the median of each round's paired ratio, and their range) against the batch without it and
+against the same batch with a free row.
 
     python -m bench.structured --out bench/results/structured.json
 """
@@ -25,8 +25,9 @@ from typing import Any
 import llguidance
 import torch
 
+from model import grammar as grammar_module
 from model.checkpoint import load_checkpoint
-from model.decode import DecodeBatch, Row, Tokens
+from model.decode import DecodeBatch, Row, Sampled, Tokens
 from model.files import write_json_atomic
 from model.grammar import GrammarMatcher, grammar_of, grammar_tokenizer
 from model.sampling import RowSampler
@@ -40,7 +41,9 @@ VARIANTS = ("alone", "with a free row", "with a choice row")
 
 class RepeatedChoice:
     """The matcher of a stream of choice requests, each answered as the last one ends (the
-    matcher starts again: compiling is a request's own cost, paid once and off the loop)."""
+    matcher starts again: compiling is a request's own cost, paid once and off the loop).
+    With the grammar's mask memo (``--memo-places``, on by default) the requests after the
+    first walk paths it holds; with ``--memo-places 0`` every mask is asked of llguidance."""
 
     def __init__(self, tokenizer: llguidance.LLTokenizer, grammar: str) -> None:
         self.matcher = GrammarMatcher(tokenizer, grammar)
@@ -58,11 +61,11 @@ class RepeatedChoice:
         return False
 
 
-def other_rows_rate(
+def joined_batch(
     model: Any, vocab: int, others: int, extra: RepeatedChoice | bool | None, seed: int
-) -> float:
-    """Tokens/s of the ``others`` rows over STEPS decode steps (after their prefill), beside
-    no extra row (False), a free one (None) or a constrained one."""
+) -> tuple[DecodeBatch[Row], Sampled[Row] | None]:
+    """A batch of ``others`` rows, prefilled, beside no extra row (False), a free one (None)
+    or a constrained one; the rows' first draw."""
     generator = torch.Generator().manual_seed(seed)
     rows = others + (extra is not False)
     batch: DecodeBatch[Row] = DecodeBatch(model, rows, PROMPT_TOKENS + STEPS + 1, vocab, 0)
@@ -70,16 +73,34 @@ def other_rows_rate(
     for index in range(rows):
         prompt = torch.randint(3, vocab, (PROMPT_TOKENS,), generator=generator).tolist()
         params = SamplingParams(temperature=0.8, seed=seed + index)
-        constraint = extra if index == others and extra else None
+        constraint = extra if index == others and isinstance(extra, RepeatedChoice) else None
         members.append(Row(Tokens(prompt, []), RowSampler(params, constraint)))
-    sampled = batch.step([(row, PROMPT_TOKENS) for row in members])
-    start = time.process_time()
-    for _ in range(STEPS):
-        assert sampled is not None
-        for row, token in zip(sampled.rows, sampled.tokens, strict=True):
-            row.tokens.generated_ids.append(token)
-        sampled = batch.step()
-    return others * STEPS / (time.process_time() - start)
+    return batch, batch.step([(row, PROMPT_TOKENS) for row in members])
+
+
+def other_rows_rates(
+    model: Any, vocab: int, others: int, extras: dict[str, RepeatedChoice | bool | None], seed: int
+) -> dict[str, float]:
+    """Tokens per CPU second of the ``others`` rows of each variant's batch over STEPS decode
+    steps, the batches stepped in turn (so that a change in the machine's speed, which moves
+    these figures by tens of percent within a minute here, hits every variant alike): others
+    over the median step's CPU time (this thread's: one torch thread)."""
+    batches = {
+        variant: joined_batch(model, vocab, others, extra, seed)
+        for variant, extra in extras.items()
+    }
+    times: dict[str, list[float]] = {variant: [] for variant in extras}
+    for step in range(STEPS):
+        for variant in list(extras) if step % 2 else list(extras)[::-1]:
+            batch, sampled = batches[variant]
+            assert sampled is not None
+            for row, token in zip(sampled.rows, sampled.tokens, strict=True):
+                row.tokens.generated_ids.append(token)
+            start = time.thread_time()
+            sampled = batch.step()
+            times[variant].append(time.thread_time() - start)
+            batches[variant] = batch, sampled
+    return {variant: others / statistics.median(spent) for variant, spent in times.items()}
 
 
 @torch.inference_mode()
@@ -100,15 +121,11 @@ def measure(checkpoints: Path, batches: list[int], rounds: int) -> dict[str, Any
     for others in batches:
         rates: dict[str, list[float]] = {variant: [] for variant in VARIANTS}
         for round_ in range(rounds + 1):  # round 0 warms up and is dropped
-            extras: list[RepeatedChoice | bool | None] = [
-                False,
-                None,
-                RepeatedChoice(tokens, grammar),
-            ]
-            order = list(zip(VARIANTS, extras, strict=True))
-            for variant, extra in order if round_ % 2 else order[::-1]:  # drift hits each alike
-                rate = other_rows_rate(model, vocab, others, extra, seed=round_)
-                if round_:
+            extra_rows = [False, None, RepeatedChoice(tokens, grammar)]
+            extras = dict(zip(VARIANTS, extra_rows, strict=True))
+            round_rates = other_rows_rates(model, vocab, others, extras, seed=round_)
+            if round_:
+                for variant, rate in round_rates.items():
                     rates[variant].append(rate)
         results["batches"][str(others)] = row = summary(rates)
         print(
@@ -123,7 +140,7 @@ def measure(checkpoints: Path, batches: list[int], rounds: int) -> dict[str, Any
 
 def summary(rates: dict[str, list[float]]) -> dict[str, Any]:
     """Median rates, and the constrained row's cost as the median of each round's paired ratio
-    (the three variants of a round ran back to back, so a load change hits them alike)."""
+    (the three variants of a round were stepped in turn, so a load change hits them alike)."""
     constrained = rates["with a choice row"]
     against_alone = [1 - c / a for c, a in zip(constrained, rates["alone"], strict=True)]
     against_free = [1 - c / f for c, f in zip(constrained, rates["with a free row"], strict=True)]
@@ -143,10 +160,18 @@ def main() -> None:
     parser.add_argument("--checkpoints", type=Path, default=Path("checkpoints"))
     parser.add_argument("--batches", type=int, nargs="+", default=[8, 32])
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument(
+        "--memo-places",
+        type=int,
+        default=grammar_module.MEMO_PLACES,
+        help="places the grammar's mask memo keeps (0: none; every mask asked of llguidance)",
+    )
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     torch.set_num_threads(1)  # one core for the model; the other for the machine's other work
+    grammar_module.MEMO_PLACES = args.memo_places
     results = measure(args.checkpoints, args.batches, args.rounds)
+    results["memo_places"] = args.memo_places
     if args.out:
         write_json_atomic(args.out, results)
 

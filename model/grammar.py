@@ -39,6 +39,11 @@ _JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False}
 # Matchers are compiled here, off the engine loop (llguidance drops the GIL while it compiles).
 _COMPILER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ordinal-grammar")
 
+# The most places a grammar's mask memo keeps (each a mask of vocab/8 bytes: 2,048 places are
+# 1 MB at a 4,096-token vocabulary), and the most grammars memoised at once.
+MEMO_PLACES = 2048
+MEMO_GRAMMARS = 16
+
 
 class GrammarError(ValueError):
     """A grammar llguidance cannot compile, or a matcher that has failed."""
@@ -81,15 +86,74 @@ def grammar_error(grammar: str, tokenizer: llguidance.LLTokenizer) -> str | None
     return llguidance.LLMatcher.validate_grammar(grammar, tokenizer) or None
 
 
+class Place:
+    """A place in a grammar, reached by the tokens from its start to here: what llguidance
+    said of it (its mask, whether it is complete), and the places one more token leads to."""
+
+    __slots__ = ("allowed", "complete", "next")
+
+    def __init__(self, allowed: bytes, complete: bool) -> None:
+        self.allowed, self.complete = allowed, complete
+        self.next: dict[int, Place] = {}
+
+
+class MaskMemo:
+    """The places of one grammar (on one tokenizer) that its sequences have been through: a
+    trie on the tokens drawn, at most ``capacity`` places (the first ones reached stay).
+
+    A matcher's state, so its mask, is a function of the tokens it has consumed: a sequence
+    that follows a path another sequence of the same grammar took needs no llguidance call
+    at all. Requests that share a constraint (a ``choice`` of labels, an enum, a schema's
+    fixed keys) mostly do."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.places = 0
+        self.root: Place | None = None
+
+    def add(self, parent: Place | None, token: int, place: Place) -> bool:
+        """Keep ``place`` as where ``token`` leads from ``parent`` (a kept place; None: the
+        root), if there is room; whether it was kept."""
+        if self.places >= self.capacity:
+            return False
+        self.places += 1
+        if parent is None:
+            self.root = place
+        else:
+            parent.next[token] = place
+        return True
+
+
+@functools.lru_cache(maxsize=MEMO_GRAMMARS)
+def mask_memo(tokenizer: llguidance.LLTokenizer, grammar: str) -> MaskMemo:
+    """The memo every matcher of ``grammar`` on ``tokenizer`` shares (engine thread only);
+    ``MEMO_PLACES`` as it is when the grammar is first seen."""
+    return MaskMemo(MEMO_PLACES)
+
+
 class GrammarMatcher:
     """One sequence's place in its grammar. Compiling starts at once, on a worker thread; the
     first call that needs the matcher waits for it (by then, usually, it is long done). Masks
     are computed on the caller's thread: handing each step's mask to a worker cost more than
-    computing it (the worker waits for the GIL behind the decode step)."""
+    computing it (the worker waits for the GIL behind the decode step).
+
+    Along a path its grammar's :class:`MaskMemo` holds, the matcher only walks the memo; the
+    tokens walked are fed to llguidance (in one call) only when the path leaves the memo."""
 
     def __init__(self, tokenizer: llguidance.LLTokenizer, grammar: str) -> None:
         self._future: Future[llguidance.LLMatcher] = _COMPILER.submit(_compile, tokenizer, grammar)
         self._compiled: llguidance.LLMatcher | None = None  # the future's result, once taken
+        self._memo = mask_memo(tokenizer, grammar)
+        self._unfed: list[int] = []  # tokens walked in the memo, not yet fed to llguidance
+        self._start()
+
+    def _start(self) -> None:
+        self._place = self._memo.root  # None: not known yet (llguidance is asked when needed)
+        self._kept = self._place is not None  # the place is the memo's (it can grow from it)
+        # while the place is not known: where the memo would keep it (a kept place, or None
+        # for the root, and the token from there); None once the sequence has left the memo
+        self._parent: tuple[Place | None, int] | None = (None, -1)
+        self._unfed.clear()
 
     @property
     def _matcher(self) -> llguidance.LLMatcher:
@@ -105,23 +169,52 @@ class GrammarMatcher:
     def allowed(self) -> bytes:
         """The tokens allowed next: bit t (little-endian within each byte) set for token t.
         Once the grammar is complete only the end-of-sequence token is allowed."""
-        return self._matcher.compute_bitmask()
+        return self._here().allowed
 
     def advance(self, token: int) -> None:
         """Record the token drawn; GrammarError if the grammar did not allow it."""
-        matcher = self._matcher
-        if not matcher.consume_token(token):
+        place = self._here()
+        allowed = place.allowed
+        if not 0 <= token < 8 * len(allowed) or not allowed[token >> 3] >> (token & 7) & 1:
+            matcher = self._fed()
+            matcher.consume_token(token)  # refused: llguidance says why
             why = matcher.get_error().splitlines()[0]
             raise GrammarError(f"token {token} is not allowed here: {why}")
+        self._unfed.append(token)
+        kept = self._kept
+        following = place.next.get(token) if kept else None
+        self._place, self._kept = following, following is not None
+        self._parent = (place, token) if following is None and kept else None
 
     @property
     def complete(self) -> bool:
         """Nothing can follow: the output is whole, and the sequence should end now."""
-        return self._matcher.is_stopped()
+        return self._here().complete
 
     def restart(self) -> None:
         """Back to the grammar's start, as a new sequence."""
         self._matcher.reset()
+        self._start()
+
+    def _here(self) -> Place:
+        """The place the sequence is at: from the memo, or asked of llguidance (and kept in
+        the memo if the sequence is still on it and there is room)."""
+        place = self._place
+        if place is None:
+            matcher = self._fed()
+            place = self._place = Place(matcher.compute_bitmask(), matcher.is_stopped())
+            self._kept = self._parent is not None and self._memo.add(*self._parent, place)
+            self._parent = None
+        return place
+
+    def _fed(self) -> llguidance.LLMatcher:
+        """The matcher, having consumed every token drawn so far."""
+        matcher = self._matcher
+        if self._unfed:
+            tokens, self._unfed = self._unfed, []
+            if not matcher.consume_tokens(tokens):  # each allowed by its mask: cannot happen
+                raise GrammarError(matcher.get_error())
+        return matcher
 
 
 def _compile(tokenizer: llguidance.LLTokenizer, grammar: str) -> llguidance.LLMatcher:

@@ -6,12 +6,15 @@ tokens are unchanged) — on rope and two other schemes, since the mask never se
 from __future__ import annotations
 
 import json
+import random
 import re
 
+import llguidance
 import pytest
 import torch
 from tokenizers import Tokenizer
 
+import model.grammar
 from model.generate import generate
 from model.grammar import (
     MAX_CONSTRAINT_CHARS,
@@ -20,6 +23,7 @@ from model.grammar import (
     grammar_error,
     grammar_of,
     grammar_tokenizer,
+    mask_memo,
 )
 from model.sampling import RowSampler, SamplingBatch
 from model.sampling_params import FailureReason, SamplingParams
@@ -135,3 +139,83 @@ def test_constrained_rows_match_and_share_a_batch_as_if_alone(
             assert completion.finish_reason == "stop", completion.text
             value = json.loads(completion.text)
             assert set(value) == {"word", "count"} and 0 <= value["count"] <= 99
+
+
+def allowed_ids(mask: bytes) -> list[int]:
+    return [t for t in range(8 * len(mask)) if mask[t >> 3] >> (t & 7) & 1]
+
+
+def walk(
+    matcher: GrammarMatcher, reference: llguidance.LLMatcher, rng: random.Random, steps: int
+) -> list[int]:
+    """Draw up to ``steps`` allowed tokens (at random, or the first allowed, so that walks
+    meet); at each place the matcher's mask and completeness are llguidance's own."""
+    drawn: list[int] = []
+    for _ in range(steps):
+        mask = matcher.allowed()
+        assert mask == reference.compute_bitmask()
+        assert matcher.complete == reference.is_stopped()
+        if matcher.complete:
+            break
+        choices = allowed_ids(mask)
+        token = choices[0] if rng.random() < 0.5 else rng.choice(choices)
+        matcher.advance(token)
+        assert reference.consume_token(token)
+        drawn.append(token)
+    return drawn
+
+
+@pytest.mark.parametrize(
+    "kind, spec",
+    [("choice", ["ROMEO", "JULIET", "the Nurse"]), ("regex", PATTERN), ("json", SCHEMA)],
+)
+@pytest.mark.parametrize("capacity", [2048, 5])  # room for every place; for almost none
+def test_matchers_sharing_a_memo_see_what_llguidance_sees(
+    kind: str,
+    spec: object,
+    capacity: int,
+    tiny_tokenizer: Tokenizer,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Walks of one grammar, meeting and parting, restarted: every mask and every end is what
+    a fresh llguidance matcher fed the same tokens says, with the memo roomy or full."""
+    monkeypatch.setattr(model.grammar, "MEMO_PLACES", capacity)
+    mask_memo.cache_clear()
+    tokens = grammar_tokenizer(tiny_tokenizer, tiny_tokenizer.token_to_id("<|eos|>"))
+    grammar = grammar_of(kind, spec)  # type: ignore[arg-type]
+    rng = random.Random(kind)
+    restarted = GrammarMatcher(tokens, grammar)
+    for round_ in range(12):
+        reference = llguidance.LLMatcher(tokens, grammar, log_level=0)
+        if round_ % 3 == 2:
+            restarted.restart()
+            walk(restarted, reference, rng, 40)
+        else:
+            walk(GrammarMatcher(tokens, grammar), reference, rng, 40)
+    assert 0 < mask_memo(tokens, grammar).places <= capacity
+    mask_memo.cache_clear()
+
+
+def test_a_path_walked_before_asks_llguidance_nothing(
+    tiny_tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    mask_memo.cache_clear()
+    tokens = grammar_tokenizer(tiny_tokenizer, tiny_tokenizer.token_to_id("<|eos|>"))
+    grammar = grammar_of("choice", ["ROMEO", "JULIET"])
+    first = GrammarMatcher(tokens, grammar)
+    path = walk(first, llguidance.LLMatcher(tokens, grammar, log_level=0), random.Random(1), 40)
+    places = mask_memo(tokens, grammar).places
+    asked: list[int] = []
+    fed = GrammarMatcher._fed
+    monkeypatch.setattr(GrammarMatcher, "_fed", lambda self: asked.append(1) or fed(self))
+    again = GrammarMatcher(tokens, grammar)
+    for token in path:
+        assert token in allowed_ids(again.allowed())
+        again.advance(token)
+    assert again.complete and not asked  # the whole way on the memo
+    assert mask_memo(tokens, grammar).places == places
+    fresh = GrammarMatcher(tokens, grammar)
+    refused = next(t for t in range(TINY_VOCAB) if t not in allowed_ids(fresh.allowed()))
+    with pytest.raises(GrammarError, match="not allowed"):  # refused: llguidance says why
+        fresh.advance(refused)
+    mask_memo.cache_clear()
