@@ -68,6 +68,11 @@ class KVCache:
         return int(self.lengths.sum()) / (self.max_rows * self.max_length)
 
     @property
+    def grown(self) -> bool:
+        """More is allocated than the first reservation."""
+        return self.allocated != self._reserve
+
+    @property
     def allocated(self) -> tuple[int, int]:
         """(rows, length) of the tensors now allocated."""
         return self.keys.shape[1], self.keys.shape[3]
@@ -100,7 +105,7 @@ class KVCache:
 
     def release(self) -> None:
         """Shrink back to the first reservation; only while no row holds a sequence."""
-        if self.allocated != self._reserve and not bool(self.lengths.any()):
+        if self.grown and not bool(self.lengths.any()):
             self.keys = self.values = self.states = torch.empty(0)
             self._allocate(*self._reserve)
 

@@ -90,10 +90,11 @@ class Place:
     """A place in a grammar, reached by the tokens from its start to here: what llguidance
     said of it (its mask, whether it is complete), and the places one more token leads to."""
 
-    __slots__ = ("allowed", "complete", "next")
+    __slots__ = ("allowed", "complete", "kept", "next")
 
     def __init__(self, allowed: bytes, complete: bool) -> None:
         self.allowed, self.complete = allowed, complete
+        self.kept = False  # the memo holds it (only a kept place has places after it)
         self.next: dict[int, Place] = {}
 
 
@@ -111,17 +112,17 @@ class MaskMemo:
         self.places = 0
         self.root: Place | None = None
 
-    def add(self, parent: Place | None, token: int, place: Place) -> bool:
+    def add(self, parent: Place | None, token: int, place: Place) -> None:
         """Keep ``place`` as where ``token`` leads from ``parent`` (a kept place; None: the
-        root), if there is room; whether it was kept."""
+        root), if there is room."""
         if self.places >= self.capacity:
-            return False
+            return
         self.places += 1
+        place.kept = True
         if parent is None:
             self.root = place
         else:
             parent.next[token] = place
-        return True
 
 
 @functools.lru_cache(maxsize=MEMO_GRAMMARS)
@@ -149,7 +150,6 @@ class GrammarMatcher:
 
     def _start(self) -> None:
         self._place = self._memo.root  # None: not known yet (llguidance is asked when needed)
-        self._kept = self._place is not None  # the place is the memo's (it can grow from it)
         # while the place is not known: where the memo would keep it (a kept place, or None
         # for the root, and the token from there); None once the sequence has left the memo
         self._parent: tuple[Place | None, int] | None = (None, -1)
@@ -181,10 +181,8 @@ class GrammarMatcher:
             why = matcher.get_error().splitlines()[0]
             raise GrammarError(f"token {token} is not allowed here: {why}")
         self._unfed.append(token)
-        kept = self._kept
-        following = place.next.get(token) if kept else None
-        self._place, self._kept = following, following is not None
-        self._parent = (place, token) if following is None and kept else None
+        self._place = place.next.get(token)
+        self._parent = (place, token) if self._place is None and place.kept else None
 
     @property
     def complete(self) -> bool:
@@ -203,7 +201,8 @@ class GrammarMatcher:
         if place is None:
             matcher = self._fed()
             place = self._place = Place(matcher.compute_bitmask(), matcher.is_stopped())
-            self._kept = self._parent is not None and self._memo.add(*self._parent, place)
+            if self._parent is not None:
+                self._memo.add(*self._parent, place)
             self._parent = None
         return place
 

@@ -87,7 +87,6 @@ class PrefixCache:
         :meth:`match` said) into the empty cache row ``row``."""
         used = digests[: -(-length // self.block)]
         self._touch(used)
-        cache.make_room(length)
         # Runs of blocks that sit in consecutive pool slots are copied as one slice each,
         # straight into the row (a chain stored at once is one run).
         for first, slot, count in _runs([self._slots[digest] for digest in used]):

@@ -55,9 +55,6 @@ from server.messages import (
 logger = logging.getLogger("ordinal.engine")
 
 LOAD_POLL = 0.05  # seconds between looks at the loader while nothing decodes
-# An idle model's KV cache shrinks back after this many seconds without work, not at once:
-# the next request would otherwise pay for allocating (and zeroing) it again.
-IDLE_SHRINK = 2.0
 
 
 class EngineCore:
@@ -72,7 +69,6 @@ class EngineCore:
         self._loading = True
         self._last_send = 0.0
         self._calls: deque[Call] = deque()  # waiting to run, in arrival order
-        self._last_work: float | None = None  # when a step last ran, until the caches shrink
 
     @property
     def busy(self) -> bool:
@@ -96,29 +92,22 @@ class EngineCore:
                 for engine in list(self.engines.values()):
                     if not engine.idle:
                         engine.step()
-                        self._last_work = time.monotonic()
                 self._run_calls()
                 self._send()
-                self._shrink_when_idle()
+                now = time.monotonic()
+                for engine in self.engines.values():
+                    engine.shrink_if_due(now)
 
     def _wait(self) -> float | None:
         """How long the loop may wait for a message: not at all while there is work; else
-        until the loader may have news, or the caches are due to shrink, or for ever."""
+        until the loader may have news, or a model's cache is due to shrink, or for ever."""
         if self.busy:
             return 0.0
         waits = [LOAD_POLL] if self._loading else []
-        if self._last_work is not None:
-            waits.append(max(0.0, self._last_work + IDLE_SHRINK - time.monotonic()))
+        dues = [due for engine in self.engines.values() if (due := engine.shrink_due) is not None]
+        if dues:
+            waits.append(max(0.0, min(dues) - time.monotonic()))
         return min(waits, default=None)
-
-    def _shrink_when_idle(self) -> None:
-        """Give back the KV cache growth of every model, once none has worked for a while."""
-        if self._last_work is None or self.busy:
-            return
-        if time.monotonic() - self._last_work >= IDLE_SHRINK:
-            for engine in self.engines.values():
-                engine.batch.shrink()
-            self._last_work = None
 
     def _load(self) -> None:
         torch.set_num_threads(1)  # the decode loop's thread count is its own

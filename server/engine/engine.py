@@ -59,6 +59,9 @@ SAMPLING_FAILURES = {
     "its batch were not affected)",
 }
 SHUTTING_DOWN = "the server is shutting down"
+# An idle model's KV cache shrinks back after this many seconds without a step, not at once:
+# the next request would otherwise pay for allocating (and zeroing) it again (~1 ms).
+IDLE_SHRINK = 2.0
 
 
 @dataclass(eq=False, kw_only=True)
@@ -156,6 +159,18 @@ class ModelEngine:
     @property
     def idle(self) -> bool:
         return self.scheduler.idle
+
+    @property
+    def shrink_due(self) -> float | None:
+        """When this idle model's KV cache growth is due back (None: working, or none)."""
+        if not self.idle or not self.batch.cache.grown:
+            return None
+        return self._last_step + IDLE_SHRINK
+
+    def shrink_if_due(self, now: float) -> None:
+        due = self.shrink_due
+        if due is not None and now >= due:
+            self.batch.shrink()
 
     def stats(self) -> ModelStats:
         running, waiting = len(self.scheduler.running), len(self.scheduler.waiting)

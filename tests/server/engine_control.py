@@ -186,8 +186,8 @@ class Controller(threading.Thread):
         self._wrap(name, wrapper)
 
     def idle_shrink(self, seconds: float) -> None:
-        """Models' caches shrink after ``seconds`` idle (``server.engine.core.IDLE_SHRINK``)."""
-        server.engine.core.IDLE_SHRINK = seconds
+        """Models' caches shrink after ``seconds`` idle (``server.engine.engine.IDLE_SHRINK``)."""
+        server.engine.engine.IDLE_SHRINK = seconds
 
     def allocated(self, name: str) -> tuple[int, int]:
         """(rows, positions) the model's KV cache holds allocated now."""
