@@ -170,11 +170,12 @@ async def prompt_ids_of(prompt: Prompt, served: ServedModel) -> list[int]:
                 "(send <|bos|>'s id, or text)",
                 param="prompt",
             )
-        outside = [token for token in prompt if token >= served.vocab]
-        if outside:
+        vocab = served.vocab
+        if max(prompt) >= vocab:  # max(): one C pass over what may be thousands of ids
+            outside = next(token for token in prompt if token >= vocab)
             raise APIError(
                 400,
-                f"prompt: token id {outside[0]} is outside model '{served.name}''s vocabulary "
+                f"prompt: token id {outside} is outside model '{served.name}''s vocabulary "
                 f"[0, {served.vocab})",
                 param="prompt",
             )

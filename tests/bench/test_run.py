@@ -52,7 +52,7 @@ def test_the_report_shows_every_row(results: dict) -> None:
     prefix = report.split("## Prefix caching")[1]
     cached = results["prefix"]["cached"]
     assert f"| prefix cache (default) | {cached['cached_tokens']} |" in prefix
-    assert "Cached ÷ uncached, p50: " in prefix
+    assert "Cached ÷ uncached, p50: " in prefix and "; through httpx " in prefix
 
 
 def test_the_report_opens_with_each_target_of_issue_12_measured(results: dict) -> None:
