@@ -257,7 +257,7 @@ def main() -> None:
     parser.add_argument("stage", choices=("ttft", "load"))
     parser.add_argument("--checkpoints", type=Path, default=Path("checkpoints"))
     parser.add_argument("--out", type=Path, help="write the result here (JSON)")
-    parser.add_argument("--repeats", type=int, default=20, help="ttft: prompts per server")
+    parser.add_argument("--repeats", type=int, default=40, help="ttft: prompts per server")
     parser.add_argument("--flags", default="", help="load: more flags of ordinal serve")
     parser.add_argument("--min-seconds", type=float, default=10.0, help="load: per level")
     args = parser.parse_args()

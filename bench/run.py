@@ -66,7 +66,7 @@ def run_stage(stage: str, args: argparse.Namespace) -> Results:
         levels = (2.0, 1) if args.quick else (10.0, 2)
         return http.run(args.checkpoints, *levels)
     if stage == "prefix":
-        return prefix.ttft(args.checkpoints.resolve(), 5 if args.quick else 20)
+        return prefix.ttft(args.checkpoints.resolve(), 5 if args.quick else 40)
     if stage == "structured":
         return structured.measure(args.checkpoints, [8, 32], 2 if args.quick else 9)
     return bound.run(args.checkpoints, 0.05 if args.quick else 0.5)
