@@ -59,7 +59,7 @@ TASK_DEFAULTS: dict[str, Any] = {"seeds": 3, "jobs": 2, "out": Path("docs/tasks"
 # model.tasks.entries.ENTRIES (every scheme, then the suite's recipes) and the choices of
 # --longest (model.tasks.training.LONGEST, the first the default); tests/model/test_tasks_report.py
 # checks them.
-TASK_ENTRIES = (*SCHEMES, "prope", "drope")
+TASK_ENTRIES = (*SCHEMES, "prope", "drope", "fox-slow")
 TASK_LONGEST = (4, 8)
 # model.interop.hf_export.TARGETS (the first is the default) and the export formats.
 EXPORT_TARGETS = ("auto", "native", "custom")

@@ -7,7 +7,10 @@ entry of its own name, and some entries are a scheme with a recipe of its own.
   positions removed (the same weights under ``none``, as ``ordinal train --scheme none --init``
   does) and the model recalibrated at the training length for ``recalibration`` × the steps,
   with a fresh optimiser on the same schedule shape, its warmup scaled alike. 0.1, the share
-  the shipped ``drope`` checkpoint recalibrates for (200 of 2,000 steps: checkpoints/README.md).
+  the shipped ``drope`` checkpoint recalibrates for (200 of 2,000 steps: checkpoints/README.md);
+- ``fox-slow``: fox with its gates starting near 1 (bias 3: σ(3) ≈ 0.95 per token) instead of
+  the paper's 1/2, which leaves a key 20 tokens back e⁻¹⁴ of its score at the start: whether
+  fox's failure to learn copy at L comes from where its gates start.
 
 An entry's recipe is saved with its results (``Entry.recipe``), so ``--reuse`` retrains one
 whose recipe changed.
@@ -74,4 +77,5 @@ ENTRIES: dict[str, Entry] = {
     **{name: Entry(name, name) for name in SCHEMES},
     "prope": Entry("prope", "rope", {"fraction": 0.75}),
     "drope": Entry("drope", "rope", continued_as="none", recalibration=0.1),
+    "fox-slow": Entry("fox-slow", "fox", {"bias_init": 3.0}),
 }
