@@ -14,6 +14,7 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
+import matplotlib
 from matplotlib.figure import Figure
 
 from model.files import write_figure_atomic, write_text_atomic
@@ -74,13 +75,19 @@ def plot_task(found: list[Summary]) -> Figure:
     figure = Figure(layout="constrained", figsize=(7.5, 4.5))
     axes = figure.subplots()
     length = found[0].length
-    for summary in found:
+    palette = matplotlib.colormaps["tab20"].colors
+    for index, summary in enumerate(found):
         tests = sorted(summary.accuracy)
+        # Ten strong colours with round markers, then their light pairs, dashed and square:
+        # every line tells itself apart from the others (matplotlib's default cycle has ten).
+        later = index >= len(palette) // 2
         axes.errorbar(
             tests,
             [summary.mean(t) for t in tests],
             yerr=[summary.spread(t) for t in tests],
-            marker="o",
+            color=palette[(2 * index + later) % len(palette)],
+            marker="s" if later else "o",
+            linestyle="--" if later else "-",
             capsize=3,
             label=summary.scheme,
         )
