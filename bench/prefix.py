@@ -6,7 +6,7 @@ default) and from one with ``--prefix-cache-tokens 0``, both running, the reques
 between them; medians and p90 of ``--repeats`` each (the first request of each server is a
 warm-up, and fills the cache). Timed twice: with a lean client (h11 over a blocking socket,
 kept alive) whose own cost is a few tens of µs, so the figure is the server's; and with httpx's
-async client, as the other benchmarks here, which spends ≈ 2 ms of Python per request of its
+async client, as the other benchmarks here, which spends ≈ 1–2.5 ms of Python per request of its
 own on this 2-core machine, where it shares the cores with both server processes.
 
 ``load``: time to first token p99 and inter-token gap p99 (``--stream-interval 0``, so each gap
