@@ -75,7 +75,8 @@ def plot_task(found: list[Summary]) -> Figure:
     figure = Figure(layout="constrained", figsize=(7.5, 4.5))
     axes = figure.subplots()
     length = found[0].length
-    palette = matplotlib.colormaps["tab20"].colors
+    tab20 = matplotlib.colormaps["tab20"]  # 20 colours in pairs: strong, then its light one
+    palette = [tab20(index) for index in range(tab20.N)]
     for index, summary in enumerate(found):
         tests = sorted(summary.accuracy)
         # Ten strong colours with round markers, then their light pairs, dashed and square:
