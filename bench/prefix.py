@@ -73,6 +73,18 @@ def completion_body(prompt: list[int]) -> dict[str, Any]:
     }
 
 
+def is_token_chunk(data: bytes) -> bool:
+    """Whether streamed ``data`` holds a chunk with a choice (a token), not only usage."""
+    return b'"choices":[{' in data
+
+
+def cached_tokens(line: bytes, otherwise: int) -> int:
+    """The usage chunk's ``cached_tokens`` if SSE ``line`` is that chunk, else ``otherwise``."""
+    if not (line.startswith(b"data: {") and b'"usage":{' in line):
+        return otherwise
+    return orjson.loads(line[6:])["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
 async def first_token_ms(client: httpx.AsyncClient, prompt: list[int]) -> tuple[float, int]:
     """(ms to the first streamed token of a 1-token greedy completion, cached_tokens)."""
     sent, first, cached = time.perf_counter(), None, 0
@@ -80,12 +92,9 @@ async def first_token_ms(client: httpx.AsyncClient, prompt: list[int]) -> tuple[
     async with client.stream("POST", "/v1/completions", json=body) as response:
         response.raise_for_status()
         async for line in response.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            if first is None and '"choices":[{' in line:
+            if first is None and is_token_chunk(line.encode()):
                 first = time.perf_counter()
-            if '"usage":{' in line:
-                cached = orjson.loads(line[6:])["usage"]["prompt_tokens_details"]["cached_tokens"]
+            cached = cached_tokens(line.encode(), cached)
     assert first is not None
     return 1000 * (first - sent), cached
 
@@ -123,15 +132,14 @@ class LeanClient:
             elif isinstance(event, h11.Response) and event.status_code != 200:
                 raise RuntimeError(f"the server answered {event.status_code}")
             elif isinstance(event, h11.Data):
-                if first is None and b'"choices":[{' in event.data:
+                if first is None and is_token_chunk(event.data):
                     first = time.perf_counter()
                 pending += event.data
             elif isinstance(event, h11.EndOfMessage):
                 break
         self.connection.start_next_cycle()
         for line in pending.split(b"\n"):
-            if line.startswith(b"data: {") and b'"usage":{' in line:
-                cached = orjson.loads(line[6:])["usage"]["prompt_tokens_details"]["cached_tokens"]
+            cached = cached_tokens(line, cached)
         assert first is not None
         return 1000 * (first - sent), cached
 

@@ -100,7 +100,10 @@ def plot_task(found: list[Summary]) -> Figure:
     axes.set_xlim(tests[0] / 1.25, tests[-1] * 1.25)
     axes.set(
         # Wrapped: a long summary centred over the axes would run off the figure's left edge.
-        title=textwrap.fill(f"{found[0].task}: {TASKS[found[0].task].summary}", 64),
+        # The summary is markdown for the page; a plot title shows its backticks raw.
+        title=textwrap.fill(
+            f"{found[0].task}: {TASKS[found[0].task].summary.replace('`', '')}", 64
+        ),
         xlabel="test length (tokens)",
         ylabel="accuracy on the answers",
         ylim=(0, 1.02),

@@ -176,7 +176,7 @@ async def prompt_ids_of(prompt: Prompt, served: ServedModel) -> list[int]:
             raise APIError(
                 400,
                 f"prompt: token id {outside} is outside model '{served.name}''s vocabulary "
-                f"[0, {served.vocab})",
+                f"[0, {vocab})",
                 param="prompt",
             )
         return encode_prompt(served.tokenizer, prompt)
