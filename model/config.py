@@ -39,6 +39,7 @@ SEQUENCE_STARTS = ("speech", "line")
 # warmup-stable-decay (Hägele et al. 2024): flat at the peak, then a linear cooldown to min_lr
 # over the last ``cooldown_fraction`` of the steps (TrainConfig.lr_at).
 SCHEDULES = ("cosine", "wsd")
+TRAIN_PRECISIONS = ("float32", "bfloat16")
 
 
 def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
@@ -181,6 +182,7 @@ _TRAIN_CHOICES = {
     "optimizer": OPTIMIZERS,
     "sequence_starts": SEQUENCE_STARTS,
     "schedule": SCHEDULES,
+    "precision": TRAIN_PRECISIONS,
 }
 
 
@@ -225,6 +227,9 @@ class TrainConfig:
     cooldown_fraction: float = 0.2  # wsd: the share of the steps spent decaying to min_lr
     ema_decay: float = 0.0  # 0: no average (the checkpoint holds the last weights)
     ema_start: float = 0.8  # the share of the steps after which the average starts
+    # bfloat16: the forward and backward under autocast (weights, optimiser and loss stay
+    # float32); the matrix products run ~5x faster on CPUs with avx512_bf16 or AMX
+    precision: str = "float32"
 
     def __post_init__(self) -> None:
         # A wrong type or range would otherwise surface as a TypeError or ZeroDivisionError

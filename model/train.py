@@ -575,7 +575,9 @@ class TrainingRun:
             trainable = torch.nn.parallel.DistributedDataParallel(
                 model, device_ids=[device] if device.type == "cuda" else None
             )
-        loss_sum: Callable[..., Tensor] = functools.partial(summed_loss, trainable)
+        loss_sum: Callable[..., Tensor] = functools.partial(
+            summed_loss, trainable, autocast=train_config.precision == "bfloat16"
+        )
         if train_config.compile:
             loss_sum = torch.compile(loss_sum)
         state_path = (args.state_dir or Path("runs") / args.out.name) / STATE_FILE
@@ -650,12 +652,20 @@ def _fresh_metrics(model_config: ModelConfig, train_config: TrainConfig) -> dict
     }
 
 
-def summed_loss(trainable: torch.nn.Module, inputs: Tensor, targets: Tensor) -> Tensor:
+def summed_loss(
+    trainable: torch.nn.Module, inputs: Tensor, targets: Tensor, autocast: bool = False
+) -> Tensor:
     """Summed next-token loss of ``trainable`` on ``inputs`` [B, T] over the scored ``targets``
-    [B, T] (float32 scalar): the part of a step that ``TrainConfig.compile`` compiles."""
-    logits = trainable(inputs)
+    [B, T] (float32 scalar): the part of a step that ``TrainConfig.compile`` compiles.
+    ``autocast`` runs the forward in bfloat16 (``TrainConfig.precision``); the loss is taken
+    over float32 logits either way."""
+    with torch.autocast(inputs.device.type, dtype=torch.bfloat16, enabled=autocast):
+        logits = trainable(inputs)
     return F.cross_entropy(
-        logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+        logits.float().flatten(0, 1),
+        targets.flatten(),
+        ignore_index=IGNORE_INDEX,
+        reduction="sum",
     )
 
 

@@ -596,3 +596,26 @@ def test_a_run_with_the_weight_average_saves_the_average_at_its_last_step(
         torch.testing.assert_close(saved[name].float(), tensor.bfloat16().float())
     raw = torch.load(full_run[1] / "state" / STATE_FILE, weights_only=False)["model"]
     assert any(not torch.equal(raw[name], tensor) for name, tensor in averaged.items())
+
+
+def test_bfloat16_precision_autocasts_the_forward_but_keeps_a_float32_loss() -> None:
+    """``precision="bfloat16"`` runs the products in bfloat16 (so the loss moves, a little) and
+    leaves the weights, their gradients and the loss in float32; an unknown precision is a
+    config error naming the field."""
+    torch.manual_seed(0)
+    config = model.config.ModelConfig(
+        vocab_size=64, d_model=32, n_layers=1, n_heads=2, d_ff=64, context_length=16
+    )
+    net = Transformer(config)
+    inputs = torch.randint(0, 64, (2, 16))
+    targets = torch.randint(0, 64, (2, 16))
+    full = model.train.summed_loss(net, inputs, targets)
+    mixed = model.train.summed_loss(net, inputs, targets, autocast=True)
+    assert full.dtype == mixed.dtype == torch.float32
+    assert mixed.item() != full.item()
+    assert mixed.item() == pytest.approx(full.item(), rel=2e-2)
+    mixed.backward()
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in net.parameters())
+    assert model.config.TrainConfig(precision="bfloat16").precision == "bfloat16"
+    with pytest.raises(model.config.ConfigError, match=r"train\.precision"):
+        model.config.TrainConfig(precision="float16")
