@@ -201,8 +201,10 @@ class TrainConfig:
     ``schedule`` is the shape after warmup (``SCHEDULES``; ``lr_at``). ``ema_decay`` above 0
     keeps an exponential moving average of the weights over the steps after the first
     ``ema_start`` share of them, and the checkpoint written at the last step holds that average
-    instead of the last weights (``model.train.WeightAverage``). Both are off in every preset:
-    they are measured in checkpoints/README.md's ablations before any preset takes them.
+    instead of the last weights (``model.train.WeightAverage``). ``precision="bfloat16"`` runs
+    the forward and backward under autocast; the weights, optimiser state and loss stay float32
+    (``model.train.summed_loss``). All three are off in every preset: they are measured in
+    checkpoints/README.md's ablations before any preset takes them.
     """
 
     steps: int = 2000
@@ -227,8 +229,6 @@ class TrainConfig:
     cooldown_fraction: float = 0.2  # wsd: the share of the steps spent decaying to min_lr
     ema_decay: float = 0.0  # 0: no average (the checkpoint holds the last weights)
     ema_start: float = 0.8  # the share of the steps after which the average starts
-    # bfloat16: the forward and backward under autocast (weights, optimiser and loss stay
-    # float32); the matrix products run ~5x faster on CPUs with avx512_bf16 or AMX
     precision: str = "float32"
 
     def __post_init__(self) -> None:
