@@ -522,9 +522,20 @@ class _Progress:
         self.bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_second:.0f}", refresh=False)
 
     def record_validation(self, step: int, loss: float) -> None:
-        self.metrics["val_loss"].append([step, round(loss, 4)])
+        """Validation at step ``step`` gave ``loss``; the wall time reached by then is kept
+        beside it (``wall_at_validation``), so a run's pace can be read afterwards: on a shared
+        machine the whole run's mean hides where it slowed."""
+        metrics = self.metrics
+        metrics["val_loss"].append([step, round(loss, 4)])
+        paces = metrics.setdefault("wall_at_validation", [])  # absent from older runs' state
+        previous_step, previous_wall = paces[-1] if paces else (0, 0.0)
+        paces.append([step, round(metrics["wall_seconds"], 1)])
         if not self.bar.disable:  # rank 0 (tqdm's write prints even for a disabled bar)
-            self.bar.write(f"step {step}: val loss {loss:.4f}")
+            elapsed = metrics["wall_seconds"] - previous_wall
+            pace = (step - previous_step) / elapsed if elapsed > 0 else float("nan")
+            self.bar.write(
+                f"step {step}: val loss {loss:.4f} ({pace:.2f} steps/s since step {previous_step})"
+            )
 
 
 @dataclass(frozen=True)
@@ -647,6 +658,7 @@ def _fresh_metrics(model_config: ModelConfig, train_config: TrainConfig) -> dict
         "train": dataclasses.asdict(train_config),
         "train_loss": [],
         "val_loss": [],
+        "wall_at_validation": [],  # [step, wall seconds then]: the run's pace
         "tokens_seen": 0,
         "wall_seconds": 0.0,
     }

@@ -117,6 +117,9 @@ def test_short_run_lowers_the_loss_and_writes_metrics(
     assert [step for step, _ in on_disk["val_loss"]] == [STEPS]
     assert all(math.isfinite(loss) for _, loss in on_disk["val_loss"])
     assert on_disk["wall_seconds"] > 0
+    # the pace: wall time at each validation, reached before the run's end
+    [(paced_step, wall_then)] = on_disk["wall_at_validation"]
+    assert paced_step == STEPS and 0 < wall_then <= on_disk["wall_seconds"]
     assert on_disk["tokens_per_second"] == pytest.approx(
         on_disk["tokens_seen"] / on_disk["wall_seconds"]
     )
@@ -230,6 +233,9 @@ def test_muon_run_resumed_equals_an_uninterrupted_one_and_never_sees_validation_
     resumed = model.train.run(train_args(tmp_path / "parts", tokenizer_path, *extra, "--resume"))
     assert resumed["train_loss"] == whole["train_loss"]
     assert resumed["val_loss"][1:] == whole["val_loss"]  # the first: validated at --stop-at
+    # the pace survives the resume: one wall reading per validation, in order
+    assert [step for step, _ in resumed["wall_at_validation"]] == [15, STEPS]
+    assert resumed["wall_at_validation"][0][1] < resumed["wall_at_validation"][1][1]
     expected = torch.load(tmp_path / "whole" / "state" / STATE_FILE, weights_only=False)
     actual = torch.load(tmp_path / "parts" / "state" / STATE_FILE, weights_only=False)
     assert expected["model"].keys() == actual["model"].keys()
