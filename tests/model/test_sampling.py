@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from model.sampling import (
+    UNIFORM_BLOCK,
     RowSampler,
     SamplingBatch,
     apply_frequency_presence_penalties,
@@ -295,7 +296,7 @@ MIXED = [  # every path: vocabulary order, sorted, greedy, penalised
 
 
 class BrokenSampler(RowSampler):
-    def next_uniform(self) -> torch.Tensor:
+    def next_uniform(self) -> float:
         raise RuntimeError("this row's generator broke")
 
 
@@ -509,8 +510,8 @@ class FixedUniform(RowSampler):
         super().__init__(params)
         self.value = value
 
-    def next_uniform(self) -> torch.Tensor:
-        return torch.tensor([self.value])
+    def next_uniform(self) -> float:
+        return self.value
 
 
 def inverse_cdf(probs: list[float], order: list[int], uniform: float) -> int:
@@ -827,12 +828,23 @@ def test_every_row_draws_one_uniform_per_step_and_greedy_batches_none() -> None:
     rows, fresh = [RowSampler(p) for p in params], [RowSampler(p) for p in params]
     SamplingBatch(rows).sample(random_logits(len(rows), seed=28))
     for row, reference in zip(rows, fresh, strict=True):
-        reference.next_uniform()
-        assert torch.equal(row.generator.get_state(), reference.generator.get_state())
+        reference.next_uniform()  # the one the step used
+        assert row.next_uniform() == reference.next_uniform()
     greedy = [RowSampler(SamplingParams(temperature=0.0, seed=i)) for i in range(3)]
-    states = [row.generator.get_state() for row in greedy]
+    untouched = [RowSampler(SamplingParams(temperature=0.0, seed=i)) for i in range(3)]
     SamplingBatch(greedy).sample(random_logits(3, seed=29))
-    assert all(torch.equal(r.generator.get_state(), s) for r, s in zip(greedy, states, strict=True))
+    assert [r.next_uniform() for r in greedy] == [r.next_uniform() for r in untouched]
+
+
+@pytest.mark.parametrize("seed", [0, 7, 2**40])
+def test_uniforms_drawn_in_blocks_are_the_generators_one_at_a_time(seed: int) -> None:
+    """A row's uniforms, drawn UNIFORM_BLOCK at a time, are the numbers a generator of its seed
+    gives one call at a time: block draws leave every seeded output as it was."""
+    row = RowSampler(SamplingParams(temperature=1.0, seed=seed))
+    generator = torch.Generator().manual_seed(seed)
+    count = 2 * UNIFORM_BLOCK + 3  # across two refills
+    one_at_a_time = [torch.rand(1, generator=generator).item() for _ in range(count)]
+    assert [row.next_uniform() for _ in range(count)] == one_at_a_time
 
 
 MARKER = 777.0  # a logit that, in this test, makes any draw of its row raise

@@ -168,7 +168,7 @@ class Controller(threading.Thread):
         class Failing(RowSampler):
             draws = 0
 
-            def next_uniform(self) -> torch.Tensor:
+            def next_uniform(self) -> float:
                 self.draws += 1
                 if self.params.seed == seed and self.draws > after:
                     raise RuntimeError("this row's generator broke")
