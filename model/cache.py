@@ -77,8 +77,9 @@ class KVCache:
         """(rows, length) of the tensors now allocated."""
         return self.keys.shape[1], self.keys.shape[3]
 
-    def _allocate(self, rows: int, length: int) -> None:
-        """New zeroed tensors of ``rows`` × ``length``, holding what fits of the old ones.
+    def _allocate(self, rows: int, length: int, *, keep: bool = True) -> None:
+        """New zeroed tensors of ``rows`` × ``length``, holding what fits of the old ones
+        (unless not ``keep``).
 
         Zeros, not garbage: slots past a row's length are read (and masked) by attention,
         and a NaN there would survive the mask (0 × NaN).
@@ -88,7 +89,7 @@ class KVCache:
         keys = torch.zeros(shape, device=device, dtype=dtype)
         values = torch.zeros(shape, device=device, dtype=dtype)
         states = torch.zeros(shape[:-1] if self._keeps_state else 0, device=device)
-        if self.keys.numel():
+        if keep and self.keys.numel():
             kept = slice(min(rows, self.allocated[0])), slice(min(length, self.allocated[1]))
             for new, old in ((keys, self.keys), (values, self.values), (states, self.states)):
                 if old.numel():
@@ -106,8 +107,9 @@ class KVCache:
     def release(self) -> None:
         """Shrink back to the first reservation; only while no row holds a sequence."""
         if self.grown and not bool(self.lengths.any()):
-            self.keys = self.values = self.states = torch.empty(0)
-            self._allocate(*self._reserve)
+            # One swap of whole tensors, never an empty one in between: another thread (a
+            # metrics read) may ask for ``allocated`` at any moment.
+            self._allocate(*self._reserve, keep=False)
 
     def positions(self, rows: slice, n_new: int, new_counts: Tensor | None = None) -> CacheWrite:
         """Plan a write of ``n_new`` tokens per row into ``rows`` (``new_counts`` [B] if ragged).

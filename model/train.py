@@ -529,7 +529,7 @@ class _Progress:
         metrics["val_loss"].append([step, round(loss, 4)])
         paces = metrics.setdefault("wall_at_validation", [])  # absent from older runs' state
         previous_step, previous_wall = paces[-1] if paces else (0, 0.0)
-        paces.append([step, round(metrics["wall_seconds"], 1)])
+        paces.append([step, metrics["wall_seconds"]])  # unrounded: never past wall_seconds
         if not self.bar.disable:  # rank 0 (tqdm's write prints even for a disabled bar)
             elapsed = metrics["wall_seconds"] - previous_wall
             pace = (step - previous_step) / elapsed if elapsed > 0 else float("nan")

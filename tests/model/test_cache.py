@@ -324,3 +324,24 @@ def test_a_row_filled_from_another_cache_holds_what_it_held_and_continues_after_
     assert target.allocated == (3, 12)
     with pytest.raises(CacheFull):
         target.make_room(13)
+
+
+def test_allocated_can_be_read_at_every_moment_of_a_shrink(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine's metrics (another thread) read ``allocated`` whenever they like: a shrink
+    must swap whole tensors, never leave an empty one behind for that read to trip on."""
+    cache = KVCache(CONFIG, 4, 12, reserve=(1, 2))
+    cache.reserve_rows(4)
+    cache.positions(slice(0, 4), 6)  # grown to (4, 6); nothing committed, so it may shrink
+    assert cache.grown and not cache.lengths.any()
+    seen_during: list[tuple[int, int]] = []
+    zeros = torch.zeros
+
+    def reading_zeros(*args: object, **kwargs: object) -> torch.Tensor:
+        seen_during.append(cache.allocated)  # what the other thread would see right now
+        return zeros(*args, **kwargs)  # type: ignore[call-overload]
+
+    monkeypatch.setattr(torch, "zeros", reading_zeros)
+    cache.release()
+    monkeypatch.undo()
+    assert seen_during and set(seen_during) == {(4, 6)}
+    assert cache.allocated == (1, 2) and not cache.keys.any()
