@@ -91,6 +91,7 @@ serve: $(STAMP)
 SCHEMES := none integer binary sinusoidal learned rope alibi t5 mds lowrank fox cope fire
 RECIPES ?= prope drope
 DROPE_FLAGS ?= --steps 200 --warmup-steps 20
+EVAL_FLAGS ?=
 PRESET ?= shipped
 CHECKPOINT_DIR ?= checkpoints
 RUNS ?= runs
@@ -105,7 +106,7 @@ checkpoints: $(STAMP)
 		--out $(CHECKPOINT_DIR)/prope --state-dir $(RUNS)/prope)
 	$(if $(filter drope,$(RECIPES)),$(TRAIN) --scheme none --init $(CHECKPOINT_DIR)/rope \
 		$(DROPE_FLAGS) --out $(CHECKPOINT_DIR)/drope --state-dir $(RUNS)/drope)
-	$(ORDINAL) eval $(addprefix $(CHECKPOINT_DIR)/,$(SCHEMES) $(RECIPES)) \
+	$(ORDINAL) eval $(addprefix $(CHECKPOINT_DIR)/,$(SCHEMES) $(RECIPES)) $(EVAL_FLAGS) \
 		--plot $(CHECKPOINT_DIR)/loss_by_position.png --table $(CHECKPOINT_DIR)/results.md --save
 	$(PY) -m model.curves $(addprefix $(CHECKPOINT_DIR)/,$(SCHEMES) $(RECIPES)) \
 		--out $(CHECKPOINT_DIR)/training_curves.png
