@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import multiprocessing
 import os
 import re
 import signal
 import subprocess
 import sys
-import textwrap
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -417,22 +417,15 @@ def test_leftovers_of_dead_saves_are_removed_and_those_of_live_ones_kept(
             child.wait()
 
 
-# Runs in a child process: saves the checkpoint at argv[2] over the one at argv[1] and SIGKILLs
-# itself at step argv[4] of the save protocol argv[3] ("writing": half way through writing
-# model.safetensors, before any step).
-KILLED_SAVE = textwrap.dedent(
-    """
-    import os, signal, sys
-    from pathlib import Path
+def killed_save(path: Path, source: Path, protocol: str, kill_at: str) -> None:
+    """Runs in a child process: saves the checkpoint at ``source`` over the one at ``path`` and
+    SIGKILLs itself at step ``kill_at`` of the save protocol (``"writing"``: half way through
+    writing model.safetensors, before any step). Exits with a message if the save finished."""
 
-    import model.checkpoint as checkpoint
-
-    path, source, protocol, kill_at = Path(sys.argv[1]), Path(sys.argv[2]), *sys.argv[3:]
-
-    def die():
+    def die() -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
-    def write_half_then_die(file, data):
+    def write_half_then_die(file: Path, data: bytes) -> None:
         file.write_bytes(data[: len(data) // 2])
         die()
 
@@ -440,11 +433,18 @@ KILLED_SAVE = textwrap.dedent(
         checkpoint._exchange = lambda first, second: False
     if kill_at == "writing":
         checkpoint._write_file = write_half_then_die
-    model, tokenizer = checkpoint.load_checkpoint(source, device="cpu")
-    checkpoint.save_checkpoint(path, model, tokenizer, on_step=lambda s: s == kill_at and die())
-    print("the save finished without reaching", kill_at)
-    """
-)
+
+    def on_step(step: str) -> None:
+        if step == kill_at:
+            die()
+
+    model, tokenizer = load_checkpoint(source, device="cpu")
+    save_checkpoint(path, model, tokenizer, on_step=on_step)
+    sys.exit(f"the save finished without reaching {kill_at}")
+
+
+SAVERS = multiprocessing.get_context("forkserver")
+SAVERS.set_forkserver_preload([__name__])  # the children find torch and killed_save imported
 KILL_POINTS = [
     ("exchange", "writing"),
     *(("exchange", step) for step in EXCHANGE_STEPS),
@@ -455,7 +455,11 @@ OLD_AT_THE_PATH = {"writing", "staged", "retired"}  # killed before the new one 
 
 @pytest.fixture(scope="module")
 def killed_saves(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer):
-    """One child per kill point, all run at once: → (root, old model, new model, results)."""
+    """One child per kill point, all run at once: → (root, old model, new model, results).
+
+    The children fork from one server that imported torch and this module once (forkserver,
+    never plain fork: this process's thread pools are not safe to fork), instead of each
+    importing torch afresh as a new interpreter would."""
     root = tmp_path_factory.mktemp("killed-saves")
     old, new = random_model("learned", seed=10), random_model("learned", seed=11)
     source = root / "new" / "ckpt"
@@ -467,23 +471,19 @@ def killed_saves(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer):
         save_checkpoint(path, old, tiny_tokenizer)
         (path / "metrics.json").write_text('{"bpc": 2.5}')
         before[protocol, step] = files_of(path)
-        children[protocol, step] = subprocess.Popen(
-            [sys.executable, "-c", KILLED_SAVE, str(path), str(source), protocol, step],
-            cwd=REPO_ROOT,
-            env={**os.environ, "OMP_NUM_THREADS": "1"},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
+        children[protocol, step] = child = SAVERS.Process(
+            target=killed_save, args=(path, source, protocol, step)
         )
+        child.start()
     results = {}
     try:
         for point, child in children.items():
-            output, _ = child.communicate(timeout=600)  # importing torch is slow on a busy machine
-            results[point] = (child.returncode, output, before[point])
+            child.join(timeout=600)  # a busy machine is slow, but each save is small
+            results[point] = (child.exitcode, f"exit code {child.exitcode}", before[point])
     finally:
         for child in children.values():
             child.kill()
-            child.wait()
+            child.join()
     return root, old, new, results
 
 
