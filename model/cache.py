@@ -78,8 +78,8 @@ class KVCache:
         return self.keys.shape[1], self.keys.shape[3]
 
     def _allocate(self, rows: int, length: int, *, keep: bool = True) -> None:
-        """New zeroed tensors of ``rows`` × ``length``, holding what fits of the old ones
-        (unless not ``keep``).
+        """New zeroed tensors of ``rows`` × ``length``, holding what fits of the old ones if
+        ``keep``; swapped in whole, so the cache never shows a half-made state.
 
         Zeros, not garbage: slots past a row's length are read (and masked) by attention,
         and a NaN there would survive the mask (0 × NaN).

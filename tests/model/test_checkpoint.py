@@ -443,8 +443,6 @@ def killed_save(path: Path, source: Path, protocol: str, kill_at: str) -> None:
     sys.exit(f"the save finished without reaching {kill_at}")
 
 
-SAVERS = multiprocessing.get_context("forkserver")
-SAVERS.set_forkserver_preload([__name__])  # the children find torch and killed_save imported
 KILL_POINTS = [
     ("exchange", "writing"),
     *(("exchange", step) for step in EXCHANGE_STEPS),
@@ -457,9 +455,11 @@ OLD_AT_THE_PATH = {"writing", "staged", "retired"}  # killed before the new one 
 def killed_saves(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer):
     """One child per kill point, all run at once: → (root, old model, new model, results).
 
-    The children fork from one server that imported torch and this module once (forkserver,
-    never plain fork: this process's thread pools are not safe to fork), instead of each
-    importing torch afresh as a new interpreter would."""
+    The children fork from the session's forkserver, which has imported torch once (the
+    server tests' engines fork from the same one), instead of each importing torch afresh as a
+    new interpreter would; never plain fork: this process's thread pools are not fork-safe."""
+    savers = multiprocessing.get_context("forkserver")
+    savers.set_forkserver_preload([__name__])  # only if no forkserver runs yet in this session
     root = tmp_path_factory.mktemp("killed-saves")
     old, new = random_model("learned", seed=10), random_model("learned", seed=11)
     source = root / "new" / "ckpt"
@@ -471,7 +471,7 @@ def killed_saves(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer):
         save_checkpoint(path, old, tiny_tokenizer)
         (path / "metrics.json").write_text('{"bpc": 2.5}')
         before[protocol, step] = files_of(path)
-        children[protocol, step] = child = SAVERS.Process(
+        children[protocol, step] = child = savers.Process(
             target=killed_save, args=(path, source, protocol, step)
         )
         child.start()
@@ -479,7 +479,7 @@ def killed_saves(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer):
     try:
         for point, child in children.items():
             child.join(timeout=600)  # a busy machine is slow, but each save is small
-            results[point] = (child.exitcode, f"exit code {child.exitcode}", before[point])
+            results[point] = (child.exitcode, before[point])
     finally:
         for child in children.values():
             child.kill()
@@ -496,8 +496,8 @@ def test_a_save_killed_at_each_step_leaves_a_loadable_checkpoint(
     root, old, new, results = killed_saves
     if (protocol, kill_at) not in results:
         pytest.skip("this filesystem refuses RENAME_EXCHANGE")
-    returncode, output, old_files = results[protocol, kill_at]
-    assert returncode == -signal.SIGKILL, output
+    exit_code, old_files = results[protocol, kill_at]
+    assert exit_code == -signal.SIGKILL, f"exit code {exit_code}"
     folder = root / f"{protocol}-{kill_at}"
     path = folder / "ckpt"
     assert path.is_dir() == (kill_at != "retired")  # the fallback's gap, closed by the next load
