@@ -9,6 +9,7 @@ data-dependent scheme (fox, cope) adds its bias inside each layer, from that lay
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -152,6 +153,47 @@ def make_norm(config: ModelConfig) -> nn.Module:
     return nn.LayerNorm(config.d_model, eps=eps, bias=config.bias)
 
 
+def attend(
+    queries: Tensor,
+    keys: Tensor,
+    values: Tensor,
+    mask: AttentionMask,
+    dropout: float,
+    grouped: bool,
+) -> Tensor:
+    """SDPA of ``queries`` [B, H, Tq, hd] over ``keys`` and ``values`` [B, Hkv, Tk, hd] →
+    [B, H, Tq, hd], in the queries' dtype.
+
+    Training in bfloat16 on a CPU, fused attention runs in float32: torch's fused CPU kernel
+    is much slower backwards in bfloat16, and upcasting took a compiled bfloat16 alibi step from
+    2.96 to 3.9–4.0 steps/s (docs/performance.md). A bias that needs its own gradient (t5,
+    fire, fox, cope) takes SDPA's unfused path, which bfloat16 does speed up, so it stays.
+    """
+    attn_mask = mask.mask
+    fused = attn_mask is None or not attn_mask.requires_grad  # a learned bias takes SDPA's math
+    upcast = (
+        fused
+        and queries.requires_grad
+        and queries.device.type == "cpu"
+        and queries.dtype == torch.bfloat16
+    )
+    if upcast:
+        queries, keys, values = queries.float(), keys.float(), values.float()
+        if attn_mask is not None and attn_mask.is_floating_point():
+            attn_mask = attn_mask.float()
+    with torch.autocast(queries.device.type, enabled=False) if upcast else nullcontext():
+        out = F.scaled_dot_product_attention(
+            queries,
+            keys,
+            values,
+            attn_mask=attn_mask,
+            is_causal=mask.is_causal,
+            dropout_p=dropout,
+            enable_gqa=grouped,
+        )
+    return out.to(torch.bfloat16) if upcast else out
+
+
 class Attention(nn.Module):
     """Multi-head causal self-attention with a fused QKV projection (queries of every head,
     then keys, then values); with fewer key/value heads than query heads it is grouped-query
@@ -210,14 +252,8 @@ class Attention(nn.Module):
             mask = mask.plus(layer_bias.bias.to(queries.dtype))
         if recorder is not None:
             recorder.record(queries, keys, mask, layer_bias)
-        out = F.scaled_dot_product_attention(
-            queries,
-            keys,
-            values,
-            attn_mask=mask.mask,
-            is_causal=mask.is_causal,
-            dropout_p=self.dropout if self.training else 0.0,
-            enable_gqa=kv_heads != heads,
+        out = attend(
+            queries, keys, values, mask, self.dropout if self.training else 0.0, kv_heads != heads
         )  # [B, H, T, hd]
         if head_gates is not None:
             out = out * head_gates.to(out.dtype)

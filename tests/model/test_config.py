@@ -182,7 +182,7 @@ def test_every_preset_builds_every_scheme(name: str) -> None:
 
 def test_unknown_preset_lists_the_valid_ones() -> None:
     with pytest.raises(
-        ConfigError, match=r"unknown preset 'huge'; valid: \['shipped', 'tiny', 'v1'\]"
+        ConfigError, match=r"unknown preset 'huge'; valid: \['next', 'shipped', 'tiny', 'v1'\]"
     ):
         preset("huge")
 
@@ -314,6 +314,18 @@ def test_bad_schedule_and_average_settings_name_the_field(
         TrainConfig.from_dict(changes)
 
 
-def test_the_presets_keep_the_cosine_schedule_and_no_weight_average() -> None:
-    for recipe in PRESETS.values():
-        assert recipe.train.schedule == "cosine" and recipe.train.ema_decay == 0.0
+def test_the_next_recipe_is_the_shipped_one_with_only_the_measured_changes() -> None:
+    """The retraining changes the budget, precision, compilation and weight average, and
+    nothing else: same architecture, scheme parameters, data order, optimiser and schedule."""
+    shipped, upcoming = preset("shipped"), preset("next")
+    assert upcoming.model == shipped.model and upcoming.positional == shipped.positional
+    changed = {
+        name
+        for name in TrainConfig.__dataclass_fields__
+        if getattr(upcoming.train, name) != getattr(shipped.train, name)
+    }
+    assert changed == {"steps", "precision", "compile", "ema_decay"}
+    assert upcoming.train.schedule == "cosine" and upcoming.train.steps > shipped.train.steps
+    for name, recipe in PRESETS.items():
+        if name != "next":
+            assert recipe.train.schedule == "cosine" and recipe.train.ema_decay == 0.0

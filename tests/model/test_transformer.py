@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from model.cache import CacheFull, KVCache
 from model.positional import SCHEMES
-from model.transformer import AttentionRecorder, Intervention, Transformer
+from model.transformer import AttentionMask, AttentionRecorder, Intervention, Transformer, attend
 from tests.model.conftest import ALL_SCHEMES, random_model, random_tokens
 
 ATOL = 1e-4
@@ -336,3 +336,29 @@ def test_a_buffer_moved_by_to_is_the_one_the_forward_reads() -> None:
     torch.testing.assert_close(doubled(tokens), source.double()(tokens), atol=0, rtol=0)
     doubled.positional.coordinates = torch.zeros_like(coordinates)  # a buffer assigned anew
     assert doubled.positional.coordinates is doubled.positional._buffers["coordinates"]
+
+
+@pytest.mark.parametrize("biased", [False, True])
+def test_bfloat16_training_attention_is_float32_attention_rounded(biased: bool) -> None:
+    """Training in bfloat16 on a CPU, the fused attention runs in float32 (its bfloat16 backward
+    is the slow one): the output is float32 SDPA rounded to bfloat16, and the gradients come
+    back in bfloat16. A bias that needs its own gradient keeps the bfloat16 path."""
+    generator = torch.Generator().manual_seed(0)
+    queries, keys, values = (
+        torch.randn(2, 4, 16, 8, generator=generator).bfloat16().requires_grad_() for _ in "qkv"
+    )
+    bias = torch.randn(2, 4, 16, 16, generator=generator).bfloat16()
+    causal = torch.ones(16, 16, dtype=torch.bool).tril()
+    mask = AttentionMask(bias.masked_fill(~causal, float("-inf")), is_causal=False)
+    if biased:
+        mask = AttentionMask(mask.mask.requires_grad_(), is_causal=False)  # type: ignore[union-attr]
+    out = attend(queries, keys, values, mask, dropout=0.0, grouped=False)
+    assert out.dtype == torch.bfloat16
+    in_float32 = F.scaled_dot_product_attention(
+        queries.float(), keys.float(), values.float(), attn_mask=mask.mask.float()  # type: ignore[union-attr]
+    )
+    in_bfloat16 = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask.mask)
+    expected = in_bfloat16 if biased else in_float32.bfloat16()
+    assert torch.equal(out, expected)
+    out.sum().backward()
+    assert all(t.grad is not None and t.grad.dtype == torch.bfloat16 for t in (queries, keys, values))
