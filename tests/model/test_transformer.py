@@ -349,16 +349,16 @@ def test_bfloat16_training_attention_is_float32_attention_rounded(biased: bool) 
     )
     bias = torch.randn(2, 4, 16, 16, generator=generator).bfloat16()
     causal = torch.ones(16, 16, dtype=torch.bool).tril()
-    mask = AttentionMask(bias.masked_fill(~causal, float("-inf")), is_causal=False)
-    if biased:
-        mask = AttentionMask(mask.mask.requires_grad_(), is_causal=False)  # type: ignore[union-attr]
-    out = attend(queries, keys, values, mask, dropout=0.0, grouped=False)
+    additive = bias.masked_fill(~causal, float("-inf")).requires_grad_(biased)
+    out = attend(queries, keys, values, AttentionMask(additive, is_causal=False), 0.0, False)
     assert out.dtype == torch.bfloat16
     in_float32 = F.scaled_dot_product_attention(
-        queries.float(), keys.float(), values.float(), attn_mask=mask.mask.float()  # type: ignore[union-attr]
+        queries.float(), keys.float(), values.float(), attn_mask=additive.float()
     )
-    in_bfloat16 = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask.mask)
+    in_bfloat16 = F.scaled_dot_product_attention(queries, keys, values, attn_mask=additive)
     expected = in_bfloat16 if biased else in_float32.bfloat16()
     assert torch.equal(out, expected)
     out.sum().backward()
-    assert all(t.grad is not None and t.grad.dtype == torch.bfloat16 for t in (queries, keys, values))
+    assert all(
+        t.grad is not None and t.grad.dtype == torch.bfloat16 for t in (queries, keys, values)
+    )
