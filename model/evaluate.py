@@ -41,7 +41,7 @@ from model.checkpoint import WEIGHTS_FILE, data_digest, load_checkpoint
 from model.corpus import load_corpus
 from model.data import IGNORE_INDEX, ValidationStream, validation_stream
 from model.device import resolve_device
-from model.files import write_figure_atomic, write_json_atomic, write_text_atomic
+from model.files import CONFIG_FILE, write_figure_atomic, write_json_atomic, write_text_atomic
 from model.markdown import markdown_table
 from model.text_corpus import load_text_corpus
 from model.transformer import Transformer
@@ -339,13 +339,20 @@ def results_table(reports: list[dict[str, Any]]) -> str:
 
 
 def checkpoint_folders(paths: list[Path]) -> list[Path]:
-    """The folders among ``paths``; files (checkpoints/README.md, a PNG) are skipped with a note on
-    stderr, so ``ordinal eval checkpoints/*`` works. A missing path stays in, to fail loudly."""
+    """The checkpoint folders among ``paths``; files (checkpoints/README.md, a PNG) and folders
+    without a config.json (checkpoints/next, which holds checkpoints of its own) are skipped with
+    a note on stderr, so ``ordinal eval checkpoints/*`` works. A missing path stays in, to fail
+    loudly."""
     folders = []
     for path in paths:
         if path.is_file():
             print(
                 f"ordinal eval: skipping {path}: a file, not a checkpoint folder", file=sys.stderr
+            )
+        elif path.is_dir() and not (path / CONFIG_FILE).is_file():
+            print(
+                f"ordinal eval: skipping {path}: a folder without {CONFIG_FILE}, not a checkpoint",
+                file=sys.stderr,
             )
         else:
             folders.append(path)

@@ -220,6 +220,17 @@ def test_files_among_the_checkpoints_are_skipped_with_a_note(
     assert "rope" in captured.out
 
 
+def test_folders_without_a_config_are_skipped_with_a_note(
+    one_checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``ordinal eval checkpoints/*`` passes over checkpoints/next, a folder of checkpoints."""
+    staging = tmp_path / "next"
+    staging.mkdir()
+    reports = model.evaluate.run(eval_args(str(staging), str(one_checkpoint), "--multiples", "1"))
+    assert [report["scheme"] for report in reports] == ["rope"]
+    assert f"skipping {staging}: a folder without config.json" in capsys.readouterr().err
+
+
 def test_only_files_is_an_error(one_checkpoint: Path) -> None:
     with pytest.raises(ValueError, match="no checkpoint folders"):
         model.evaluate.run(eval_args(str(one_checkpoint.parent / "README.md")))
