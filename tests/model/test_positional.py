@@ -228,6 +228,19 @@ def test_alibi_bias_is_minus_slope_times_distance() -> None:
     torch.testing.assert_close(bias, -alibi_slopes(6).view(1, 6, 1, 1) * distance)
 
 
+def test_alibi_scale_multiplies_every_slope_and_must_be_positive() -> None:
+    positions = torch.arange(9).unsqueeze(0)
+    paper = build_scheme(tiny_config("alibi", d_model=48, n_heads=6))
+    scaled_config = {"scheme": "alibi", "scale": 4.0}
+    scaled = build_scheme(tiny_config("alibi", d_model=48, n_heads=6, positional=scaled_config))
+    torch.testing.assert_close(
+        scaled.attention_bias(positions, positions[0]),
+        4.0 * paper.attention_bias(positions, positions[0]),
+    )
+    with pytest.raises(ConfigError, match=r"positional\.scale"):
+        tiny_config("alibi", positional={"scheme": "alibi", "scale": 0.0})
+
+
 @pytest.mark.parametrize("scheme", ["alibi", "t5"])
 def test_score_bias_depends_only_on_query_minus_key(scheme: str) -> None:
     positional = random_model(scheme, seed=26).positional  # t5: a random bucket table

@@ -179,7 +179,8 @@ def alibi_slopes(n_heads: int) -> Tensor:
 class Alibi(Scheme):
     def bias(self, queries: Tensor, keys: Tensor) -> Tensor:
         distance = (queries.unsqueeze(-1) - keys.unsqueeze(1)).unsqueeze(1)  # [B, 1, Tq, Tk]
-        slopes = alibi_slopes(self.config.n_heads).to(queries.device).view(1, -1, 1, 1)
+        slopes = alibi_slopes(self.config.n_heads) * self.params.get("scale", 1.0)
+        slopes = slopes.to(queries.device).view(1, -1, 1, 1)
         return -slopes * distance.to(torch.float32)
 
 
