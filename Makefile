@@ -82,15 +82,16 @@ serve: $(STAMP)
 	$(VENV)/bin/ordinal serve $(if $(PORT),--port $(PORT))
 
 # Rebuilds every shipped checkpoint with the recipe in the repo (the `shipped` preset of
-# model/config.py; about 12 minutes each on 2 idle CPU cores), then scores them. The variables
+# model/config.py; 7–10 minutes each on 2 idle CPU cores), then scores them. The variables
 # let CI run this same recipe on the `tiny` preset in seconds (tests/model/test_train.py):
 # `make -o $(STAMP) checkpoints PRESET=tiny SCHEMES="rope alibi" CHECKPOINT_DIR=... RUNS=...`.
 # RECIPES are checkpoints that are not a scheme of their own (checkpoints/README.md):
 # prope is rope keeping the fastest 75% of its frequencies (p-RoPE), drope the rope checkpoint
-# with rope removed and recalibrated for DROPE_FLAGS (DroPE; needs rope in SCHEMES or built).
+# with rope removed and recalibrated for DROPE_FLAGS, a fifth of the base's steps (DroPE; needs
+# rope in SCHEMES or built).
 SCHEMES := none integer binary sinusoidal learned rope alibi t5 mds lowrank fox cope fire
 RECIPES ?= prope drope
-DROPE_FLAGS ?= --steps 200 --warmup-steps 20
+DROPE_FLAGS ?= --steps 480 --warmup-steps 48
 EVAL_FLAGS ?=
 PRESET ?= shipped
 CHECKPOINT_DIR ?= checkpoints

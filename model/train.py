@@ -28,6 +28,7 @@ import dataclasses
 import functools
 import json
 import os
+import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -258,6 +259,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     """
     model_config, train_config = configs_from_args(args)
     device = resolve_device(args.device)
+    if train_config.compile and not can_compile_for(device):
+        # The shipped recipe compiles; a machine without a C++ compiler still trains it, slower.
+        print(
+            f"note: torch.compile on CPU needs a C++ compiler ({cpu_compiler()} not found); "
+            "training uncompiled: the same recipe, slower",
+            file=sys.stderr,
+        )
+        train_config = train_config.replace(compile=False)
     keep_freed_memory()
     if "WORLD_SIZE" not in os.environ:
         return _train(args, model_config, train_config, device, rank=0, world=1)
@@ -271,6 +280,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         )
     finally:
         dist.destroy_process_group()
+
+
+def cpu_compiler() -> str:
+    """The C++ compiler torch.compile's CPU backend (Inductor) calls: $CXX, or its default."""
+    return os.environ.get("CXX") or ("clang++" if sys.platform == "darwin" else "g++")
+
+
+def can_compile_for(device: torch.device) -> bool:
+    """Whether torch.compile can build kernels for ``device`` here: on a CPU it needs a C++
+    compiler on the PATH (GPU kernels come from Triton, which torch brings)."""
+    return device.type != "cpu" or shutil.which(cpu_compiler()) is not None
 
 
 def _global_sum(value: torch.Tensor, world: int) -> torch.Tensor:

@@ -182,7 +182,7 @@ def test_every_preset_builds_every_scheme(name: str) -> None:
 
 def test_unknown_preset_lists_the_valid_ones() -> None:
     with pytest.raises(
-        ConfigError, match=r"unknown preset 'huge'; valid: \['next', 'shipped', 'tiny', 'v1'\]"
+        ConfigError, match=r"unknown preset 'huge'; valid: \['shipped', 'tiny', 'v1', 'v2'\]"
     ):
         preset("huge")
 
@@ -314,18 +314,25 @@ def test_bad_schedule_and_average_settings_name_the_field(
         TrainConfig.from_dict(changes)
 
 
-def test_the_next_recipe_is_the_shipped_one_with_only_the_measured_changes() -> None:
-    """The retraining changes the budget, precision, compilation and weight average, and
-    nothing else: same architecture, scheme parameters, data order, optimiser and schedule."""
-    shipped, upcoming = preset("shipped"), preset("next")
-    assert upcoming.model == shipped.model and upcoming.positional == shipped.positional
+def test_the_shipped_recipe_is_v2_with_only_the_measured_changes() -> None:
+    """The retraining changed the budget, precision, compilation and weight average, and
+    alibi's slopes (a scheme's own parameter), and nothing else: same architecture, data order,
+    optimiser and schedule."""
+    shipped, previous = preset("shipped"), preset("v2")
+    assert shipped.model == previous.model
+    changed_schemes = {
+        scheme
+        for scheme in {*shipped.positional, *previous.positional}
+        if shipped.positional.get(scheme) != previous.positional.get(scheme)
+    }
+    assert changed_schemes == {"alibi"} and shipped.positional["alibi"] == {"scale": 4.0}
     changed = {
         name
         for name in TrainConfig.__dataclass_fields__
-        if getattr(upcoming.train, name) != getattr(shipped.train, name)
+        if getattr(shipped.train, name) != getattr(previous.train, name)
     }
     assert changed == {"steps", "precision", "compile", "ema_decay"}
-    assert upcoming.train.schedule == "cosine" and upcoming.train.steps > shipped.train.steps
+    assert shipped.train.schedule == "cosine" and shipped.train.steps > previous.train.steps
     for name, recipe in PRESETS.items():
-        if name != "next":
+        if name != "shipped":
             assert recipe.train.schedule == "cosine" and recipe.train.ema_decay == 0.0

@@ -241,6 +241,25 @@ def test_alibi_scale_multiplies_every_slope_and_must_be_positive() -> None:
         tiny_config("alibi", positional={"scheme": "alibi", "scale": 0.0})
 
 
+def test_t5_alibi_init_starts_as_alibi_at_every_exact_distance() -> None:
+    """With ``alibi_init`` s, a fresh t5 table is ALiBi's bias (slopes × s): exactly at the
+    distances with a bucket of their own, at the bucket's mean distance past them."""
+    settings = {"scheme": "t5", "num_buckets": 8, "max_distance": 24, "alibi_init": 4.0}
+    t5 = build_scheme(tiny_config("t5", n_heads=4, positional=settings))
+    alibi = build_scheme(
+        tiny_config("alibi", n_heads=4, positional={"scheme": "alibi", "scale": 4.0})
+    )
+    positions = torch.arange(30).unsqueeze(0)
+    t5_bias = t5.attention_bias(positions, positions[0])[0]  # [H, Tq, Tk]
+    alibi_bias = alibi.attention_bias(positions, positions[0])[0]
+    exact = torch.arange(4)  # num_buckets / 2 distances with a bucket each
+    torch.testing.assert_close(t5_bias[:, 10, 10 - exact], alibi_bias[:, 10, 10 - exact])
+    far = t5_bias[:, 29, : 29 - 4]  # distances ≥ 5: log buckets, decreasing with the distance
+    assert (far[:, :-1] <= far[:, 1:]).all() and (far < alibi_bias[:, 29, 29 - 3 : 29 - 2]).all()
+    with pytest.raises(ConfigError, match=r"positional\.alibi_init"):
+        tiny_config("t5", positional={"scheme": "t5", "alibi_init": -1.0})
+
+
 @pytest.mark.parametrize("scheme", ["alibi", "t5"])
 def test_score_bias_depends_only_on_query_minus_key(scheme: str) -> None:
     positional = random_model(scheme, seed=26).positional  # t5: a random bucket table
