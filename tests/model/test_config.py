@@ -315,9 +315,9 @@ def test_bad_schedule_and_average_settings_name_the_field(
 
 
 def test_the_shipped_recipe_is_v2_with_only_the_measured_changes() -> None:
-    """The retraining changed the budget, precision, compilation and weight average, and
-    alibi's slopes (a scheme's own parameter), and nothing else: same architecture, data order,
-    optimiser and schedule."""
+    """The retraining changed the budget, precision, compilation and weight average, and the
+    locality prior of alibi and t5 (their own parameters), and nothing else: same architecture,
+    data order, optimiser and schedule."""
     shipped, previous = preset("shipped"), preset("v2")
     assert shipped.model == previous.model
     changed_schemes = {
@@ -325,7 +325,9 @@ def test_the_shipped_recipe_is_v2_with_only_the_measured_changes() -> None:
         for scheme in {*shipped.positional, *previous.positional}
         if shipped.positional.get(scheme) != previous.positional.get(scheme)
     }
-    assert changed_schemes == {"alibi"} and shipped.positional["alibi"] == {"scale": 4.0}
+    assert changed_schemes == {"alibi", "t5"}
+    assert shipped.positional["alibi"] == {"scale": 4.0}
+    assert shipped.positional["t5"] == {"alibi_init": 4.0}
     changed = {
         name
         for name in TrainConfig.__dataclass_fields__

@@ -77,10 +77,12 @@ def tokenizer_path(tmp_path_factory: pytest.TempPathFactory, small_corpus: Corpu
 
 
 def train_args(folder: Path, tokenizer: Path, *extra: str, scheme: str = "rope") -> Any:
-    """Parsed ``ordinal train`` options for a tiny model writing into ``folder``."""
+    """Parsed ``ordinal train`` options for a tiny model writing into ``folder``, on the v2
+    recipe (float32, uncompiled: seconds per run; ``extra`` may name another preset)."""
     parser = argparse.ArgumentParser()
     train_options(parser)
     flags = [
+        *("--preset", "v2"),
         *("--scheme", scheme, "--out", str(folder / "ck"), "--state-dir", str(folder / "state")),
         *("--tokenizer", str(tokenizer), *TINY_MODEL, "--vocab-size", str(VOCAB)),
         *("--context-length", str(CONTEXT), "--steps", str(STEPS), "--batch-size", str(BATCH)),
@@ -225,7 +227,7 @@ def test_muon_run_resumed_equals_an_uninterrupted_one_and_never_sees_validation_
 
     monkeypatch.setattr(model.train, "TrainingSequences", RecordingSequences)
     (tmp_path / "config.json").write_text(json.dumps({"model": {"qk_norm": True}}))
-    extra = ["--preset", "v2", "--config", str(tmp_path / "config.json")]
+    extra = ["--config", str(tmp_path / "config.json")]
     extra += ["--storage-dtype", "float32"]
     whole = model.train.run(train_args(tmp_path / "whole", tokenizer_path, *extra))
     shipped = model.config.PRESETS["shipped"]
