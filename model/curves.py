@@ -21,9 +21,10 @@ SMOOTHING_STEPS = 50  # the train loss of one batch is noisy: a moving average o
 
 @dataclass(frozen=True)
 class Curves:
-    """One run's losses (nats/token) against tokens seen."""
+    """One run's losses (nats/token) against tokens seen (a run started from another checkpoint,
+    ``--init``, counts the base's tokens too)."""
 
-    scheme: str
+    label: str  # the scheme, or "folder (scheme)" for a folder not named after it
     train_tokens: np.ndarray  # [steps]
     train_loss: np.ndarray  # [steps], moving average over SMOOTHING_STEPS
     val_tokens: np.ndarray  # [evals]
@@ -41,13 +42,15 @@ def read_curves(folder: Path) -> Curves:
     """The curves recorded in ``folder/metrics.json``."""
     metrics = json.loads((folder / METRICS_FILE).read_text())
     per_step = tokens_per_step(metrics)
+    before = metrics.get("init", {}).get("tokens_seen", 0)  # DroPE continues its base
     train = np.asarray(metrics["train_loss"], dtype=float).reshape(-1, 2)
     val = np.asarray(metrics["val_loss"], dtype=float).reshape(-1, 2)
+    scheme = metrics["scheme"]
     return Curves(
-        scheme=metrics["scheme"],
-        train_tokens=train[:, 0] * per_step,
+        label=scheme if folder.name == scheme else f"{folder.name} ({scheme})",
+        train_tokens=before + train[:, 0] * per_step,
         train_loss=moving_average(train[:, 1], SMOOTHING_STEPS),
-        val_tokens=val[:, 0] * per_step,
+        val_tokens=before + val[:, 0] * per_step,
         val_loss=val[:, 1],
         wall_seconds=float(metrics["wall_seconds"]),
     )
@@ -72,12 +75,12 @@ def plot_training_curves(folders: list[Path], path: Path) -> None:
     runs = [read_curves(folder) for folder in folders]
     figure = Figure(figsize=(13, 5.5))
     whole, zoom = figure.subplots(1, 2)
-    palette = matplotlib.color_sequences["tab10"]
+    palette = matplotlib.color_sequences["tab20"]  # fifteen runs apart: dark shades first
     for index, run in enumerate(runs):
-        colour = palette[index % len(palette)]
+        colour = palette[(2 * index + index // 10) % len(palette)]
         for axes in (whole, zoom):
             axes.plot(run.train_tokens / 1e6, run.train_loss, color=colour, linewidth=1, alpha=0.8)
-            label = f"{run.scheme} ({run.wall_seconds / 60:.1f} min)"
+            label = f"{run.label} ({run.wall_seconds / 60:.1f} min)"
             axes.plot(run.val_tokens / 1e6, run.val_loss, "o--", color=colour, markersize=4,
                       linewidth=1, label=label)  # fmt: skip
     half = max(run.train_tokens[-1] for run in runs) / 2e6

@@ -275,18 +275,18 @@ def plot_loss_by_position(reports: list[dict[str, Any]], path: Path) -> None:
     palette = matplotlib.color_sequences["tab20"]
     for index, report in enumerate(reports):
         supported = [r for r in report["results"].values() if r["supported"]]
-        if not supported:
-            continue
+        variant = "+" in report["scheme"]  # a rope context extension: dashed
+        if not supported or (variant and "(" in report_label(report)):
+            continue  # a renamed rope's variants (prope+yarn4) would crowd out the rest
         longest = max(supported, key=lambda result: result["window"])
         curve = torch.tensor(longest["loss_by_position"])
         smooth = F.avg_pool1d(
             curve.view(1, 1, -1), 9, stride=1, padding=4, count_include_pad=False
         ).view(-1)
-        variant = "+" in report["scheme"]  # a rope context extension: dashed
         axes.plot(
             range(len(curve)),
             smooth.tolist(),
-            label=f"{report['scheme']} ({longest['position_windows']} windows)",
+            label=f"{report_label(report)} ({longest['position_windows']} windows)",
             linewidth=1.4,
             color=palette[(2 * index + index // 10) % len(palette)],
             linestyle="--" if variant else "-",
@@ -309,6 +309,12 @@ def plot_loss_by_position(reports: list[dict[str, Any]], path: Path) -> None:
     plt.close(figure)
 
 
+def report_label(report: dict[str, Any]) -> str:
+    """The scheme, or "folder (scheme)" for a checkpoint not named after it (``prope (rope)``)."""
+    folder, scheme = Path(report["checkpoint"]).name, report["scheme"]
+    return scheme if folder == scheme.split("+")[0] else f"{folder} ({scheme})"
+
+
 def results_table(reports: list[dict[str, Any]]) -> str:
     """Markdown: scheme, parameters, training tokens and wall time (from metrics.json), bpc.
 
@@ -323,11 +329,9 @@ def results_table(reports: list[dict[str, Any]]) -> str:
         folder = Path(report["checkpoint"])
         metrics_path = folder / "metrics.json"
         metrics = json.loads(metrics_path.read_text()) if metrics_path.exists() else {}
-        scheme = report["scheme"]
-        label = scheme if folder.name == scheme.split("+")[0] else f"{folder.name} ({scheme})"
         budgets = [metrics.get("init", {}), metrics] if "init" in metrics else [metrics]
         cells = [
-            label,
+            report_label(report),
             f"{report['parameters']:,}",
             " + ".join(f"{budget.get('tokens_seen', 0) / 1e6:.1f} M" for budget in budgets),
             " + ".join(f"{budget.get('wall_seconds', 0) / 60:.1f} min" for budget in budgets),

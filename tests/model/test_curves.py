@@ -42,6 +42,22 @@ def test_steps_become_tokens_seen(tmp_path: Path) -> None:
     assert len(curves.train_loss) == 40
 
 
+def test_a_run_from_another_checkpoint_continues_its_tokens_and_is_labelled_by_folder(
+    tmp_path: Path,
+) -> None:
+    """DroPE (``--init``): its curve starts where its base's ended, and its folder, not its
+    scheme (none), names it, as ``ordinal eval``'s table does."""
+    write_metrics(tmp_path / "drope", "none", steps=20, batch=4, context=16)
+    metrics = json.loads((tmp_path / "drope" / METRICS_FILE).read_text())
+    metrics["init"] = {"checkpoint": "checkpoints/rope", "tokens_seen": 10_000}
+    (tmp_path / "drope" / METRICS_FILE).write_text(json.dumps(metrics))
+    curves = read_curves(tmp_path / "drope")
+    assert curves.label == "drope (none)"
+    assert curves.train_tokens[0] == 10_000 + 4 * 2 * 16
+    write_metrics(tmp_path / "rope", "rope", steps=20, batch=4, context=16)
+    assert read_curves(tmp_path / "rope").label == "rope"
+
+
 def test_the_plot_is_a_png_written_in_one_piece(tmp_path: Path) -> None:
     folders = [tmp_path / name for name in ("rope", "alibi")]
     for folder in folders:
