@@ -1140,7 +1140,7 @@ async function drawEncodings() {
     const [trace, report] = await Promise.all([positionalTrace(name), corpus ? geometryReport(corpus) : null]);
     if (name !== model() || corpus !== $("corpus").value) return; // a later choice is drawing
     drawPositional(trace);
-    if (report) drawReport(report, trace.scheme);
+    if (report) drawReport(report, trace);
     const view = $("view-encodings");
     view.dataset.scheme = trace.scheme;
     view.dataset.drawn = String(Number(view.dataset.drawn || 0) + 1);
@@ -1250,14 +1250,24 @@ function distancePlot(points, { title, y, stroke }) {
   });
 }
 
-function drawReport(report, scheme) {
+// The report's rows for the traced model: the checkpoint's own row ("prope (rope)" for prope,
+// rope's for rope+yarn4) where the report has one, else every row of its scheme (drope: none).
+function reportRowsFor(report, trace) {
+  const folder = (entry) => entry.label.split(" (")[0];
+  const own = report.schemes.filter((entry) => entry.label.includes("(") && folder(entry) === trace.model.split("+")[0]);
+  return new Set((own.length ? own : report.schemes.filter((entry) => entry.scheme === trace.scheme)).map((entry) => entry.label));
+}
+
+function drawReport(report, trace) {
   const corpus = report.corpus;
+  const scheme = trace.scheme;
+  const chosen = reportRowsFor(report, trace);
   $("report-what").textContent = `corpus ${corpus.name}: ${corpus.n_sequences.toLocaleString()} sequences, ${corpus.n_positions} positions — ${report.schemes.some((s) => s.label.includes("(")) ? "the shipped checkpoints" : "every scheme untrained"}`;
-  const own = report.schemes.find((entry) => entry.scheme === scheme);
+  const own = report.schemes.find((entry) => chosen.has(entry.label));
 
   // dot product vs offset, as measured: every scheme, the chosen one drawn over the rest
   const lines = report.schemes.flatMap((entry) => (entry.dot_product_by_offset ?? [])
-    .map((value, offset) => ({ offset, value, label: entry.label, chosen: entry.scheme === scheme }))
+    .map((value, offset) => ({ offset, value, label: entry.label, chosen: chosen.has(entry.label) }))
     .filter((d) => d.value !== null));
   $("profile-chart").replaceChildren(plot({
     title: `measured: mean PE_i·PE_i+k / mean ‖PE_i‖² (${scheme} in colour)`,
@@ -1293,7 +1303,7 @@ function drawReport(report, scheme) {
   const body = table.createTBody();
   for (const entry of report.requirements) {
     const row = body.insertRow();
-    row.classList.toggle("chosen", entry.scheme === scheme);
+    row.classList.toggle("chosen", chosen.has(entry.label));
     row.dataset.scheme = entry.scheme;
     row.insertCell().textContent = entry.label;
     for (const [flag, measure] of REQUIREMENT_COLUMNS) {

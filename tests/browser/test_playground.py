@@ -149,9 +149,10 @@ def test_encodings_draws_a_scheme_and_redraws_for_another(watched: Watched) -> N
     # alibi: one bias heatmap per head, its bias against distance (a line per head).
     assert page.locator("#encoding-chart svg g[aria-label=raster] image").count() == 4
     assert page.locator("#distance-chart svg g[aria-label=line] path").count() == 4
-    # The report: the chosen row highlighted in the ten-row requirement table, the six figures.
+    # The report: the chosen row highlighted in the requirement table (the ten, fire and prope:
+    # the shipped checkpoints with an encoding per position), the six figures.
     rows = page.locator("#requirements-table tbody tr")
-    assert rows.count() == 10
+    assert rows.count() == 12
     assert page.eval_on_selector_all(
         "#requirements-table tr.chosen", "rs => rs.map(r => r.dataset.scheme)"
     ) == ["alibi"]
@@ -176,6 +177,10 @@ def test_encodings_draws_a_scheme_and_redraws_for_another(watched: Watched) -> N
     ) == ["learned"]
     open_encodings(page, "rope")
     assert page.locator("#encoding-chart svg g[aria-label=cell] rect").count() > 0  # angles
+    # rope's own row, not prope's, though both are rope
+    assert page.eval_on_selector_all(
+        "#requirements-table tr.chosen", "rs => rs.map(r => r.cells[0].textContent)"
+    ) == ["rope (rope)"]
     page.select_option("#corpus", "synthetic")
     page.wait_for_function(  # the synthetic report: every scheme untrained, 32 positions
         "document.querySelector('#report-what').textContent.startsWith('corpus synthetic')"

@@ -537,9 +537,12 @@ def test_geometry_serves_the_report_and_its_figures(client: httpx.Client, corpus
     assert response.headers["content-type"] == "application/json"
     assert response.content == (folder / "report.json").read_bytes()  # byte for byte
     report = response.json()
-    # synthetic measures every scheme untrained; shakespeare, the shipped checkpoints
-    expected = set(SCHEMES) if corpus == "synthetic" else set(SHIPPED_SCHEMES)
+    # synthetic measures every scheme untrained; shakespeare, the shipped checkpoints with an
+    # encoding per position: the ten, fire and prope (fox's and cope's depend on the text)
+    expected = set(SCHEMES) if corpus == "synthetic" else {*SHIPPED_SCHEMES, "fire"}
     assert {row["scheme"] for row in report["requirements"]} == expected
+    if corpus == "shakespeare":
+        assert "prope (rope)" in {row["label"] for row in report["requirements"]}
     for figure in report["figures"]:
         png = client.get(f"/v1/geometry/{corpus}/{figure}")
         assert png.status_code == 200 and png.headers["content-type"] == "image/png"
