@@ -5,9 +5,8 @@ Config); the positional scheme and its parameters live in the ``positional`` dic
 checked by the scheme's own parameter dataclass (see ``model.positional``). ``TrainConfig`` is the
 training recipe (optimiser, schedule, data order). ``PRESETS`` names whole recipes, litgpt's
 ``name_to_config``: ``shipped`` is what built the shipped checkpoints and what ``ordinal train``
-uses unless told otherwise; ``v1`` is the first recipe (the baseline of checkpoints/README.md's
-ablations); ``next`` the one the checkpoints were retrained with (checkpoints/next/);
-``tiny`` runs in seconds (CI).
+uses unless told otherwise; ``v2`` built the previous checkpoints (the reference of the recipe
+ablations) and ``v1`` is the first recipe (their baseline); ``tiny`` runs in seconds (CI).
 """
 
 from __future__ import annotations

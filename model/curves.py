@@ -9,14 +9,32 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from model.files import write_figure_atomic
 
+if TYPE_CHECKING:
+    from matplotlib.typing import ColorType
+
 METRICS_FILE = "metrics.json"
 SMOOTHING_STEPS = 50  # the train loss of one batch is noisy: a moving average over this many
+
+
+def checkpoint_label(folder: str, scheme: str) -> str:
+    """How plots and tables name a checkpoint: its scheme, or "folder (scheme)" for a folder not
+    named after it (``prope (rope)``, ``drope (none)``); ``rope+yarn4`` counts as rope's."""
+    return scheme if folder == scheme.split("+")[0] else f"{folder} ({scheme})"
+
+
+def series_colour(index: int) -> ColorType:
+    """The colour of the ``index``-th line of a plot: matplotlib's tab20, its ten dark shades
+    first, then the light ones, so up to twenty lines stay apart."""
+    import matplotlib
+
+    palette = matplotlib.color_sequences["tab20"]
+    return palette[(2 * index + index // 10) % len(palette)]
 
 
 @dataclass(frozen=True)
@@ -24,7 +42,7 @@ class Curves:
     """One run's losses (nats/token) against tokens seen (a run started from another checkpoint,
     ``--init``, counts the base's tokens too)."""
 
-    label: str  # the scheme, or "folder (scheme)" for a folder not named after it
+    label: str  # checkpoint_label
     train_tokens: np.ndarray  # [steps]
     train_loss: np.ndarray  # [steps], moving average over SMOOTHING_STEPS
     val_tokens: np.ndarray  # [evals]
@@ -45,9 +63,8 @@ def read_curves(folder: Path) -> Curves:
     before = metrics.get("init", {}).get("tokens_seen", 0)  # DroPE continues its base
     train = np.asarray(metrics["train_loss"], dtype=float).reshape(-1, 2)
     val = np.asarray(metrics["val_loss"], dtype=float).reshape(-1, 2)
-    scheme = metrics["scheme"]
     return Curves(
-        label=scheme if folder.name == scheme else f"{folder.name} ({scheme})",
+        label=checkpoint_label(folder.name, metrics["scheme"]),
         train_tokens=before + train[:, 0] * per_step,
         train_loss=moving_average(train[:, 1], SMOOTHING_STEPS),
         val_tokens=before + val[:, 0] * per_step,
@@ -75,9 +92,8 @@ def plot_training_curves(folders: list[Path], path: Path) -> None:
     runs = [read_curves(folder) for folder in folders]
     figure = Figure(figsize=(13, 5.5))
     whole, zoom = figure.subplots(1, 2)
-    palette = matplotlib.color_sequences["tab20"]  # fifteen runs apart: dark shades first
     for index, run in enumerate(runs):
-        colour = palette[(2 * index + index // 10) % len(palette)]
+        colour = series_colour(index)
         for axes in (whole, zoom):
             axes.plot(run.train_tokens / 1e6, run.train_loss, color=colour, linewidth=1, alpha=0.8)
             label = f"{run.label} ({run.wall_seconds / 60:.1f} min)"

@@ -39,6 +39,7 @@ from tqdm import tqdm
 
 from model.checkpoint import WEIGHTS_FILE, data_digest, load_checkpoint
 from model.corpus import load_corpus
+from model.curves import checkpoint_label, series_colour
 from model.data import IGNORE_INDEX, ValidationStream, validation_stream
 from model.device import resolve_device
 from model.files import CONFIG_FILE, write_figure_atomic, write_json_atomic, write_text_atomic
@@ -271,12 +272,11 @@ def plot_loss_by_position(reports: list[dict[str, Any]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     figure, axes = plt.subplots(figsize=(12, 6))
-    # 20 colours: ten schemes and their variants apart
-    palette = matplotlib.color_sequences["tab20"]
     for index, report in enumerate(reports):
         supported = [r for r in report["results"].values() if r["supported"]]
+        label = report_label(report)
         variant = "+" in report["scheme"]  # a rope context extension: dashed
-        if not supported or (variant and "(" in report_label(report)):
+        if not supported or (variant and label != report["scheme"]):
             continue  # a renamed rope's variants (prope+yarn4) would crowd out the rest
         longest = max(supported, key=lambda result: result["window"])
         curve = torch.tensor(longest["loss_by_position"])
@@ -286,9 +286,9 @@ def plot_loss_by_position(reports: list[dict[str, Any]], path: Path) -> None:
         axes.plot(
             range(len(curve)),
             smooth.tolist(),
-            label=f"{report_label(report)} ({longest['position_windows']} windows)",
+            label=f"{label} ({longest['position_windows']} windows)",
             linewidth=1.4,
-            color=palette[(2 * index + index // 10) % len(palette)],
+            color=series_colour(index),
             linestyle="--" if variant else "-",
         )
     context = reports[0]["context_length"]
@@ -310,9 +310,8 @@ def plot_loss_by_position(reports: list[dict[str, Any]], path: Path) -> None:
 
 
 def report_label(report: dict[str, Any]) -> str:
-    """The scheme, or "folder (scheme)" for a checkpoint not named after it (``prope (rope)``)."""
-    folder, scheme = Path(report["checkpoint"]).name, report["scheme"]
-    return scheme if folder == scheme.split("+")[0] else f"{folder} ({scheme})"
+    """The checkpoint's name in the table and the plot (``model.curves.checkpoint_label``)."""
+    return checkpoint_label(Path(report["checkpoint"]).name, report["scheme"])
 
 
 def results_table(reports: list[dict[str, Any]]) -> str:

@@ -26,6 +26,7 @@ from matplotlib.figure import Figure
 from tqdm import tqdm
 
 from model.config import ModelConfig
+from model.curves import series_colour
 from model.data import boundary_sequences, encode_documents
 from model.files import write_figure_atomic, write_json_atomic, write_text_atomic
 from model.geometry.corpus import CorpusGeometry, measure_corpus
@@ -217,10 +218,20 @@ def _plot_stress(schemes: list[dict]) -> Figure:
 def _plot_dot_products(schemes: list[dict]) -> Figure:
     figure = Figure(layout="constrained", figsize=(7, 4.5))
     axes = figure.subplots()
-    for entry in schemes:
-        profile = entry.get("dot_product_by_offset")
-        if profile and not math.isnan(profile[0]):
-            axes.plot(profile, label=entry["label"])
+    drawn = [
+        entry
+        for entry in schemes
+        if entry.get("dot_product_by_offset") and not math.isnan(entry["dot_product_by_offset"][0])
+    ]
+    for index, entry in enumerate(drawn):
+        # a checkpoint renamed from its scheme (prope: rope) dashed, so an equal profile shows
+        renamed = "(" in entry["label"] and not entry["label"].startswith(f"{entry['scheme']} (")
+        axes.plot(
+            entry["dot_product_by_offset"],
+            label=entry["label"],
+            color=series_colour(index),
+            linestyle="--" if renamed else "-",
+        )
     axes.set(
         title="mean PE_i·PE_i+k / mean ‖PE_i‖²", xlabel="offset k = j − i", ylabel="dot product"
     )

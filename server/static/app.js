@@ -1253,9 +1253,10 @@ function distancePlot(points, { title, y, stroke }) {
 // The report's rows for the traced model: the checkpoint's own row ("prope (rope)" for prope,
 // rope's for rope+yarn4) where the report has one, else every row of its scheme (drope: none).
 function reportRowsFor(report, trace) {
-  const folder = (entry) => entry.label.split(" (")[0];
-  const own = report.schemes.filter((entry) => entry.label.includes("(") && folder(entry) === trace.model.split("+")[0]);
-  return new Set((own.length ? own : report.schemes.filter((entry) => entry.scheme === trace.scheme)).map((entry) => entry.label));
+  const checkpoint = trace.model.split("+")[0];
+  const own = report.schemes.filter((entry) => entry.label.startsWith(`${checkpoint} (`));
+  const rows = own.length ? own : report.schemes.filter((entry) => entry.scheme === trace.scheme);
+  return new Set(rows.map((entry) => entry.label));
 }
 
 function drawReport(report, trace) {
