@@ -11,6 +11,10 @@ the last row are clamped to it, so any length is accepted.
 
 Everything comes from the layer's queries and the keys they may see, which the KV cache holds
 already: a cached step computes exactly what the full forward does.
+
+The functions here are the definition. Training on a CPU runs the same computation as one C++
+op (``model.kernels.cope``, tested equal to these), which takes a compiled step from about twice
+a T5 step to near one.
 """
 
 import math
@@ -19,6 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from model.kernels import cope as cope_kernel
 from model.positional.base import LayerBias, PositionalScheme, sum_back_to_each_key
 
 
@@ -74,6 +79,21 @@ class ContextualPositions(PositionalScheme):
         key_state: Tensor | None,
         allowed: Tensor,
     ) -> LayerBias:
+        table = self.table[layer]
+        if _trains_on_cpu(queries, table) and cope_kernel.available():
+            scores = queries @ keys.transpose(-2, -1)  # in the run's dtype, as attention's
+            rows = queries @ table.T.to(queries.dtype)
+            bias = cope_kernel.cope_bias(scores, allowed, rows, 1 / math.sqrt(queries.shape[-1]))
+            return LayerBias(bias)  # the positions are for tracing, which never trains
         positions = contextual_positions(queries, keys, allowed)
-        bias = interpolated_logits(queries, self.table[layer], positions)
+        bias = interpolated_logits(queries, table, positions)
         return LayerBias(bias, positions=positions)
+
+
+def _trains_on_cpu(queries: Tensor, table: Tensor) -> bool:
+    """Whether this pass records gradients on a CPU: where the C++ kernel takes over."""
+    return (
+        torch.is_grad_enabled()
+        and (queries.requires_grad or table.requires_grad)
+        and queries.device.type == "cpu"
+    )

@@ -1,0 +1,46 @@
+"""C++ kernels for the few computations torch cannot fuse, built on first use.
+
+Each kernel is a ``.cpp`` file here, compiled by torch's own extension builder
+(``torch.utils.cpp_extension``) with the C++ compiler that ``torch.compile`` needs on a CPU anyway,
+and cached under ``$TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``): the first use
+on a machine takes about half a minute, later ones a moment. Each has a pure-torch reference
+that defines it (the scheme's module) and tests that hold the two equal. Where the build cannot
+run (no compiler, no ninja), :func:`load` says so once on stderr and returns None, and callers use
+the reference: the same numbers, more slowly.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from pathlib import Path
+from types import ModuleType
+
+HERE = Path(__file__).parent
+
+# -O3 -march=native: the kernel is built on the machine that runs it. -ffast-math lets the
+# compiler call glibc's vectorised expf for σ (compile flags only: the link leaves the process's
+# floating-point mode alone). -fopenmp: at::parallel_for and `omp simd` need it.
+_CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
+
+
+@functools.cache
+def load(name: str) -> ModuleType | None:
+    """The built extension for ``{name}.cpp`` here, or None (with a note) if it cannot be built."""
+    from torch.utils import cpp_extension
+
+    try:
+        return cpp_extension.load(
+            name=f"ordinal_{name}",
+            sources=[str(HERE / f"{name}.cpp")],
+            extra_cflags=_CFLAGS,
+            extra_ldflags=["-fopenmp"],
+        )
+    except (OSError, RuntimeError, ImportError) as error:  # no compiler, no ninja, build failed
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error)
+        print(
+            f"note: the {name} kernel could not be built ({first_line}); using the torch "
+            "reference: the same results, slower",
+            file=sys.stderr,
+        )
+        return None

@@ -1,0 +1,130 @@
+"""The C++ CoPE kernel (model/kernels/cope.cpp) computes what the torch reference defines
+(model/positional/cope.py), forward and backward, on ragged masks, past the table's last row,
+in float32 and bfloat16, and registers as an op torch.compile can hold whole."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from model.kernels import cope as cope_kernel
+from model.positional.cope import contextual_positions, interpolated_logits
+from tests.model.conftest import random_model, random_tokens
+
+pytestmark = pytest.mark.skipif(
+    not cope_kernel.available(), reason="the CoPE kernel cannot be built here (no C++ compiler)"
+)
+
+
+NAMES = ["bias", "d_q", "d_k", "d_table"]  # what reference_and_kernel returns, in order
+
+
+def inputs(
+    batch: int, heads: int, queries: int, keys: int, head_dim: int, rows: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Queries, keys, a table and a ragged mask: each query sees a random prefix-free subset of
+    the keys up to its own (so some blocks hide their last keys from every query)."""
+    generator = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, heads, queries, head_dim, generator=generator) * 2
+    k = torch.randn(batch, heads, keys, head_dim, generator=generator) * 2
+    table = torch.randn(rows, head_dim, generator=generator)
+    offset = keys - queries  # query i sits at key offset + i (a cached chunk)
+    causal = torch.ones(queries, keys, dtype=torch.bool).tril(offset)
+    allowed = causal & (torch.rand(batch, 1, queries, keys, generator=generator) > 0.2)
+    return q, k, table, allowed
+
+
+def reference_and_kernel(q, k, table, allowed, grad):
+    """(bias, d_q, d_k, d_table) from the reference and from the kernel, each given ``grad``."""
+    results = []
+    for use_kernel in (False, True):
+        q_, k_, t_ = (x.detach().clone().requires_grad_() for x in (q, k, table))
+        if use_kernel:
+            scores, rows = q_ @ k_.transpose(-2, -1), q_ @ t_.T.to(q_.dtype)
+            bias = cope_kernel.cope_bias(scores, allowed, rows, 1 / math.sqrt(q.shape[-1]))
+        else:  # the definition, in float32
+            q32, k32 = q_.float(), k_.float()
+            bias = interpolated_logits(q32, t_, contextual_positions(q32, k32, allowed))
+        bias.backward(grad.to(bias.dtype))
+        results.append(tuple(x.detach().float() for x in (bias, q_.grad, k_.grad, t_.grad)))
+    return results
+
+
+@pytest.mark.parametrize(
+    ("queries", "keys", "rows"),
+    [(40, 40, 8), (21, 29, 64), (1, 33, 12)],  # clamped at the last row; a cached chunk; one step
+)
+def test_the_kernel_equals_the_reference_forward_and_backward(queries, keys, rows) -> None:
+    q, k, table, allowed = inputs(2, 3, queries, keys, 8, rows, seed=queries)
+    grad = torch.randn(2, 3, queries, keys, generator=torch.Generator().manual_seed(1))
+    reference, kernel = reference_and_kernel(q, k, table, allowed, grad)
+    if rows == 8:  # positions ran past the table: the clamp was exercised
+        assert float(contextual_positions(q, k, allowed).max()) > rows
+    for name, expected, got in zip(NAMES, reference, kernel, strict=True):
+        torch.testing.assert_close(got, expected, atol=2e-4, rtol=2e-4, msg=name)
+
+
+def kernel_gradients(q, k, table, allowed, grad, dtype, round_scores=False):
+    """(bias, d_q, d_k, d_table) of the kernel run in ``dtype``, in float32."""
+    q_, k_, t_ = (x.detach().clone().requires_grad_() for x in (q, k, table))
+    scores = q_.to(dtype) @ k_.to(dtype).transpose(-2, -1)
+    rows = q_.to(dtype) @ t_.T.to(dtype)
+    if round_scores:  # float32 everywhere but the inputs, rounded as bfloat16 rounds them
+        scores, rows = scores.bfloat16().float(), rows.bfloat16().float()
+    bias = cope_kernel.cope_bias(scores, allowed, rows, 1 / math.sqrt(q.shape[-1]))
+    bias.backward(grad.to(bias.dtype))
+    return [x.detach().float() for x in (bias, q_.grad, k_.grad, t_.grad)]
+
+
+def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
+    return float(torch.linalg.vector_norm(got - expected) / torch.linalg.vector_norm(expected))
+
+
+def test_in_bfloat16_only_the_inputs_rounding_differs() -> None:
+    """Training's dtype: scores and rows arrive in bfloat16, gates and positions are counted in
+    float32. The bias and the table's gradient stay within 1% of the float32 reference; the
+    queries' and keys' gradients move more (a position rounded across an integer reads another
+    pair of rows, and the scan carries that to every later key), and all four are what the
+    float32 kernel gives for the same rounded inputs."""
+    q, k, table, allowed = inputs(2, 2, 48, 48, 16, 32, seed=3)
+    q, k, table = q.bfloat16().float(), k.bfloat16().float(), table.bfloat16().float()
+    grad = torch.randn(2, 2, 48, 48, generator=torch.Generator().manual_seed(2))
+    reference, _ = reference_and_kernel(q, k, table, allowed, grad)
+    in_bfloat16 = kernel_gradients(q, k, table, allowed, grad, torch.bfloat16)
+    rounded = kernel_gradients(q, k, table, allowed, grad, torch.float32, round_scores=True)
+    assert relative_error(in_bfloat16[0], reference[0]) < 0.01  # the bias
+    assert relative_error(in_bfloat16[3], reference[3]) < 0.01  # the table's gradient
+    for name, expected, got in zip(NAMES, rounded, in_bfloat16, strict=True):
+        assert relative_error(got, expected) < 0.01, name
+
+
+def test_the_op_is_registered_for_torch_compile() -> None:
+    """torch.library's own checks: the fake (shape) version, the schema and the gradient."""
+    q, k, table, allowed = inputs(1, 2, 20, 20, 8, 16, seed=4)
+    scores, rows = q @ k.transpose(-2, -1), q @ table.T
+    args = (scores.requires_grad_(), allowed, rows.requires_grad_(), 1 / math.sqrt(8))
+    torch.library.opcheck(cope_kernel.cope_bias, args)
+
+
+def test_a_cope_model_trains_through_the_kernel_to_the_reference_gradients(monkeypatch) -> None:
+    """The whole model: loss and every gradient agree with the kernel on and off."""
+    tokens = random_tokens(3, 24, seed=5)
+
+    def loss_and_grads() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        model = random_model("cope", seed=6).train()
+        logits = model(tokens)
+        loss = torch.nn.functional.cross_entropy(
+            logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten()
+        )
+        loss.backward()
+        return loss, {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+
+    loss, grads = loss_and_grads()
+    monkeypatch.setattr(cope_kernel, "available", lambda: False)
+    reference_loss, reference_grads = loss_and_grads()
+    torch.testing.assert_close(loss, reference_loss, atol=1e-5, rtol=1e-5)
+    assert grads.keys() == reference_grads.keys() and "positional.table" in grads
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, reference_grads[name], atol=1e-4, rtol=1e-3, msg=name)
