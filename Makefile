@@ -82,7 +82,7 @@ serve: $(STAMP)
 	$(VENV)/bin/ordinal serve $(if $(PORT),--port $(PORT))
 
 # Rebuilds every shipped checkpoint with the recipe in the repo (the `shipped` preset of
-# model/config.py; 7–10 minutes each on 2 idle CPU cores, cope about 15), then scores them. The variables
+# model/config.py; 7–10 minutes each on 2 idle CPU cores), then scores them. The variables
 # let CI run this same recipe on the `tiny` preset in seconds (tests/model/test_train.py):
 # `make -o $(STAMP) checkpoints PRESET=tiny SCHEMES="rope alibi" CHECKPOINT_DIR=... RUNS=...`.
 # RECIPES are checkpoints that are not a scheme of their own (checkpoints/README.md):

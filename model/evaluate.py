@@ -247,6 +247,7 @@ def saved_report(
     if any(r["supported"] and "position_windows" not in r for r in report["results"].values()):
         return None  # its loss by position averaged each position over other windows
     report["results"] = {key: report["results"][key] for key in wanted}
+    report["checkpoint"] = str(path)  # where it is now: a folder moved since keeps its report
     return report
 
 

@@ -14,6 +14,7 @@ import hashlib
 import json
 import math
 import os
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -299,6 +300,21 @@ def test_reuse_checks_the_weights_hash_not_file_times(
     assert calls == [one_checkpoint, one_checkpoint]
     assert second["weights_sha256"] != first["weights_sha256"]
     assert second["results"]["1x"]["loss"] != first["results"]["1x"]["loss"]
+
+
+def test_a_reused_report_belongs_to_the_folder_it_was_read_from(
+    one_checkpoint: Path, tmp_path: Path
+) -> None:
+    """A checkpoint evaluated in one folder and moved (checkpoints/next/x → checkpoints/x): its
+    reused eval.json is labelled, and its table row filled, from where it now is."""
+    model.evaluate.run(eval_args(str(one_checkpoint), "--multiples", "1", "--save"))
+    moved = tmp_path / "moved" / "rope"
+    shutil.copytree(one_checkpoint, moved)
+    (moved / "metrics.json").write_text(json.dumps({"tokens_seen": 9.8e6, "wall_seconds": 555}))
+    report = model.evaluate.saved_report(moved, [1])
+    assert report is not None and report["checkpoint"] == str(moved)
+    row = model.evaluate.results_table([report]).splitlines()[-1]
+    assert "| 9.8 M | 9.2 min |" in row
 
 
 def test_reuse_rescores_an_eval_json_whose_curve_predates_the_running_windows(
