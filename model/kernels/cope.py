@@ -13,13 +13,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from model import kernels
+from model.kernels import load
 
 
 @torch.compiler.assume_constant_result  # torch.compile reads the answer, never the build
 def available() -> bool:
     """Whether the kernel is built (or can be): otherwise CoPE uses its torch reference."""
-    return kernels.load("cope") is not None
+    return load("cope") is not None
 
 
 def _flat(scores: Tensor, allowed: Tensor, rows: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -38,7 +38,7 @@ def cope_bias(scores: Tensor, allowed: Tensor, rows: Tensor, scale: float) -> Te
     [B, H, Tq, Tk], ``allowed`` [B|1, 1, Tq, Tk] bool and each query's products with the table's
     rows q·e[k] [B, H, Tq, n] (the scores' dtype): σ(score · scale) gates summed from each key to
     the query, read between the rows (``model.positional.cope.interpolated_logits``)."""
-    extension = kernels.load("cope")
+    extension = load("cope")
     assert extension is not None, "check available() first"
     return extension.forward(*_flat(scores, allowed, rows), scale).view(scores.shape)
 
@@ -53,7 +53,7 @@ def cope_bias_backward(
     grad: Tensor, scores: Tensor, allowed: Tensor, rows: Tensor, scale: float
 ) -> tuple[Tensor, Tensor]:
     """The gradients of :func:`cope_bias` for ``scores`` and ``rows``, given the bias's ``grad``."""
-    extension = kernels.load("cope")
+    extension = load("cope")
     assert extension is not None, "check available() first"
     flat_grad = grad.reshape(scores.shape[0] * scores.shape[1], *scores.shape[2:])
     d_scores, d_rows = extension.backward(flat_grad, *_flat(scores, allowed, rows), scale)

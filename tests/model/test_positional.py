@@ -364,13 +364,19 @@ def runtime_imports(path: Path) -> set[str]:
     return names
 
 
-def test_schemes_import_only_each_other_and_the_config_error() -> None:
-    # Pure tensor code, and no cycle with model.config (which imports the registry).
-    folder = Path(model.positional.__file__).parent
-    for path in sorted(folder.glob("*.py")):
-        ours = {name for name in runtime_imports(path) if name.split(".")[0] == "model"}
-        allowed = {name for name in ours if name.startswith("model.positional")}
-        assert ours - allowed <= {"model.errors"}, path.name
+def test_schemes_import_only_each_other_the_config_error_and_the_kernels() -> None:
+    # Pure tensor code, and no cycle with model.config (which imports the registry); the
+    # kernels (model/kernels: CoPE's) import nothing of the model but each other.
+    folders = {
+        "model.positional": Path(model.positional.__file__).parent,
+        "model.kernels": Path(model.positional.__file__).parent.parent / "kernels",
+    }
+    for package, folder in folders.items():
+        for path in sorted(folder.glob("*.py")):
+            ours = {name for name in runtime_imports(path) if name.split(".")[0] == "model"}
+            own = {name for name in ours if name.startswith(package)}
+            others = {"model.errors", "model.kernels"} if package == "model.positional" else set()
+            assert ours - own <= others, path.name
 
 
 # --------------------------------------------------------------------------------- every scheme
