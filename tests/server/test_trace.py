@@ -597,6 +597,15 @@ def shipped(tmp_path_factory: pytest.TempPathFactory) -> Any:
         yield running
 
 
+def test_the_server_lists_all_fifteen_shipped_models_by_default(shipped: Running) -> None:
+    """No --models: every checkpoint folder is served and listed (issue #25: the ten of the card,
+    fox, cope, fire, prope and drope)."""
+    with httpx.Client(base_url=shipped.url, timeout=60) as client:
+        listed = {entry["id"]: entry for entry in client.get("/v1/models").json()["data"]}
+    assert set(listed) == set(SHIPPED_MODELS) and len(listed) == 15
+    assert {name: entry["scheme"] for name, entry in listed.items()} == SHIPPED_MODELS
+
+
 @pytest.mark.parametrize("scheme", SHIPPED_MODELS)
 def test_the_shipped_models_trace_causal_attention_and_normalised_stages(
     shipped: Running, scheme: str
