@@ -273,7 +273,8 @@ def plot_loss_by_position(reports: list[dict[str, Any]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     figure, axes = plt.subplots(figsize=(12, 6))
-    for index, report in enumerate(reports):
+    lines = 0  # colours follow the lines drawn, not the reports: skipped ones take none
+    for report in reports:
         supported = [r for r in report["results"].values() if r["supported"]]
         label = report_label(report)
         variant = "+" in report["scheme"]  # a rope context extension: dashed
@@ -289,9 +290,10 @@ def plot_loss_by_position(reports: list[dict[str, Any]], path: Path) -> None:
             smooth.tolist(),
             label=f"{label} ({longest['position_windows']} windows)",
             linewidth=1.4,
-            color=series_colour(index),
+            color=series_colour(lines),
             linestyle="--" if variant else "-",
         )
+        lines += 1
     context = reports[0]["context_length"]
     axes.axvline(context, color="grey", linestyle="--", linewidth=1)
     axes.text(context, axes.get_ylim()[1], " training context", va="top", color="grey")

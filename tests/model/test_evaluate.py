@@ -210,6 +210,34 @@ def test_plot_is_written(evaluated: tuple[list[dict[str, Any]], Path]) -> None:
     assert (folder / "plots" / "loss.png").read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
 
 
+def test_every_drawn_line_of_the_plot_has_its_own_colour(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Nineteen lines from twenty-three reports (a renamed rope's variants are not drawn): the
+    skipped reports take no colour, so no two drawn lines share one (the shipped plot's count)."""
+
+    def report(folder: str, scheme: str) -> dict[str, Any]:
+        result = {"supported": True, "window": 4, "loss_by_position": [1.0] * 4}
+        result["position_windows"] = 1
+        return {
+            "checkpoint": f"checkpoints/{folder}",
+            "scheme": scheme,
+            "context_length": 2,
+            "results": {"1x": result},
+        }
+
+    plain = [report(f"s{i}", f"s{i}") for i in range(15)]
+    variants = [report("rope", f"rope+v{i}") for i in range(4)]
+    hidden = [report("prope", f"rope+v{i}") for i in range(4)]
+    figures = []
+    monkeypatch.setattr(
+        model.evaluate, "write_figure_atomic", lambda path, f, **_: figures.append(f)
+    )
+    model.evaluate.plot_loss_by_position(plain + hidden + variants, tmp_path / "loss.png")
+    colours = [line.get_color() for line in figures[0].axes[0].get_lines()[:-1]]  # less the axvline
+    assert len(colours) == 19 and len(set(map(str, colours))) == 19
+
+
 def test_files_among_the_checkpoints_are_skipped_with_a_note(
     one_checkpoint: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
