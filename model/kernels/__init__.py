@@ -37,7 +37,8 @@ def load(name: str) -> ModuleType | None:
             extra_ldflags=["-fopenmp"],
         )
     except (OSError, RuntimeError, ImportError) as error:  # no compiler, no ninja, build failed
-        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error)
+        text = str(error).strip()
+        first_line = text.splitlines()[0] if text else type(error).__name__
         print(
             f"note: the {name} kernel could not be built ({first_line}); using the torch "
             "reference: the same results, slower",

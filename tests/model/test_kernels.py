@@ -18,14 +18,14 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-NAMES = ["bias", "d_q", "d_k", "d_table"]  # what reference_and_kernel returns, in order
+NAMES = ["bias", "d_q", "d_k", "d_table"]  # what gradients returns, in order
 
 
 def inputs(
     batch: int, heads: int, queries: int, keys: int, head_dim: int, rows: int, seed: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Queries, keys, a table and a ragged mask: each query sees a random prefix-free subset of
-    the keys up to its own (so some blocks hide their last keys from every query)."""
+    """Queries, keys, a table and a ragged mask: each query sees a random four fifths of the keys
+    up to its own (so blocks of queries hide their last keys from all of them)."""
     generator = torch.Generator().manual_seed(seed)
     q = torch.randn(batch, heads, queries, head_dim, generator=generator) * 2
     k = torch.randn(batch, heads, keys, head_dim, generator=generator) * 2
@@ -36,20 +36,36 @@ def inputs(
     return q, k, table, allowed
 
 
-def reference_and_kernel(q, k, table, allowed, grad):
-    """(bias, d_q, d_k, d_table) from the reference and from the kernel, each given ``grad``."""
-    results = []
-    for use_kernel in (False, True):
-        q_, k_, t_ = (x.detach().clone().requires_grad_() for x in (q, k, table))
-        if use_kernel:
-            scores, rows = q_ @ k_.transpose(-2, -1), q_ @ t_.T.to(q_.dtype)
-            bias = cope_kernel.cope_bias(scores, allowed, rows, 1 / math.sqrt(q.shape[-1]))
-        else:  # the definition, in float32
-            q32, k32 = q_.float(), k_.float()
-            bias = interpolated_logits(q32, t_, contextual_positions(q32, k32, allowed))
-        bias.backward(grad.to(bias.dtype))
-        results.append(tuple(x.detach().float() for x in (bias, q_.grad, k_.grad, t_.grad)))
-    return results
+def gradients(bias_of, q, k, table, grad) -> list[torch.Tensor]:
+    """(bias, d_q, d_k, d_table) in float32 of ``bias_of(q, k, table)``, given ``grad``."""
+    q_, k_, t_ = (x.detach().clone().requires_grad_() for x in (q, k, table))
+    bias = bias_of(q_, k_, t_)
+    bias.backward(grad.to(bias.dtype))
+    return [x.detach().float() for x in (bias, q_.grad, k_.grad, t_.grad)]
+
+
+def reference_gradients(q, k, table, allowed, grad) -> list[torch.Tensor]:
+    """The definition's, in float32."""
+    return gradients(
+        lambda q, k, t: interpolated_logits(q, t, contextual_positions(q, k, allowed)),
+        q,
+        k,
+        table,
+        grad,
+    )
+
+
+def kernel_gradients(q, k, table, allowed, grad, dtype=torch.float32, round_inputs=False):
+    """The kernel's, run in ``dtype`` (with ``round_inputs``: in float32 on scores and rows
+    rounded as bfloat16 rounds them)."""
+
+    def bias_of(q, k, t):
+        scores, rows = q.to(dtype) @ k.to(dtype).transpose(-2, -1), q.to(dtype) @ t.T.to(dtype)
+        if round_inputs:
+            scores, rows = scores.bfloat16().float(), rows.bfloat16().float()
+        return cope_kernel.cope_bias(scores, allowed, rows, 1 / math.sqrt(q.shape[-1]))
+
+    return gradients(bias_of, q, k, table, grad)
 
 
 @pytest.mark.parametrize(
@@ -59,23 +75,12 @@ def reference_and_kernel(q, k, table, allowed, grad):
 def test_the_kernel_equals_the_reference_forward_and_backward(queries, keys, rows) -> None:
     q, k, table, allowed = inputs(2, 3, queries, keys, 8, rows, seed=queries)
     grad = torch.randn(2, 3, queries, keys, generator=torch.Generator().manual_seed(1))
-    reference, kernel = reference_and_kernel(q, k, table, allowed, grad)
+    reference = reference_gradients(q, k, table, allowed, grad)
+    kernel = kernel_gradients(q, k, table, allowed, grad)
     if rows == 8:  # positions ran past the table: the clamp was exercised
         assert float(contextual_positions(q, k, allowed).max()) > rows
     for name, expected, got in zip(NAMES, reference, kernel, strict=True):
         torch.testing.assert_close(got, expected, atol=2e-4, rtol=2e-4, msg=name)
-
-
-def kernel_gradients(q, k, table, allowed, grad, dtype, round_scores=False):
-    """(bias, d_q, d_k, d_table) of the kernel run in ``dtype``, in float32."""
-    q_, k_, t_ = (x.detach().clone().requires_grad_() for x in (q, k, table))
-    scores = q_.to(dtype) @ k_.to(dtype).transpose(-2, -1)
-    rows = q_.to(dtype) @ t_.T.to(dtype)
-    if round_scores:  # float32 everywhere but the inputs, rounded as bfloat16 rounds them
-        scores, rows = scores.bfloat16().float(), rows.bfloat16().float()
-    bias = cope_kernel.cope_bias(scores, allowed, rows, 1 / math.sqrt(q.shape[-1]))
-    bias.backward(grad.to(bias.dtype))
-    return [x.detach().float() for x in (bias, q_.grad, k_.grad, t_.grad)]
 
 
 def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
@@ -91,9 +96,9 @@ def test_in_bfloat16_only_the_inputs_rounding_differs() -> None:
     q, k, table, allowed = inputs(2, 2, 48, 48, 16, 32, seed=3)
     q, k, table = q.bfloat16().float(), k.bfloat16().float(), table.bfloat16().float()
     grad = torch.randn(2, 2, 48, 48, generator=torch.Generator().manual_seed(2))
-    reference, _ = reference_and_kernel(q, k, table, allowed, grad)
+    reference = reference_gradients(q, k, table, allowed, grad)
     in_bfloat16 = kernel_gradients(q, k, table, allowed, grad, torch.bfloat16)
-    rounded = kernel_gradients(q, k, table, allowed, grad, torch.float32, round_scores=True)
+    rounded = kernel_gradients(q, k, table, allowed, grad, round_inputs=True)
     assert relative_error(in_bfloat16[0], reference[0]) < 0.01  # the bias
     assert relative_error(in_bfloat16[3], reference[3]) < 0.01  # the table's gradient
     for name, expected, got in zip(NAMES, rounded, in_bfloat16, strict=True):
