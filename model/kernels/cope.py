@@ -1,4 +1,4 @@
-"""CoPE's bias as one custom op with its own gradient, for training on a CPU.
+"""CoPE's bias as one custom op with its own gradient, for training and decoding on a CPU.
 
 The reference (``model.positional.cope``) takes a dozen passes over [B, H, Tq, Tk] tensors per
 layer — sigmoid, a reversed cumulative sum, floor and ceil, two gathers — and its backward two
@@ -30,6 +30,19 @@ def _flat(scores: Tensor, allowed: Tensor, rows: Tensor) -> tuple[Tensor, Tensor
         allowed.reshape(-1, length, keys),
         rows.reshape(batch * heads, length, rows.shape[-1]),
     )
+
+
+def decode_bias(
+    queries: Tensor, keys: Tensor, table: Tensor, allowed: Tensor, scale: float
+) -> Tensor:
+    """CoPE's bias [B, H, Tq, Tk] for a pass without gradients in float32 (decoding), from
+    ``queries`` [B, H, Tq, hd], ``keys`` [B, H, Tk, hd] (views into the cache will do), the
+    layer's ``table`` [n, hd] and ``allowed`` [B|1, 1, Tq, Tk] bool. The kernel computes the
+    scores and rows itself, for the keys each block of queries sees: a decode step's one query
+    per head costs no score tensor and no matrix products."""
+    extension = load("cope")
+    assert extension is not None, "check available() first"
+    return extension.decode(queries, keys, table, allowed, scale)
 
 
 @torch.library.custom_op("ordinal::cope_bias", mutates_args=())

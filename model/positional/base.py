@@ -13,8 +13,8 @@ attention layer, from what that layer sees:
 
 (d) ``key_state(layer, hidden)``: per-head scalars of each new token that later queries need
     (FoX's log forget gates), kept in the KV cache beside the token's key (``keeps_key_state``);
-(e) ``layer_bias(layer, queries, keys, key_state, allowed)``: the layer's additive score bias,
-    from its queries, every key they may see and those keys' states.
+(e) ``layer_bias(layer, queries, keys, key_state, allowed, explain)``: the layer's additive
+    score bias, from its queries, every key they may see and those keys' states.
 
 The defaults contribute nothing, so ``none`` (NoPE) is the base class itself.
 Schemes are pure tensor code: they know positions and tensors, never tokens, caches or requests.
@@ -118,11 +118,14 @@ class PositionalScheme(nn.Module):
         keys: Tensor,
         key_state: Tensor | None,
         allowed: Tensor,
+        explain: bool = True,
     ) -> LayerBias | None:
         """Layer ``layer``'s score bias, or None. ``queries`` [B, H, Tq, hd] and ``keys``
         [B, H, Tk, hd] (every key the queries may see, the cached ones included); ``key_state``
         [B, H, Tk] what key_state gave for those keys; ``allowed`` [B|1, 1, Tq, Tk] bool, True
-        where query i may see key j (causality; padding and unwritten slots are False)."""
+        where query i may see key j (causality; padding and unwritten slots are False).
+        ``explain``: also fill LayerBias's other fields, which only the trace reads (the model
+        passes False otherwise, and a scheme may then take a faster path to the same bias)."""
         return None
 
     def rotate(self, x: Tensor, positions: Tensor) -> Tensor:

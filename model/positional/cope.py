@@ -12,9 +12,9 @@ the last row are clamped to it, so any length is accepted.
 Everything comes from the layer's queries and the keys they may see, which the KV cache holds
 already: a cached step computes exactly what the full forward does.
 
-The functions here are the definition. Training on a CPU runs the same computation as one C++
-op (``model.kernels.cope``, tested equal to these), which takes a compiled step from about twice
-a T5 step to near one.
+The functions here are the definition, which the trace runs (it shows the positions). Training
+and decoding on a CPU run the same computation as one C++ op (``model.kernels.cope``, tested
+equal to these), which takes a compiled step from about twice a T5 step to near one.
 """
 
 import math
@@ -78,22 +78,22 @@ class ContextualPositions(PositionalScheme):
         keys: Tensor,
         key_state: Tensor | None,
         allowed: Tensor,
+        explain: bool = True,
     ) -> LayerBias:
         table = self.table[layer]
-        if _trains_on_cpu(queries, table) and cope_kernel.available():
-            scores = queries @ keys.transpose(-2, -1)  # in the run's dtype, as attention's
-            rows = queries @ table.T.to(queries.dtype)
-            bias = cope_kernel.cope_bias(scores, allowed, rows, 1 / math.sqrt(queries.shape[-1]))
-            return LayerBias(bias)  # the positions are for tracing, which never trains
+        scale = 1 / math.sqrt(queries.shape[-1])
+        if queries.device.type == "cpu" and cope_kernel.available():
+            if _records_gradients(queries, table):  # training: the op with its backward
+                scores = queries @ keys.transpose(-2, -1)  # in the run's dtype, as attention's
+                rows = queries @ table.T.to(queries.dtype)
+                return LayerBias(cope_kernel.cope_bias(scores, allowed, rows, scale))
+            if not explain and queries.dtype == torch.float32:  # decoding
+                return LayerBias(cope_kernel.decode_bias(queries, keys, table, allowed, scale))
         positions = contextual_positions(queries, keys, allowed)
         bias = interpolated_logits(queries, table, positions)
         return LayerBias(bias, positions=positions)
 
 
-def _trains_on_cpu(queries: Tensor, table: Tensor) -> bool:
-    """Whether this pass records gradients on a CPU: where the C++ kernel takes over."""
-    return (
-        torch.is_grad_enabled()
-        and (queries.requires_grad or table.requires_grad)
-        and queries.device.type == "cpu"
-    )
+def _records_gradients(queries: Tensor, table: Tensor) -> bool:
+    """Whether this pass records gradients (training), for which the kernel's op has a backward."""
+    return torch.is_grad_enabled() and (queries.requires_grad or table.requires_grad)

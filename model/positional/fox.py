@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from model.kernels import fox as fox_kernel
 from model.positional.base import LayerBias, PositionalScheme, sum_back_to_each_key
 
 
@@ -36,6 +37,8 @@ def forgetting_bias(log_gates: Tensor, allowed: Tensor) -> Tensor:
     keys the query may see after j (the query's own included), from the query back: row i of
     the reversed cumulative sum of the gates it may see, shifted by one key.
     """
+    if fox_kernel.applies(log_gates):  # decoding on a CPU: the same sums in one loop
+        return fox_kernel.forgetting_bias(log_gates, allowed)
     from_key = sum_back_to_each_key(log_gates.unsqueeze(-2), allowed)  # Σ over l ≥ j
     return F.pad(from_key[..., 1:], (0, 1))  # Σ over l > j (nothing after the last key)
 
@@ -55,8 +58,10 @@ class ForgettingPositions(PositionalScheme):
 
     def key_state(self, layer: int, hidden: Tensor) -> Tensor:
         """log f_t → [B, H, T] in float32 (it is summed over many tokens)."""
-        logits = hidden.float() @ self.gate_weight[layer].float().T + self.gate_bias[layer].float()
-        return F.logsigmoid(logits).transpose(1, 2)
+        weight, bias = self.gate_weight[layer], self.gate_bias[layer]  # [H, d_model], [H]
+        if hidden.dtype != torch.float32:
+            hidden, weight, bias = hidden.float(), weight.float(), bias.float()
+        return F.logsigmoid(F.linear(hidden, weight, bias)).transpose(1, 2)
 
     def layer_bias(
         self,
@@ -65,6 +70,8 @@ class ForgettingPositions(PositionalScheme):
         keys: Tensor,
         key_state: Tensor | None,
         allowed: Tensor,
+        explain: bool = True,
     ) -> LayerBias:
         assert key_state is not None  # the model hands every layer its keys' states
-        return LayerBias(forgetting_bias(key_state, allowed), gates=key_state.exp())
+        gates = key_state.exp() if explain else None
+        return LayerBias(forgetting_bias(key_state, allowed), gates=gates)

@@ -133,3 +133,19 @@ def test_a_cope_model_trains_through_the_kernel_to_the_reference_gradients(monke
     assert grads.keys() == reference_grads.keys() and "positional.table" in grads
     for name, grad in grads.items():
         torch.testing.assert_close(grad, reference_grads[name], atol=1e-4, rtol=1e-3, msg=name)
+
+
+@pytest.mark.parametrize(("queries", "keys"), [(1, 37), (1, 1), (9, 30), (20, 20)])
+def test_the_decode_path_equals_the_reference_on_cache_views(queries: int, keys: int) -> None:
+    """A pass without gradients (decoding) takes its scores and rows from the kernel itself,
+    reading queries and keys where the model leaves them (strided views of qkv and the cache)."""
+    q, k, table, allowed = inputs(3, 4, queries, keys, 8, 12, seed=keys)
+    padded = torch.zeros(3, 4, keys + 5, 8)  # keys as a view into a longer cache
+    padded[:, :, :keys] = k
+    scale = 1 / math.sqrt(8)
+    expected = interpolated_logits(q, table, contextual_positions(q, k, allowed))
+    got = cope_kernel.decode_bias(
+        q.transpose(1, 2).contiguous().transpose(1, 2), padded[:, :, :keys], table, allowed, scale
+    )
+    seen = allowed.expand_as(expected)
+    torch.testing.assert_close(got[seen], expected[seen], rtol=1e-4, atol=1e-4)

@@ -1,0 +1,58 @@
+"""The projections of a decode step — a few rows times a small weight — in one C++ loop.
+
+A decode step multiplies 1 to 64 rows by each weight. MKL's GEMM is built for large products:
+it packs panels of both operands before multiplying, and at these shapes that costs more than
+the arithmetic (on this project's CPU a step's 17 products at 4L-256d, batch 1, took 0.67 ms
+through MKL and 0.44 ms here; at batch 32 4.8 against 4.1 ms; docs/performance.md). ``linear.cpp``
+streams each weight once per four rows, straight from the column-major layout the model keeps.
+
+It also makes the projections batch-invariant: every output is the same chain of multiply-adds
+whatever the number of rows, so a row's projections are the same bits alone and in any batch
+(MKL's are not: it blocks differently by shape), and so are its logits where the scheme's own
+ops are row by row too (tests/model/kernels/test_linear.py). Training (gradients), other dtypes
+and devices, prompts of more than :data:`MAX_ROWS` tokens and CPUs without AVX-512 keep
+``F.linear``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import Tensor
+
+from model.kernels import load
+
+# Above this many rows MKL's packing pays for itself (at 64 rows the two are level).
+MAX_ROWS = 64
+
+
+@functools.cache
+def ready() -> bool:
+    """Whether the kernel is built (building it on first call) and this CPU has AVX-512."""
+    extension = load("linear")
+    return extension is not None and bool(extension.vectorised())
+
+
+def applies(x: Tensor, weight: Tensor) -> bool:
+    """Whether ``x`` [..., in] · ``weight``ᵀ runs here: no gradient, float32 on a CPU, at most
+    MAX_ROWS rows, the weight stored column-major, outside torch.compile."""
+    return (
+        not torch.is_grad_enabled()
+        and x.dtype is torch.float32
+        and x.is_cpu
+        and x.numel() <= MAX_ROWS * x.shape[-1]
+        and weight.stride(0) == 1
+        and weight.dtype is torch.float32
+        and not torch.compiler.is_compiling()
+        and ready()
+    )
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """``F.linear(x, weight, bias)`` for ``x`` [..., in] → [..., out] (check :func:`applies`)."""
+    extension = load("linear")
+    assert extension is not None, "check applies() first"
+    rows = x.reshape(-1, x.shape[-1])
+    out = extension.linear(rows if rows.is_contiguous() else rows.contiguous(), weight, bias)
+    return out.view(*x.shape[:-1], weight.shape[0])

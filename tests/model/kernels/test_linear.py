@@ -1,0 +1,92 @@
+"""The decode-sized linear kernel (model/kernels/linear.cpp) computes F.linear, gives a row the
+same bits alone and in any batch, and runs only where it applies."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from model.kernels import linear as linear_kernel
+from model.transformer import Linear, Transformer, _store_column_major
+from tests.model.conftest import random_model, random_tokens, tiny_config
+
+pytestmark = pytest.mark.skipif(
+    not linear_kernel.ready(), reason="the linear kernel needs a C++ compiler and AVX-512"
+)
+
+
+def column_major_linear(inputs: int, outputs: int, bias: bool, seed: int) -> Linear:
+    torch.manual_seed(seed)
+    linear = Linear(inputs, outputs, bias=bias)
+    _store_column_major(linear)
+    return linear
+
+
+# Outputs: whole blocks of 64, a ragged last block, fewer than one vector, and the shipped
+# vocabulary; inputs past one block of 128 and not a multiple of it.
+@pytest.mark.parametrize(
+    ("inputs", "outputs", "bias"),
+    [(128, 384, False), (256, 768, True), (300, 77, True), (7, 5, True), (128, 2048, False)],
+)
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 17, 64])
+def test_the_kernel_computes_f_linear(inputs: int, outputs: int, bias: bool, rows: int) -> None:
+    linear = column_major_linear(inputs, outputs, bias, seed=rows)
+    x = torch.randn(1, rows, inputs)
+    with torch.no_grad():
+        assert linear_kernel.applies(x, linear.weight)
+        got = linear(x)
+        bias64 = None if linear.bias is None else linear.bias.double()
+        expected = F.linear(x.double(), linear.weight.double(), bias64)
+    assert got.shape == (1, rows, outputs) and got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(("inputs", "outputs"), [(256, 768), (300, 77)])
+def test_a_rows_output_is_the_same_bits_alone_and_in_any_batch(inputs: int, outputs: int) -> None:
+    linear = column_major_linear(inputs, outputs, bias=True, seed=0)
+    batch = torch.randn(37, inputs)
+    with torch.no_grad():
+        together = linear(batch)
+        for row in range(37):
+            assert torch.equal(linear(batch[row : row + 1])[0], together[row]), row
+        assert torch.equal(linear(batch[5:9]), together[5:9])
+
+
+def test_it_applies_only_to_decoding_in_float32_on_a_cpu() -> None:
+    linear = column_major_linear(16, 32, bias=True, seed=0)
+    few, many = torch.randn(2, 8, 16), torch.randn(2, linear_kernel.MAX_ROWS, 16)
+    with torch.no_grad():
+        assert linear_kernel.applies(few, linear.weight)
+        assert not linear_kernel.applies(many, linear.weight)  # a long prompt: MKL's GEMM
+        assert not linear_kernel.applies(few.bfloat16(), linear.weight)
+        row_major = torch.nn.Linear(16, 32)  # not stored column-major
+        assert not linear_kernel.applies(few, row_major.weight)
+    assert not linear_kernel.applies(few, linear.weight)  # gradients: autograd's F.linear
+
+
+def test_every_projection_of_the_model_is_a_column_major_kernel_linear() -> None:
+    model = Transformer(tiny_config("rope"))
+    linears = [module for module in model.modules() if isinstance(module, torch.nn.Linear)]
+    assert linears and all(isinstance(module, Linear) for module in linears)
+    assert all(module.weight.stride(0) == 1 for module in linears)
+
+
+@pytest.mark.parametrize("scheme", ["rope", "alibi", "t5", "learned"])
+def test_a_decoded_rows_logits_are_the_same_bits_alone_and_in_a_batch(scheme: str) -> None:
+    """A prompt and one cached step, whole: with the projections row by row, every op of these
+    schemes' passes treats rows alike (fox's gates are a torch matmul, whose GEMM does not)."""
+    from model.cache import KVCache
+
+    model = random_model(scheme, seed=2)
+    prompts = random_tokens(5, 9, seed=3)
+    config = model.config
+    with torch.inference_mode():
+        cache = KVCache(config, rows=5, max_length=16)
+        model(prompts, cache)
+        together = model(prompts[:, -1:], cache)
+        for row in range(5):
+            alone_cache = KVCache(config, rows=1, max_length=16)
+            model(prompts[row : row + 1], alone_cache)
+            alone = model(prompts[row : row + 1, -1:], alone_cache)
+            assert torch.equal(alone[0], together[row]), row
