@@ -126,6 +126,7 @@ def load_all(
         started = time.perf_counter()
         try:
             model, tokenizer = load_checkpoint(folder, device, config.dtype)
+            warm_up(model)
             loaded = prepare(name, name, model, tokenizer, config.max_context, started)
         except Exception as error:
             yield ModelFailed(name, failure_message(error, root))
@@ -134,6 +135,14 @@ def load_all(
         if model.config.scheme == "rope":
             for variant in config.rope_variants:
                 yield variant_of(loaded, variant, config.max_context)
+
+
+def warm_up(model: Transformer) -> None:
+    """One tiny forward before the model serves: it builds the C++ kernels its decoding uses
+    (``model.kernels``: about half a minute each, once per machine) here, on the loader thread,
+    rather than in the first request's step."""
+    with torch.inference_mode():
+        model(torch.zeros(1, 2, dtype=torch.long, device=model.lm_head.weight.device))
 
 
 def variant_of(base: LoadedModel, variant: str, max_context: int | None) -> LoadedModel:
