@@ -21,6 +21,7 @@ socket closes, so it never outlives the API process.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import queue
@@ -134,6 +135,11 @@ class EngineCore:
                     self.config.prefix_cache_tokens,
                 )
                 self.channel.send(ModelLoaded(result.info()))
+                # A full collection walks every tracked object: with ten models loaded, 300k of
+                # them, 138 ms during which no stream gets a token. What exists once a model is
+                # loaded lives as long as the process, so it is frozen out of the collector's
+                # way (as vLLM's engine does); the collections go on for what comes later.
+                gc.freeze()
 
     def handle(self, message: ToEngine) -> None:
         if isinstance(message, Submit):
