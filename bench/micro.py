@@ -5,7 +5,10 @@
 2. Exact (erf) GELU against GPT-2's tanh form.
 3. One sampling step: rows with top-p (a sort of the vocabulary) against temperature only
    (drawn in vocabulary order).
-4. The engine process without HTTP: the shipped rope checkpoint decoding 1 and 32 sampled
+4. The decode kernel for projections (``model.kernels.linear``) against ``F.linear`` (MKL): a
+   decode step's 17 products at 4L-256d-v4096, with the weights in cache and evicted, and whole
+   greedy decodes with the kernel on and off (interleaved rounds, medians).
+5. The engine process without HTTP: the shipped rope checkpoint decoding 1 and 32 sampled
    streams of 256 tokens after a 32-token prompt, with a frame sent every step
    (``stream_interval`` 0) and at most every 20 ms — what the server costs before any HTTP work.
 
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import statistics
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -32,12 +36,16 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
-from bench.decode import NEW_TOKENS, PROMPT_TOKENS
+from bench.decode import GPT2_LAYOUT, GREEDY, NEW_TOKENS, PROMPT_TOKENS, model_sizes
 from bench.run import rate, ratio, table
 from model.checkpoint import load_checkpoint
+from model.config import ModelConfig
 from model.decode import DecodeBatch, Row, Tokens
+from model.generate import decode_tokens
+from model.kernels import linear as linear_kernel
 from model.sampling import RowSampler, SamplingBatch
 from model.sampling_params import SamplingParams
+from model.transformer import Transformer
 from server.api.job import Job
 from server.api.service import Service
 from server.api.settings import Settings
@@ -71,6 +79,73 @@ def linear_layouts() -> str:
             )
     header = ["product", "row-major µs", "column-major µs"]
     return "F.linear, weight layouts:\n\n" + table(header, rows)
+
+
+# A decode step's products at 4L-256d-v4096 (bench.decode's larger size), in, out: qkv, the
+# attention's output, the MLP's up and down for each of 4 layers, then the unembedding.
+STEP_PRODUCTS = ((256, 768), (256, 256), (256, 1024), (1024, 256)) * 4 + ((256, 4096),)
+
+
+def linear_kernel_products(rounds: int = 30) -> str:
+    """The step's 17 products through F.linear and through the kernel, timed as a chain; 'cold'
+    evicts the weights (a pass over 48 MB, past the L3 cache) before each chain."""
+    if not linear_kernel.ready():
+        return "The linear kernel could not be built here (no compiler or no AVX-512).\n"
+    weights = [torch.randn(inputs, outputs).t() for inputs, outputs in STEP_PRODUCTS]
+    biases = [torch.randn(outputs) for _, outputs in STEP_PRODUCTS]
+    evict = torch.empty(12_000_000)
+    rows = []
+    for batch in (1, 4, 32):
+        inputs = {width: torch.randn(batch, width) for width, _ in STEP_PRODUCTS}
+
+        def chain(product: Callable[..., torch.Tensor], inputs: dict = inputs) -> None:
+            for (width, _), weight, bias in zip(STEP_PRODUCTS, weights, biases, strict=True):
+                product(inputs[width], weight, bias)
+
+        for label, cold in (("in cache", False), ("evicted", True)):
+            times: dict[str, list[float]] = {"mkl": [], "kernel": []}
+            for _ in range(rounds):
+                for name, product in (("mkl", F.linear), ("kernel", linear_kernel.linear)):
+                    if cold:
+                        evict.fill_(1.0)
+                    start = time.perf_counter()
+                    chain(product)
+                    times[name].append(time.perf_counter() - start)
+            mkl, kernel = (1e3 * statistics.median(times[name]) for name in ("mkl", "kernel"))
+            rows.append([str(batch), label, f"{mkl:.3f}", f"{kernel:.3f}", f"{mkl / kernel:.2f}×"])
+    header = ["rows", "weights", "F.linear (MKL) ms", "kernel ms", "speed-up"]
+    return "A decode step's 17 products, 4L-256d-v4096:\n\n" + table(header, rows)
+
+
+def linear_kernel_decode(rounds: int = 7) -> str:
+    """Greedy decodes (32-token prompt, 128 tokens) with the kernel on and off in turn."""
+    if not linear_kernel.ready():
+        return ""
+    rows = []
+    sizes = model_sizes(Path("checkpoints"))
+    for size, layout in (
+        ("shipped", {"positional": {"scheme": "rope"}}),
+        ("4L-256d-v4096", GPT2_LAYOUT),
+    ):
+        torch.manual_seed(0)
+        model = Transformer(ModelConfig.from_dict({**sizes[size], **layout})).eval()
+        for batch in (1, 32):
+            prompts = torch.randint(3, model.config.vocab_size, (batch, PROMPT_TOKENS)).tolist()
+            rates: dict[int, list[float]] = {linear_kernel.MAX_ROWS: [], 0: []}
+            for _ in range(rounds):
+                for max_rows in rates:
+                    linear_kernel.MAX_ROWS, kept = max_rows, linear_kernel.MAX_ROWS
+                    start = time.perf_counter()
+                    for _ in decode_tokens(model, prompts, 128, GREEDY):
+                        pass
+                    rates[max_rows].append(batch * 128 / (time.perf_counter() - start))
+                    linear_kernel.MAX_ROWS = kept
+            on, off = (statistics.median(rates[key]) for key in rates)
+            rows.append([size, str(batch), rate(off), rate(on), f"{on / off:.2f}×"])
+    header = ["size", "batch", "F.linear tokens/s", "kernel tokens/s", "ratio"]
+    return "Greedy decode, the kernel off and on (medians of interleaved rounds):\n\n" + table(
+        header, rows
+    )
 
 
 def gelu_forms() -> str:
@@ -194,7 +269,8 @@ def main() -> None:
             print(step_profile(args.checkpoint), flush=True)
         return
     with torch.inference_mode():
-        for section in (linear_layouts, gelu_forms, sampling_paths):
+        sections = (linear_layouts, linear_kernel_products, linear_kernel_decode)
+        for section in (*sections, gelu_forms, sampling_paths):
             print(section() + "\n", flush=True)
     print(engine_without_http(args.checkpoint), flush=True)
 

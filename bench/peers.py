@@ -23,10 +23,11 @@ interleaved within each round with an idle gap before each run, medians over ``-
 inter-token gaps come from a second ordinal server with ``--stream-interval 0`` (every token its
 own event, as the peers send them). The table, with ordinal's ratio to each peer, goes into
 docs/benchmarks.md (re-rendered with ``bench.run``'s other results) from bench/results/peers.json.
-The final figures are taken on a quiet machine with:
+``bench/install-peers.sh`` installs both outside the repository (vLLM's CPU build, and the C++
+``llama-server`` built from the llama.cpp source in llama-cpp-python's source package). The
+final figures are taken on a quiet machine with:
 
-    python -m bench.peers --load --rounds 5 \
-        --llama-cpp-python /work/peers/venv/bin/python \
+    PATH=/work/peers:$PATH python -m bench.peers --load --rounds 5 \
         --vllm-python /work/peers/vllm-venv/bin/python
 
 and a smoke run of the same path (one round, short requests, nothing written to the docs) is
