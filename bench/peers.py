@@ -333,8 +333,18 @@ def measure_load(args: argparse.Namespace, engines: list[str]) -> dict[str, Any]
         "loads": [{"label": label, "streams": n, "tokens": t} for label, n, t in loads],
         "medians": medians,
         "runs": runs,
-        "command": "python -m bench.peers " + " ".join(sys.argv[1:]),
+        "command": reproducing_command(engines),
     }
+
+
+def reproducing_command(engines: list[str]) -> str:
+    """This run's command line, with the PATH that found ``llama-server`` (the C++ server
+    differs from llama-cpp-python's, which runs one request at a time)."""
+    command = "python -m bench.peers " + " ".join(sys.argv[1:])
+    binary = shutil.which("llama-server")
+    if "llama.cpp" in engines and binary:
+        command = f"PATH={Path(binary).parent}:$PATH {command}"
+    return command
 
 
 def main(argv: list[str] | None = None) -> int:

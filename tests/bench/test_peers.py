@@ -69,3 +69,16 @@ def test_the_load_table_gives_ordinals_ratio_to_each_peer() -> None:
     assert "240.0 (ordinal 0.50×)" in rows["| time to first token p99, 32 streams × 128, ms"]
     gap = rows["| inter-token gap p99, 32 streams × 128, ms (ordinal `--stream-interval 0`)"]
     assert "| 16.0 | 20.0 (ordinal 0.80×)" in gap  # from the stream-interval-0 server
+
+
+def test_the_recorded_command_names_the_llama_server_it_found(monkeypatch) -> None:
+    """The C++ llama-server and llama-cpp-python's server differ (one request at a time): the
+    table's command says which one PATH held."""
+    import bench.peers as peers
+
+    monkeypatch.setattr(peers.sys, "argv", ["peers.py", "--load", "--rounds", "5"])
+    monkeypatch.setattr(peers.shutil, "which", lambda name: f"/opt/llama/{name}")
+    found = peers.reproducing_command(["vllm", "llama.cpp"])
+    assert found == "PATH=/opt/llama:$PATH python -m bench.peers --load --rounds 5"
+    monkeypatch.setattr(peers.shutil, "which", lambda name: None)
+    assert peers.reproducing_command(["llama.cpp"]) == "python -m bench.peers --load --rounds 5"
