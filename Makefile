@@ -23,6 +23,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet '$(TORCH)' || \
 		$(PY) -m pip install --quiet '$(TORCH)' --extra-index-url '$(TORCH_INDEX)'
 	$(PY) -m pip install --quiet -e '.[dev]'
+	# The C++ kernels (model/kernels/), built once per machine: ~30 s each, here rather than in
+	# the first server's start. Without a compiler each says so and the torch code runs instead.
+	$(PY) -c "from model.kernels import build_all; build_all()"
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -24,6 +24,16 @@ HERE = Path(__file__).parent
 _CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 
 
+KERNELS = ("linear", "cope", "fox")  # every .cpp here
+
+
+def build_all() -> None:
+    """Build every kernel now (``make setup``), so that the first ``ordinal serve`` on a machine
+    does not spend a minute and a half compiling before its first model serves."""
+    for name in KERNELS:
+        load(name)
+
+
 @functools.cache
 def load(name: str) -> ModuleType | None:
     """The built extension for ``{name}.cpp`` here, or None (with a note) if it cannot be built."""
