@@ -1,4 +1,4 @@
-"""C++ kernels for the few computations torch cannot fuse, built on first use.
+"""C++ kernels for the few computations torch cannot fuse, built by ``make setup`` or on first use.
 
 Each kernel is a ``.cpp`` file here, compiled by torch's own extension builder
 (``torch.utils.cpp_extension``) with the C++ compiler that ``torch.compile`` needs on a CPU anyway,
@@ -16,6 +16,9 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+import torch
+from torch import Tensor
+
 HERE = Path(__file__).parent
 
 # -O3 -march=native: the kernel is built on the machine that runs it. -ffast-math lets the
@@ -25,6 +28,18 @@ _CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 
 
 KERNELS = ("linear", "cope", "fox")  # every .cpp here
+
+
+def decoding_on_cpu(x: Tensor) -> bool:
+    """Whether ``x`` belongs to a pass the decode kernels take: no gradients (autograd cannot
+    see into them), float32 on a CPU, and outside torch.compile (which cannot trace a call
+    into an extension)."""
+    return (
+        not torch.is_grad_enabled()
+        and x.dtype is torch.float32
+        and x.is_cpu
+        and not torch.compiler.is_compiling()
+    )
 
 
 def build_all() -> None:

@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import functools
 
-import torch
 from torch import Tensor
 
-from model.kernels import load
+from model.kernels import decoding_on_cpu, load
 
 
 @functools.cache
@@ -26,13 +25,7 @@ def available() -> bool:
 
 def applies(log_gates: Tensor) -> bool:
     """Whether this pass's bias can come from the kernel: no gradient, float32 on a CPU."""
-    return (
-        not torch.is_grad_enabled()
-        and log_gates.is_cpu
-        and log_gates.dtype is torch.float32
-        and not torch.compiler.is_compiling()
-        and available()
-    )
+    return decoding_on_cpu(log_gates) and available()
 
 
 def forgetting_bias(log_gates: Tensor, allowed: Tensor) -> Tensor:

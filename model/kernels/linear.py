@@ -21,7 +21,7 @@ import functools
 import torch
 from torch import Tensor
 
-from model.kernels import load
+from model.kernels import decoding_on_cpu, load
 
 # Above this many rows MKL's packing pays for itself (at 64 rows the two are level).
 MAX_ROWS = 64
@@ -38,13 +38,10 @@ def applies(x: Tensor, weight: Tensor) -> bool:
     """Whether ``x`` [..., in] · ``weight``ᵀ runs here: no gradient, float32 on a CPU, at most
     MAX_ROWS rows, the weight stored column-major, outside torch.compile."""
     return (
-        not torch.is_grad_enabled()
-        and x.dtype is torch.float32
-        and x.is_cpu
+        decoding_on_cpu(x)
         and x.numel() <= MAX_ROWS * x.shape[-1]
         and weight.stride(0) == 1
         and weight.dtype is torch.float32
-        and not torch.compiler.is_compiling()
         and ready()
     )
 

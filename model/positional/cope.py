@@ -24,6 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from model.kernels import cope as cope_kernel
+from model.kernels import decoding_on_cpu
 from model.positional.base import LayerBias, PositionalScheme, sum_back_to_each_key
 
 
@@ -82,13 +83,13 @@ class ContextualPositions(PositionalScheme):
     ) -> LayerBias:
         table = self.table[layer]
         scale = 1 / math.sqrt(queries.shape[-1])
-        if queries.device.type == "cpu" and cope_kernel.available():
-            if _records_gradients(queries, table):  # training: the op with its backward
-                scores = queries @ keys.transpose(-2, -1)  # in the run's dtype, as attention's
-                rows = queries @ table.T.to(queries.dtype)
-                return LayerBias(cope_kernel.cope_bias(scores, allowed, rows, scale))
-            if not explain and queries.dtype == torch.float32:  # decoding
-                return LayerBias(cope_kernel.decode_bias(queries, keys, table, allowed, scale))
+        if queries.is_cpu and _records_gradients(queries, table) and cope_kernel.available():
+            # training: the op with its backward, which torch.compile keeps in its graph
+            scores = queries @ keys.transpose(-2, -1)  # in the run's dtype, as attention's
+            rows = queries @ table.T.to(queries.dtype)
+            return LayerBias(cope_kernel.cope_bias(scores, allowed, rows, scale))
+        if not explain and decoding_on_cpu(queries) and cope_kernel.available():
+            return LayerBias(cope_kernel.decode_bias(queries, keys, table, allowed, scale))
         positions = contextual_positions(queries, keys, allowed)
         bias = interpolated_logits(queries, table, positions)
         return LayerBias(bias, positions=positions)

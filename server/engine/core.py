@@ -135,7 +135,7 @@ class EngineCore:
                     self.config.prefix_cache_tokens,
                 )
                 self.channel.send(ModelLoaded(result.info()))
-                # A full collection walks every tracked object: with ten models loaded, 300k of
+                # A full collection walks every tracked object: with fifteen models loaded, 300k of
                 # them, 138 ms during which no stream gets a token. What exists once a model is
                 # loaded lives as long as the process, so it is frozen out of the collector's
                 # way (as vLLM's engine does); the collections go on for what comes later.
