@@ -5,7 +5,8 @@ For each model size (the shipped checkpoints' config, and 4 layers / 256 dims / 
 after a warm-up run. Hugging Face transformers' ``GPT2LMHeadModel.generate`` runs at identical
 dimensions (random weights, built from a config, nothing downloaded) against our ``learned``
 scheme in GPT-2's exact layout (biases, tanh GELU), and the ratio is reported from the same run.
-Everything runs on a CUDA GPU in bfloat16 when one is present, else on the CPU in float32.
+Everything runs on a CUDA GPU in bfloat16 when one is present, else on the CPU in float32; on a
+GPU, rope is also timed with its decode steps replayed from CUDA graphs (the default) and without.
 
     python -m bench.decode --out bench/results/decode.json
 """
@@ -13,14 +14,17 @@ Everything runs on a CUDA GPU in bfloat16 when one is present, else on the CPU i
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from model import captured
 from model.config import ModelConfig
 from model.files import write_json_atomic
 from model.generate import decode_tokens
@@ -147,6 +151,37 @@ def rope_on_one_thread(checkpoints: Path, repeats: int) -> float:
         torch.set_num_threads(threads)
 
 
+def graphs_on_and_off(checkpoints: Path, repeats: int) -> dict[str, Any] | None:
+    """On a GPU: rope's decode at each size and batch with its steps replayed from CUDA graphs
+    (the default there) and without (``ORDINAL_CUDA_GRAPHS=0``); None on a CPU."""
+    if not torch.cuda.is_available():
+        return None
+    figures: dict[str, Any] = {}
+    for size_name, fields in model_sizes(checkpoints).items():
+        config = ModelConfig.from_dict({**fields, "positional": {"scheme": "rope"}})
+        figures[size_name] = {}
+        for switch, label in (("1", "graphs"), ("0", "eager")):
+            with graphs_switched(switch):
+                rates = {f"batch_{b}": time_ours(config, b, repeats) for b in BATCHES}
+            figures[size_name][label] = rates
+            print(size_name, label, {k: round(v) for k, v in rates.items()}, flush=True)
+    return figures
+
+
+@contextlib.contextmanager
+def graphs_switched(value: str) -> Iterator[None]:
+    """``ORDINAL_CUDA_GRAPHS`` set to ``value`` for the block (each DecodeBatch reads it)."""
+    before = os.environ.get(captured.SWITCH)
+    os.environ[captured.SWITCH] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[captured.SWITCH]
+        else:
+            os.environ[captured.SWITCH] = before
+
+
 def run(checkpoints: Path, repeats: int, schemes: list[str]) -> dict[str, Any]:
     device, dtype = bench_device()
     results: dict[str, Any] = {
@@ -170,6 +205,7 @@ def run(checkpoints: Path, repeats: int, schemes: list[str]) -> dict[str, Any]:
         print(size_name, "transformers", reference, flush=True)
         results["sizes"][size_name] = {"config": fields, "ours": rows, "transformers": reference}
     results["rope_batch_1_one_thread"] = rope_on_one_thread(checkpoints, repeats)
+    results["cuda_graphs"] = graphs_on_and_off(checkpoints, repeats)
     return results
 
 

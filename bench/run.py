@@ -11,6 +11,7 @@ figure can be redone alone.
     python -m bench.run --quick              # one repeat, rope only, short HTTP levels
     python -m bench.run --stages http        # redo the HTTP figures, reuse the rest
     python -m bench.run --stages             # only re-render the report from the results
+    bench/cuda.sh                            # on a CUDA machine: its tests and figures
 """
 
 from __future__ import annotations
@@ -61,10 +62,9 @@ def machine() -> dict[str, Any]:
 
 def run_stage(stage: str, args: argparse.Namespace) -> Results:
     if stage == "decode":
-        return decode.run(args.checkpoints, 1 if args.quick else 3, args.schemes)
+        return decode.run(args.checkpoints, args.repeats, args.schemes)
     if stage == "http":
-        levels = (2.0, 1) if args.quick else (10.0, 2)
-        return http.run(args.checkpoints, *levels)
+        return http.run(args.checkpoints, args.min_seconds, args.min_rounds)
     if stage == "prefix":
         return prefix.ttft(args.checkpoints.resolve(), 5 if args.quick else 40)
     if stage == "structured":
@@ -141,6 +141,25 @@ def decode_section(results: Results) -> str:
         ]
         parts.append(f"### {size}\n\n" + table(header, rows))
     return "\n".join(parts)
+
+
+def graphs_section(results: Results) -> str:
+    """CUDA graphs on and off (``bench.decode.graphs_on_and_off``), where measured (a GPU)."""
+    figures = results.get("cuda_graphs")
+    if not figures:
+        return ""
+    rows = []
+    for size, data in figures.items():
+        for batch in data["graphs"]:
+            graphs, eager = data["graphs"][batch], data["eager"][batch]
+            label = batch.replace("_", " ")
+            rows.append([size, label, rate(graphs), rate(eager), ratio(divide(graphs, eager))])
+    header = ["size", "batch", "CUDA graphs (default)", "eager", "graphs ÷ eager"]
+    return (
+        "## CUDA graphs\n\nrope, tokens/s, decode steps replayed from CUDA graphs "
+        "(`model/captured.py`) and eager (`ORDINAL_CUDA_GRAPHS=0`), same run.\n\n"
+        + table(header, rows)
+    )
 
 
 # Our decode ÷ transformers' generate at 4L-256d-v4096 (issue #23; #12 asked 2× at both).
@@ -622,6 +641,7 @@ def render(results: dict[str, Results]) -> str:
     sections: list[tuple[str, Callable[[], str]]] = [
         ("targets", lambda: targets_section(results)),
         ("decode", lambda: decode_section(decoded) + "\n" + transformers_section(decoded)),
+        ("decode", lambda: graphs_section(decoded)),
         ("http", lambda: http_section(results["http"], in_process, one_thread)),
         ("http", lambda: memory_section(results["http"])),
         ("bound", lambda: bound_section(results["bound"], measured_rates(results))),
@@ -631,7 +651,7 @@ def render(results: dict[str, Results]) -> str:
     ]
     # The targets need both the decode and the HTTP figures.
     present = set(results) | ({"targets"} if {"decode", "http"} <= set(results) else set())
-    body = [make() for stage, make in sections if stage in present]
+    body = [text for stage, make in sections if stage in present and (text := make())]
     intro = "# Benchmarks\n\nWritten by `make bench` (`python -m bench.run`); "
     intro += "targets are shown beside the figures, ✓ where this run met them.\n\n"
     return intro + machine_section(results["machine"], decoded) + "\n" + "\n".join(body)
@@ -650,8 +670,15 @@ def main() -> None:
     parser.add_argument(
         "--stages", nargs="*", choices=STAGES, default=list(STAGES), help="none: only re-render"
     )
+    parser.add_argument("--repeats", type=int, help="decode: timed runs each (default 3)")
+    parser.add_argument("--min-seconds", type=float, help="http: per level (default 10)")
+    parser.add_argument("--min-rounds", type=int, help="http: per level (default 2)")
     args = parser.parse_args()
     args.schemes = args.schemes or (["rope"] if args.quick else list(SCHEMES))
+    defaults = {"repeats": (1, 3), "min_seconds": (2.0, 10.0), "min_rounds": (1, 2)}
+    for name, (quick, full) in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, quick if args.quick else full)
 
     if "decode" in args.stages:  # the page's header dates the decode run (and the machine)
         write_json_atomic(args.results / "machine.json", machine())

@@ -55,6 +55,7 @@ class KVCache:
         self.lengths = torch.zeros(rows, dtype=torch.long)
         self._offsets = torch.arange(max_length)
         self.keys = self.values = torch.empty(0)
+        self.generation = 0  # counts allocations: a captured step holds the tensors' addresses
         self._allocate(*self._reserve)
 
     @property
@@ -95,6 +96,7 @@ class KVCache:
                 if old.numel():
                     new[:, kept[0], :, kept[1]] = old[:, kept[0], :, kept[1]]
         self.keys, self.values, self.states = keys, values, states
+        self.generation += 1
         self._layer_keys, self._layer_values = keys.unbind(0), values.unbind(0)
         self._layer_states = states.unbind(0) if self._keeps_state else ()
 
@@ -150,6 +152,22 @@ class KVCache:
         device = self.keys.device
         scatter = (row_index.to(device), token_index.to(device), slots.to(device))
         return CacheWrite(rows, positions, end, key_length, None, scatter)
+
+    def static_plan(self, rows: int, positions: Tensor) -> CacheWrite:
+        """The write of a captured decode step (``model.captured``): one token for each of the
+        first ``rows`` rows, at ``positions`` [rows, 1] (a buffer on the cache's device, filled
+        before each replay), every allocated slot a key (masked past each row's position), so
+        that the step's shapes stay fixed until the cache grows. Its caller advances the rows'
+        lengths (:meth:`advance`): ``end`` is on the device."""
+        index = torch.arange(rows, device=positions.device)
+        scatter = (index, torch.zeros_like(index), positions[:, 0])
+        return CacheWrite(
+            slice(0, rows), positions, positions[:, 0] + 1, self.allocated[1], None, scatter
+        )
+
+    def advance(self, rows: int) -> None:
+        """The first ``rows`` rows hold one more token (a captured step's write)."""
+        self.lengths[:rows] += 1
 
     def make_room(self, key_length: int) -> None:
         """Allocate ``key_length`` slots per row now (CacheFull past the most), so that the

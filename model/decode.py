@@ -29,6 +29,7 @@ from typing import Generic, Protocol, TypeVar
 import torch
 from torch import Tensor
 
+from model import captured
 from model.cache import KVCache
 from model.sampling import RowSampler, SamplingBatch, token_logprobs
 from model.sampling_params import FailureReason
@@ -93,7 +94,9 @@ class DecodeBatch(Generic[R]):
     mask exact. ``grow``: allocate the cache for a few short rows and grow it on demand (a
     server, whose batch is mostly not full); :meth:`shrink` gives it back once the batch is
     empty (the server waits until a model has been idle a while: allocating and zeroing the
-    cache again for the next request cost ~1 ms of its time to first token).
+    cache again for the next request cost ~1 ms of its time to first token). ``graphs``:
+    replay decode steps from CUDA graphs (``model.captured``; None: on a GPU unless
+    ``ORDINAL_CUDA_GRAPHS=0``).
     """
 
     def __init__(
@@ -105,6 +108,7 @@ class DecodeBatch(Generic[R]):
         filler: int,
         *,
         grow: bool = False,
+        graphs: bool | None = None,
     ) -> None:
         weights = model.token_embedding.weight
         self.model = model
@@ -124,6 +128,17 @@ class DecodeBatch(Generic[R]):
         self._logprob_rows: Tensor | None = None
         self._logprob_top = 0
         self._changed = False
+        # Decode steps replayed from CUDA graphs (model.captured): by default on a GPU only.
+        # graphs=True off a GPU runs the same fixed-shape steps eagerly (the tests do).
+        if graphs is None:
+            graphs = captured.wanted(self.device)
+        self.captured = (
+            captured.CapturedDecode(
+                model, self.cache, self.inputs, replay=self.device.type == "cuda"
+            )
+            if graphs
+            else None
+        )
 
     def __len__(self) -> int:
         return len(self.members)
@@ -164,6 +179,10 @@ class DecodeBatch(Generic[R]):
     def _decode(self) -> Tensor:
         """One cached step for every decoding row, fed its last sampled token → logits [d, V]."""
         n = self.decoding
+        if self.captured is not None:
+            logits = self.captured.logits(n)
+            if logits is not None:
+                return logits[:, : self.vocab]
         tokens = self.inputs[:n].unsqueeze(1)
         return self.model(tokens, self.cache, rows=slice(0, n), last_only=True)[:, : self.vocab]
 

@@ -373,6 +373,7 @@ class Transformer(nn.Module):
         last_only: bool = False,
         recorder: AttentionRecorder | None = None,
         intervention: Intervention | None = None,
+        plan: CacheWrite | None = None,
     ) -> Tensor:
         """Logits for ``tokens`` [B, T] → [B, T, vocab] (or [B, vocab] with ``last_only``).
 
@@ -383,19 +384,24 @@ class Transformer(nn.Module):
         the rest is right-padding that is neither stored nor attended to.
         ``recorder`` (tracing) collects each layer's attention weights; see AttentionRecorder.
         ``intervention`` (tracing, no cache) changes the pass; see Intervention.
+        ``plan``: the cache write planned by the caller (a captured decode step's,
+        ``KVCache.static_plan``), who then advances the rows' lengths itself.
         """
         batch, length = tokens.shape
         device = tokens.device
         if intervention is not None and cache is not None:
             raise ValueError("an intervention changes an uncached forward pass only")
+        if plan is not None and cache is None:
+            raise ValueError("a planned write needs the cache it was planned for")
+        planned_by_caller = plan is not None
         if cache is None:
-            plan = None
             positions = torch.arange(length, device=device).unsqueeze(0)  # [1, T]
             if intervention is not None and intervention.position_offset:
                 positions = positions + intervention.position_offset
             key_positions = positions[0]
         else:
-            plan = cache.positions(rows or slice(0, batch), length, new_counts)
+            if plan is None:
+                plan = cache.positions(rows or slice(0, batch), length, new_counts)
             if plan.positions.shape[0] != batch:
                 raise ValueError(
                     f"rows={rows} selects {plan.positions.shape[0]} cache rows for a batch of "
@@ -425,7 +431,7 @@ class Transformer(nn.Module):
                 x = block(x, rotation, mask, cache, plan, layer, recorder, self.positional, gates)
             if recorder is not None:
                 recorder.residuals.append(x)
-        if cache is not None:
+        if cache is not None and not planned_by_caller:
             assert plan is not None  # planned above, with the cache
             cache.commit(plan)
 

@@ -135,9 +135,17 @@ class PositionalScheme(nn.Module):
             return x
         return apply_rotation(x, *rotation)
 
+    def reserve(self, n_positions: int, device: torch.device) -> tuple[Tensor, ...]:
+        """Build now every table a pass over positions below ``n_positions`` reads, and return
+        those tables: a captured decode step (``model.captured``) cannot build one, and keeps
+        what it read alive. None here; rope grows its cos/sin table."""
+        return ()
+
     def check_positions(self, positions: Tensor) -> None:
         """Raise PositionOutOfRange if any position is at or past ``max_positions``."""
         if self.max_positions is None or positions.numel() == 0:
+            return
+        if capturing(positions):  # a captured step's caller checked them on the host
             return
         largest = int(positions.max())
         if largest >= self.max_positions:
@@ -148,6 +156,12 @@ class PositionalScheme(nn.Module):
 
     def extra_repr(self) -> str:
         return f"scheme={self.name!r}, params={self.params}"
+
+
+def capturing(tensor: Tensor) -> bool:
+    """Whether ``tensor``'s device is recording a CUDA graph now: reading a value back to the
+    host (``int(positions.max())``) would break the capture."""
+    return tensor.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def positions_table(n_positions: int, device: torch.device | None = None) -> Tensor:

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from model.positional.base import PositionalScheme
+from model.positional.base import PositionalScheme, capturing, positions_table
 from model.positional.rotation import Rotation, apply_rotation
 from model.positional.sinusoidal import position_angles
 
@@ -160,7 +160,8 @@ class RotaryPositions(PositionalScheme):
     def rotation(self, positions: Tensor) -> Rotation:
         # A decode step looks its positions up in one cos/sin table instead of recomputing the
         # angles (which cost rope a fifth of a small model's per-token time).
-        needed = int(positions.max()) + 1 if positions.numel() else 0
+        # While a step is captured its table was reserved (and reading positions would sync).
+        needed = int(positions.max()) + 1 if positions.numel() and not capturing(positions) else 0
         table = self._table
         stale = (
             self.params.scaling == "dynamic" and self._dynamic_length(needed) != self._table_length
@@ -175,6 +176,11 @@ class RotaryPositions(PositionalScheme):
             table = self._table = self._build_table(size, needed, positions.device)
         cos, sin = table  # [N, rot]
         return cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)  # [B, 1, T, rot]
+
+    def reserve(self, n_positions: int, device: torch.device) -> tuple[Tensor, ...]:
+        self.rotation(positions_table(n_positions, device))
+        assert self._table is not None  # built by rotation()
+        return self._table
 
     def _dynamic_length(self, needed: int) -> int:
         """The length dynamic NTK scales for: the current one past L, else L (the trained base)."""

@@ -66,3 +66,18 @@ def test_the_report_opens_with_each_target_of_issues_12_and_23_measured(results:
     for row in rows[1:]:
         measured, met = row.split(" | ")[1], row.rstrip(" |").split(" | ")[-1]
         assert measured != "—" and met in ("✓", "✗")
+
+
+def test_cuda_graph_figures_get_their_table_where_a_gpu_measured_them(results: dict) -> None:
+    on_a_gpu = {
+        "shipped": {
+            "graphs": {"batch_1": 3210.0, "batch_32": 61000.0},
+            "eager": {"batch_1": 1070.0, "batch_32": 30500.0},
+        }
+    }
+    report = render({**results, "decode": {**results["decode"], "cuda_graphs": on_a_gpu}})
+    section = report.split("## CUDA graphs")[1].split("\n## ")[0]
+    assert "| shipped | batch 1 | 3,210 | 1,070 | 3.00× |" in section
+    assert "| shipped | batch 32 | 61,000 | 30,500 | 2.00× |" in section
+    on_a_cpu = {**results["decode"], "cuda_graphs": None}
+    assert "## CUDA graphs" not in render({**results, "decode": on_a_cpu})
