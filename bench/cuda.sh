@@ -15,7 +15,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv >"$out/gpu.
 
 timeout "${TESTS_SECONDS:-150}" "$python" -m pytest -q -p no:cacheprovider \
     tests/model/test_captured.py tests/model/test_sampling.py tests/model/test_positional.py \
-    -k "cuda or gpu" 2>&1 | tail -40 >"$out/tests.txt"
+    -k "cuda or gpu or device" 2>&1 | tail -40 >"$out/tests.txt"
 
 # decode: every scheme, CUDA graphs on and off; http: the server at its defaults.
 timeout "${BENCH_SECONDS:-420}" "$python" -m bench.run --stages decode http \
