@@ -55,7 +55,9 @@ def row_bucket(rows: int, most: int) -> int:
 @dataclass(frozen=True)
 class _Step:
     run: Callable[[], Tensor]  # one step → logits [bucket, V]
-    tables: tuple[Tensor, ...]  # the scheme's tables the recorded kernels read, kept alive
+    # What the recorded kernels read and nothing else holds (the plan's index tensors, the
+    # scheme's tables): a graph keeps addresses, not tensors, so these must outlive it.
+    kept: tuple[object, ...]
 
 
 class CapturedDecode:
@@ -120,7 +122,7 @@ class CapturedDecode:
             return model(tokens, cache, plan=plan, last_only=True)
 
         if not self.replay:
-            return _Step(eager, tables)
+            return _Step(eager, (plan, tables))
         try:
             # Warm-up on a side stream, as torch asks before a capture. It makes the very writes
             # the replay makes (this step's keys at these positions), so running it is harmless.
@@ -142,4 +144,4 @@ class CapturedDecode:
             graph.replay()
             return logits
 
-        return _Step(replay, tables)
+        return _Step(replay, (plan, tokens, tables))
