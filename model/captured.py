@@ -98,6 +98,9 @@ class CapturedDecode:
         if cache.generation != self.generation:  # new tensors: the recorded addresses are stale
             self.steps.clear()
             self.generation = cache.generation
+            # A pool whose graphs are all gone is released; capturing into its handle again
+            # trips an assertion in torch's allocator (seen on torch 2.11), so take a new one.
+            self.pool = torch.cuda.graph_pool_handle() if self.replay else None
         self.positions[:bucket, 0].copy_(lengths)
         key = (bucket, cache.allocated[1])
         step = self.steps.get(key)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from model.cache import CacheWrite, KVCache
 from model.config import ModelConfig
@@ -165,6 +166,13 @@ def make_norm(config: ModelConfig) -> nn.Module:
     return nn.LayerNorm(config.d_model, eps=eps, bias=config.bias)
 
 
+# cuDNN's fused attention, which torch tries first on a Hopper GPU, builds an execution plan for
+# every new shape: ~35 ms a call on an H200, and an uncaptured decode step's key length is new at
+# almost every step (8 streams served at 37 ms a step, all of it in attention). Flash and
+# memory-efficient attention need no plan; the math kernel takes what they cannot.
+GPU_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
 def attend(
     queries: Tensor,
     keys: Tensor,
@@ -193,7 +201,10 @@ def attend(
         queries, keys, values = queries.float(), keys.float(), values.float()
         if attn_mask is not None and attn_mask.is_floating_point():
             attn_mask = attn_mask.float()
-    with torch.autocast(queries.device.type, enabled=False) if upcast else nullcontext():
+    with (
+        torch.autocast(queries.device.type, enabled=False) if upcast else nullcontext(),
+        sdpa_kernel(GPU_ATTENTION) if queries.is_cuda else nullcontext(),
+    ):
         out = F.scaled_dot_product_attention(
             queries,
             keys,
