@@ -19,6 +19,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from model.cache import CacheWrite, KVCache
 from model.config import ModelConfig
+from model.kernels import decode_step
 from model.kernels import linear as linear_kernel
 from model.positional import PositionalScheme, build_scheme
 from model.positional.base import LayerBias
@@ -429,19 +430,27 @@ class Transformer(nn.Module):
         if self.training:
             x = F.dropout(x, self.config.dropout)
         rotation = self.positional.rotation(positions)
-        mask = self._attention_mask(positions, key_positions, plan, x.dtype)
-        for layer, block in enumerate(self.blocks):
-            if intervention is None:  # every decode step: nothing to change
-                x = block(x, rotation, mask, cache, plan, layer, recorder, self.positional)
-            elif layer in dropped:  # uncached: the plain causal mask, as `none`'s
-                gates = intervention.head_gates(layer, self.config.n_heads, device)
-                plain = AttentionMask(None, is_causal=True)
-                x = block(x, None, plain, cache, plan, layer, recorder, None, gates)
-            else:
-                gates = intervention.head_gates(layer, self.config.n_heads, device)
-                x = block(x, rotation, mask, cache, plan, layer, recorder, self.positional, gates)
-            if recorder is not None:
-                recorder.residuals.append(x)
+        if cache is not None and recorder is None and decode_step.applies(self, x):
+            # A CPU decode step: the same blocks in one C++ call (model/kernels/decode_step.py).
+            assert plan is not None  # planned above, with the cache
+            bias = self.positional.attention_bias(positions, key_positions)
+            x = decode_step.run_blocks(self, x, cache, plan, rotation, bias)
+        else:
+            mask = self._attention_mask(positions, key_positions, plan, x.dtype)
+            for layer, block in enumerate(self.blocks):
+                if intervention is None:  # every decode step: nothing to change
+                    x = block(x, rotation, mask, cache, plan, layer, recorder, self.positional)
+                elif layer in dropped:  # uncached: the plain causal mask, as `none`'s
+                    gates = intervention.head_gates(layer, self.config.n_heads, device)
+                    plain = AttentionMask(None, is_causal=True)
+                    x = block(x, None, plain, cache, plan, layer, recorder, None, gates)
+                else:
+                    gates = intervention.head_gates(layer, self.config.n_heads, device)
+                    x = block(
+                        x, rotation, mask, cache, plan, layer, recorder, self.positional, gates
+                    )
+                if recorder is not None:
+                    recorder.residuals.append(x)
         if cache is not None and not planned_by_caller:
             assert plan is not None  # planned above, with the cache
             cache.commit(plan)

@@ -1,0 +1,221 @@
+// Every block of a decode step — one new token per row — in one call (model/kernels/decode_step.py
+// says when it runs and why).
+//
+// The torch forward (model/transformer.py) is the definition; this is the same arithmetic
+// without the ~40 tensor operations a block costs there, each a few microseconds of dispatch
+// for a few hundred floats of work. Per block: norm, fused QKV projection, rotation of queries
+// and keys, the new key and value written into the cache at the row's position, attention over
+// the row's slots 0..position (plus the scheme's score bias), output projection, residual, norm,
+// MLP, residual. The projections are linear_core.h's, so a row's numbers are the same alone and
+// in any batch: everything else here is computed row by row, in a fixed order.
+#include <torch/extension.h>
+
+#include <cmath>
+#include <vector>
+
+#include "linear_core.h"
+
+#if defined(__AVX512F__)
+
+namespace {
+
+enum Norm : int64_t { kLayerNorm = 0, kRMSNorm = 1 };
+enum Mlp : int64_t { kGelu = 0, kGeluTanh = 1, kRelu2 = 2, kSwiGLU = 3 };
+constexpr int kTensorsPerBlock = 12;  // see decode_step.py's block_tensors()
+
+const float* data_or_null(const torch::Tensor& t) {
+  return t.numel() ? t.data_ptr<float>() : nullptr;
+}
+
+// A weight stored column-major ([out, in] with stride 1 along out): its transpose's data.
+const float* transposed(const torch::Tensor& weight) {
+  TORCH_CHECK(weight.t().is_contiguous(), "projection weights must be stored column-major");
+  return weight.data_ptr<float>();
+}
+
+void normalise(const float* x, float* y, int64_t d, const float* weight, const float* bias,
+               int64_t norm, float eps) {
+  float mean = 0.0f;
+  if (norm == kLayerNorm) {
+    for (int64_t i = 0; i < d; ++i) mean += x[i];
+    mean /= static_cast<float>(d);
+  }
+  float square = 0.0f;
+  for (int64_t i = 0; i < d; ++i) square += (x[i] - mean) * (x[i] - mean);
+  const float scale = 1.0f / std::sqrt(square / static_cast<float>(d) + eps);
+  for (int64_t i = 0; i < d; ++i) {
+    y[i] = (x[i] - mean) * scale * weight[i] + (bias ? bias[i] : 0.0f);
+  }
+}
+
+// NeoX half-split rotation of the first `rot` dims (model/positional/rotation.py).
+void rotate(float* x, const float* cos, const float* sin, int64_t rot) {
+  const int64_t half = rot / 2;
+  for (int64_t i = 0; i < half; ++i) {
+    const float first = x[i], second = x[i + half];
+    x[i] = first * cos[i] - second * sin[i];
+    x[i + half] = second * cos[i + half] + first * sin[i + half];
+  }
+}
+
+float activate(float u, int64_t mlp) {
+  switch (mlp) {
+    case kGelu: return 0.5f * u * (1.0f + std::erf(u * 0.70710678118654752f));
+    case kGeluTanh: {
+      const float inner = 0.79788456080286536f * (u + 0.044715f * u * u * u);
+      return 0.5f * u * (1.0f + std::tanh(inner));
+    }
+    default: {  // kRelu2
+      const float r = u > 0.0f ? u : 0.0f;
+      return r * r;
+    }
+  }
+}
+
+struct Shapes {
+  int64_t rows, d, heads, kv_heads, head_dim, hidden;
+};
+
+// One row's attention in one block: queries/keys/values in `qkv` [(H + 2·Hkv)·hd], the cache's
+// keys and values of this block for this row (strided views), the output [H·hd] in `out`.
+void attend_row(const Shapes& s, float* qkv, const torch::Tensor& keys,
+                const torch::Tensor& values, int64_t layer, int64_t row, int64_t position,
+                const float* cos, const float* sin, int64_t rot, const torch::Tensor& bias,
+                float* scores, float* out) {
+  const int64_t hd = s.head_dim, group = s.heads / s.kv_heads;
+  float* queries = qkv;
+  float* new_keys = qkv + s.heads * hd;
+  const float* new_values = qkv + (s.heads + s.kv_heads) * hd;
+  if (rot) {
+    for (int64_t h = 0; h < s.heads + s.kv_heads; ++h) rotate(qkv + h * hd, cos, sin, rot);
+  }
+  // keys/values: [layers, rows, Hkv, length, hd] with hd contiguous.
+  const auto ks = keys.strides(), vs = values.strides();
+  float* key_base = keys.data_ptr<float>() + layer * ks[0] + row * ks[1];
+  float* value_base = values.data_ptr<float>() + layer * vs[0] + row * vs[1];
+  for (int64_t g = 0; g < s.kv_heads; ++g) {
+    std::copy_n(new_keys + g * hd, hd, key_base + g * ks[2] + position * ks[3]);
+    std::copy_n(new_values + g * hd, hd, value_base + g * vs[2] + position * vs[3]);
+  }
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  const float* bias_base = bias.numel() ? bias.data_ptr<float>() + row * bias.stride(0) : nullptr;
+  for (int64_t h = 0; h < s.heads; ++h) {
+    const int64_t g = h / group;
+    const float* q = queries + h * hd;
+    const float* head_keys = key_base + g * ks[2];
+    float largest = -INFINITY;
+    for (int64_t t = 0; t <= position; ++t) {
+      const float* k = head_keys + t * ks[3];
+      float dot = 0.0f;
+      for (int64_t i = 0; i < hd; ++i) dot += q[i] * k[i];
+      float score = dot * scale;
+      if (bias_base) score += bias_base[h * bias.stride(1) + t * bias.stride(2)];
+      scores[t] = score;
+      largest = std::max(largest, score);
+    }
+    float total = 0.0f;
+    for (int64_t t = 0; t <= position; ++t) {
+      scores[t] = std::exp(scores[t] - largest);
+      total += scores[t];
+    }
+    float* o = out + h * hd;
+    std::fill_n(o, hd, 0.0f);
+    const float* head_values = value_base + g * vs[2];
+    for (int64_t t = 0; t <= position; ++t) {
+      const float weight = scores[t] / total;
+      const float* v = head_values + t * vs[3];
+      for (int64_t i = 0; i < hd; ++i) o[i] += weight * v[i];
+    }
+  }
+}
+
+}  // namespace
+
+constexpr bool kVectorised = true;
+
+// x [rows, d] (the embeddings plus any position vectors) → the last block's output [rows, d].
+// blocks: kTensorsPerBlock tensors per block (an absent bias is an empty tensor). keys/values:
+// the cache's [layers, rows, Hkv, length, hd] for these rows; positions [rows] int64, where each
+// row's token goes and the last slot it sees; cos/sin [rows, rot] (empty: no rotation); bias
+// [rows, H, length] (empty: none).
+torch::Tensor decode_blocks(torch::Tensor x, const std::vector<torch::Tensor>& blocks,
+                            const torch::Tensor& keys, const torch::Tensor& values,
+                            const torch::Tensor& positions, const torch::Tensor& cos,
+                            const torch::Tensor& sin, const torch::Tensor& bias, int64_t heads,
+                            int64_t kv_heads, int64_t norm, double eps, int64_t mlp) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat,
+              "x must be a contiguous float32 [rows, d] matrix");
+  TORCH_CHECK(blocks.size() % kTensorsPerBlock == 0, "blocks: 12 tensors per block");
+  TORCH_CHECK(keys.dim() == 5 && keys.stride(4) == 1 && values.stride(4) == 1,
+              "the cache's keys and values must be [layers, rows, Hkv, length, hd], hd contiguous");
+  const int64_t n_blocks = static_cast<int64_t>(blocks.size()) / kTensorsPerBlock;
+  const int64_t rows = x.size(0), d = x.size(1), hd = keys.size(4);
+  const Shapes s{rows, d, heads, kv_heads, hd, 0};
+  const int64_t qkv_width = (heads + 2 * kv_heads) * hd;
+  const int64_t rot = cos.numel() ? cos.size(1) : 0;
+  const auto position = positions.accessor<int64_t, 1>();
+  int64_t longest = 0;
+  for (int64_t r = 0; r < rows; ++r) longest = std::max(longest, position[r] + 1);
+  TORCH_CHECK(longest <= keys.size(3), "a position is past the cache's allocated slots");
+
+  x = x.clone();  // the residual stream, updated in place
+  std::vector<float> normed(rows * d), qkv(rows * qkv_width), attended(rows * heads * hd),
+      projected(rows * d), scores(longest);
+  std::vector<float> hidden;
+  float* stream = x.data_ptr<float>();
+  for (int64_t b = 0; b < n_blocks; ++b) {
+    const torch::Tensor* t = blocks.data() + b * kTensorsPerBlock;
+    const int64_t expanded = t[8].size(0), inner = t[10].size(1);
+    hidden.resize(rows * expanded);
+    for (int64_t r = 0; r < rows; ++r)
+      normalise(stream + r * d, normed.data() + r * d, d, t[0].data_ptr<float>(),
+                data_or_null(t[1]), norm, static_cast<float>(eps));
+    linear_core::project(normed.data(), transposed(t[2]), data_or_null(t[3]), qkv.data(), rows, d,
+                         qkv_width);
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* row_cos = rot ? cos.data_ptr<float>() + r * cos.stride(0) : nullptr;
+      const float* row_sin = rot ? sin.data_ptr<float>() + r * sin.stride(0) : nullptr;
+      attend_row(s, qkv.data() + r * qkv_width, keys, values, b, r, position[r], row_cos, row_sin,
+                 rot, bias, scores.data(), attended.data() + r * heads * hd);
+    }
+    linear_core::project(attended.data(), transposed(t[4]), data_or_null(t[5]), projected.data(),
+                         rows, heads * hd, d);
+    for (int64_t i = 0; i < rows * d; ++i) stream[i] += projected[i];
+    for (int64_t r = 0; r < rows; ++r)
+      normalise(stream + r * d, normed.data() + r * d, d, t[6].data_ptr<float>(),
+                data_or_null(t[7]), norm, static_cast<float>(eps));
+    linear_core::project(normed.data(), transposed(t[8]), data_or_null(t[9]), hidden.data(), rows,
+                         d, expanded);
+    for (int64_t r = 0; r < rows; ++r) {
+      float* h = hidden.data() + r * expanded;
+      if (mlp == kSwiGLU) {  // gate, then value (FeedForward's chunk(2)): silu(gate) · value
+        for (int64_t i = 0; i < inner; ++i) h[i] = h[i] / (1.0f + std::exp(-h[i])) * h[inner + i];
+        if (r) std::copy_n(h, inner, hidden.data() + r * inner);  // rows packed to [rows, inner]
+      } else {
+        for (int64_t i = 0; i < expanded; ++i) h[i] = activate(h[i], mlp);
+      }
+    }
+    linear_core::project(hidden.data(), transposed(t[10]), data_or_null(t[11]), projected.data(),
+                         rows, inner, d);
+    for (int64_t i = 0; i < rows * d; ++i) stream[i] += projected[i];
+  }
+  return x;
+}
+
+#else  // no AVX-512: decode_step.py never calls in (vectorised() is false)
+
+constexpr bool kVectorised = false;
+
+torch::Tensor decode_blocks(torch::Tensor, const std::vector<torch::Tensor>&,
+                            const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
+                            const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
+                            int64_t, int64_t, int64_t, double, int64_t) {
+  TORCH_CHECK(false, "the decode-step kernel needs AVX-512");
+}
+
+#endif
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("decode_blocks", &decode_blocks, "every block of a one-token-per-row decode step");
+  m.def("vectorised", [] { return kVectorised; }, "whether this build has the AVX-512 kernel");
+}

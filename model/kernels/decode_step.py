@@ -1,0 +1,125 @@
+"""Every block of a decode step in one C++ call, on a CPU.
+
+A decode step's blocks are ~40 torch operations each — a norm, three projections, a rotation,
+a cache write, attention, an MLP — on a few hundred floats per row, so at batch 1 the step was
+Python and dispatch, not arithmetic: 93% of a single stream's engine time was the forward
+(docs/performance.md). ``decode_step.cpp`` runs the blocks' arithmetic in one call, with
+``linear_core.h``'s projections (a row's numbers the same alone and in any batch).
+
+The torch forward stays the definition: the model computes the token embeddings, the scheme's
+position vectors, rotation tables and score bias as before, and the final norm and the logits;
+only the blocks between run here. It applies to a cached pass of one token per row, without
+gradients, in float32 on an AVX-512 CPU, for a scheme whose signal is a vector, a rotation or a
+bias (not fox and cope, whose bias comes from each layer's own queries and keys), without
+QK-norm, and for at most :data:`MAX_ROWS` rows; anything else runs the torch blocks. Tests hold
+the two equal for every such scheme and architecture (tests/model/kernels/test_decode_step.py).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING, cast
+
+import torch
+from torch import Tensor, nn
+
+from model.kernels import decoding_on_cpu, load
+from model.positional.rotation import Rotation
+
+if TYPE_CHECKING:
+    from model.cache import CacheWrite, KVCache
+    from model.transformer import Block, Transformer
+
+MAX_ROWS = 64  # as the projection kernel's: past it MKL's GEMM is as fast
+NORMS = {"layernorm": 0, "rmsnorm": 1}
+MLPS = {"gelu": 0, "gelu_tanh": 1, "relu2": 2, "swiglu": 3}
+
+
+@functools.cache
+def ready() -> bool:
+    """Whether the kernel is built (building it on first call) and this CPU has AVX-512."""
+    extension = load("decode_step")
+    return extension is not None and bool(extension.vectorised())
+
+
+def applies(model: Transformer, x: Tensor) -> bool:
+    """Whether the blocks of a pass over ``x`` [B, 1, d] (after the embeddings) run here."""
+    config = model.config
+    return (
+        x.shape[1] == 1
+        and x.shape[0] <= MAX_ROWS
+        and decoding_on_cpu(x)
+        and not model.training
+        and not model.positional.data_dependent
+        and not config.qk_norm
+        and config.norm in NORMS
+        and config.mlp in MLPS
+        and ready()
+    )
+
+
+def run_blocks(
+    model: Transformer,
+    x: Tensor,
+    cache: KVCache,
+    plan: CacheWrite,
+    rotation: Rotation | None,
+    bias: Tensor | None,
+) -> Tensor:
+    """The blocks of a cached one-token pass: ``x`` [B, 1, d] → [B, 1, d], each row's key and
+    value written into ``cache`` at its position (``plan``). ``rotation``: cos/sin [B, 1, 1,
+    rot] or None; ``bias``: the scheme's score bias [B|1, H, 1, Tk] or None."""
+    extension = load("decode_step")
+    assert extension is not None, "check applies() first"
+    config = model.config
+    rows = x.shape[0]
+    cos = sin = torch.empty(0)
+    if rotation is not None:
+        cos, sin = (table.reshape(rows, -1).float() for table in rotation)
+    flat_bias = torch.empty(0)
+    if bias is not None:
+        flat_bias = bias.float().expand(rows, -1, -1, -1)[:, :, 0]  # [B, H, Tk]
+    first_norm = cast("list[Block]", model.blocks)[0].attention_norm
+    norm_eps = cast("nn.LayerNorm | nn.RMSNorm", first_norm).eps
+    eps = torch.finfo(torch.float32).eps if norm_eps is None else norm_eps  # RMSNorm's default
+    out = extension.decode_blocks(
+        x.reshape(rows, -1).contiguous(),
+        block_tensors(model),
+        cache.keys[:, plan.rows],
+        cache.values[:, plan.rows],
+        plan.positions[:, 0],
+        cos,
+        sin,
+        flat_bias,
+        config.n_heads,
+        config.key_value_heads,
+        NORMS[config.norm],
+        eps,
+        MLPS[config.mlp],
+    )
+    return out.view(rows, 1, -1)
+
+
+def block_tensors(model: Transformer) -> list[Tensor]:
+    """Each block's 12 tensors in the kernel's order (an absent bias as an empty tensor):
+    attention norm weight and bias, QKV weight and bias, output projection weight and bias, MLP
+    norm weight and bias, up weight and bias, down weight and bias. The parameters themselves,
+    so the list is fresh whatever was loaded into them."""
+    empty = torch.empty(0)
+
+    def pair(module: nn.Module) -> list[Tensor]:
+        weight, bias = cast(Tensor, module.weight), getattr(module, "bias", None)
+        return [weight, empty if bias is None else bias]
+
+    tensors: list[Tensor] = []
+    for block in cast("list[Block]", model.blocks):
+        for module in (
+            block.attention_norm,
+            block.attention.qkv,
+            block.attention.proj,
+            block.mlp_norm,
+            block.mlp.up,
+            block.mlp.down,
+        ):
+            tensors += pair(module)
+    return tensors

@@ -1,0 +1,119 @@
+// y = x · Wᵀ + b for the few rows a decode step multiplies (model/kernels/linear.py says when it
+// runs and why).
+//
+// The weight is stored column-major (model.transformer keeps every projection so), so Wᵀ is a
+// contiguous [in, out] matrix and row k of it is what input k adds to every output. A block of
+// 64 outputs is 4 AVX-512 registers: for each input k the block's slice of row k is loaded once
+// and multiplied into up to 4 rows of x at a time (16 accumulators in registers). A decode step
+// reads each weight once per 4 rows, from the CPU's caches; MKL's general GEMM copies and packs
+// panels first, which at these sizes costs more than the arithmetic (docs/performance.md).
+//
+// Every output is the same chain of fused multiply-adds, over k in order from 0, then the bias:
+// a row's result does not depend on how many rows are multiplied with it or where it sits, so a
+// request decodes to the same bits alone and in any batch. Inputs are blocked by 128 so that a
+// block's weights stay in L1 while every row group passes over them; the partial sums wait in
+// y, which changes no bits.
+#pragma once
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+namespace linear_core {
+
+constexpr int64_t kColumns = 64;    // outputs per block: 4 registers of 16 floats
+constexpr int64_t kVectors = kColumns / 16;
+constexpr int64_t kRowGroup = 4;    // rows multiplied together: 16 accumulators
+constexpr int64_t kInputBlock = 128;  // inputs per pass: 32 KB of weights, L1-sized
+constexpr int64_t kAhead = 8;  // weight rows fetched ahead (cold weights: 1.34 → 1.13 ms a step)
+
+struct Operands {
+  const float* x;     // [M, K]
+  const float* wt;    // [K, N]
+  const float* bias;  // [N] or null
+  float* y;           // [M, N]
+  int64_t M, K, N;
+};
+
+// Rows [row, row + R) and the 64 outputs from `column`, over inputs [k0, k1).
+template <int R>
+inline void full_block(const Operands& o, int64_t row, int64_t column, int64_t k0, int64_t k1) {
+  __m512 acc[R][kVectors];
+  float* y = o.y + row * o.N + column;
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < kVectors; ++v)
+      acc[r][v] = k0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(y + r * o.N + 16 * v);
+  const float* x = o.x + row * o.K;
+  for (int64_t k = k0; k < k1; ++k) {
+    const float* w = o.wt + k * o.N + column;
+    __m512 weights[kVectors];
+    for (int v = 0; v < kVectors; ++v) weights[v] = _mm512_loadu_ps(w + 16 * v);
+    if (k + kAhead < o.K)  // more rows in flight when the weights come from memory
+      for (int v = 0; v < kVectors; ++v)
+        _mm_prefetch(reinterpret_cast<const char*>(w + kAhead * o.N + 16 * v), _MM_HINT_T0);
+    for (int r = 0; r < R; ++r) {
+      const __m512 input = _mm512_set1_ps(x[r * o.K + k]);
+      for (int v = 0; v < kVectors; ++v) acc[r][v] = _mm512_fmadd_ps(input, weights[v], acc[r][v]);
+    }
+  }
+  const bool last = k1 == o.K;
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < kVectors; ++v) {
+      __m512 out = acc[r][v];
+      if (last && o.bias) out = _mm512_add_ps(out, _mm512_loadu_ps(o.bias + column + 16 * v));
+      _mm512_storeu_ps(y + r * o.N + 16 * v, out);
+    }
+}
+
+// The last outputs when N is not a multiple of 64: 16 at a time under a mask, one row at a time,
+// the same chain of multiply-adds per output as full_block's.
+inline void ragged_block(const Operands& o, int64_t row, int64_t column) {
+  const float* x = o.x + row * o.K;
+  float* y = o.y + row * o.N;
+  for (int64_t c = column; c < o.N; c += 16) {
+    const auto lanes = static_cast<unsigned>(std::min<int64_t>(16, o.N - c));
+    const __mmask16 mask = static_cast<__mmask16>((1u << lanes) - 1u);
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t k = 0; k < o.K; ++k)
+      acc = _mm512_fmadd_ps(_mm512_set1_ps(x[k]), _mm512_maskz_loadu_ps(mask, o.wt + k * o.N + c),
+                            acc);
+    if (o.bias) acc = _mm512_add_ps(acc, _mm512_maskz_loadu_ps(mask, o.bias + c));
+    _mm512_mask_storeu_ps(y + c, mask, acc);
+  }
+}
+
+inline void column_block(const Operands& o, int64_t column) {
+  if (o.N - column < kColumns) {
+    for (int64_t row = 0; row < o.M; ++row) ragged_block(o, row, column);
+    return;
+  }
+  for (int64_t k0 = 0; k0 < o.K; k0 += kInputBlock) {
+    const int64_t k1 = std::min(o.K, k0 + kInputBlock);
+    for (int64_t row = 0; row < o.M; row += kRowGroup) {
+      switch (std::min(kRowGroup, o.M - row)) {
+        case 4: full_block<4>(o, row, column, k0, k1); break;
+        case 3: full_block<3>(o, row, column, k0, k1); break;
+        case 2: full_block<2>(o, row, column, k0, k1); break;
+        default: full_block<1>(o, row, column, k0, k1);
+      }
+    }
+  }
+}
+
+// y [M, N] = x [M, K] · wt [K, N] + bias [N] (bias may be null), blocks of outputs in parallel.
+inline void project(const float* x, const float* wt, const float* bias, float* y, int64_t M,
+                    int64_t K, int64_t N) {
+  const Operands o{x, wt, bias, y, M, K, N};
+  const int64_t blocks = (N + kColumns - 1) / kColumns;
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t block = begin; block < end; ++block) column_block(o, block * kColumns);
+  });
+}
+
+}  // namespace linear_core
+
+#endif

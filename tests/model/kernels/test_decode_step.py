@@ -1,0 +1,109 @@
+"""The decode-step kernel (model/kernels/decode_step.cpp) runs a cached one-token pass's blocks
+as the torch blocks do — the same logits and the same cache — for every scheme and architecture
+it takes, gives a row the same bits alone and in any batch, and applies only where it may."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from model.cache import KVCache
+from model.kernels import decode_step
+from model.transformer import Transformer
+from tests.model.conftest import ALL_SCHEMES, random_model, random_tokens
+
+pytestmark = pytest.mark.skipif(
+    not decode_step.ready(), reason="the decode-step kernel needs a C++ compiler and AVX-512"
+)
+
+BLOCK_SCHEMES = [s for s in ALL_SCHEMES if s not in ("fox", "cope")]  # their bias is per layer
+ARCHITECTURES: list[dict[str, Any]] = [
+    {"norm": "rmsnorm", "mlp": "swiglu"},
+    {"bias": True, "mlp": "gelu"},
+    {"bias": True, "mlp": "gelu_tanh", "norm_eps": 1e-6},
+    {"mlp": "relu2", "n_kv_heads": 2},  # grouped-query attention
+    {"positional": {"scheme": "rope", "fraction": 0.75}},  # p-RoPE: pairs left unturned
+    {"positional": {"scheme": "rope", "rotary_fraction": 0.5}},  # half of each head rotated
+]
+
+
+def decode_both_ways(model: Transformer, steps: int) -> None:
+    """Three rows of ragged prompts (the cache's rows at different lengths), then ``steps``
+    one-token passes on two caches, the kernel's and torch's: logits within 1e-5 at each
+    step, the caches' keys and values too."""
+    config = model.config
+    lengths = (5, 9, 3)
+    prompts = [random_tokens(1, n, seed=n)[0] for n in lengths]
+    caches = [KVCache(config, rows=3, max_length=32) for _ in range(2)]
+    with torch.inference_mode():
+        for cache in caches:
+            for row, prompt in enumerate(prompts):
+                model(prompt[None], cache, rows=slice(row, row + 1))
+        tokens = torch.stack([prompt[-1:] for prompt in prompts])  # [3, 1]
+        for step in range(steps):
+            assert decode_step.applies(model, torch.zeros(3, 1, config.d_model))
+            ours = model(tokens, caches[0], last_only=True)
+            theirs = torch_blocks(model, tokens, caches[1])
+            torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0, msg=f"step {step}")
+            tokens = theirs.argmax(-1, keepdim=True)
+    for ours_cache, theirs_cache in (
+        (caches[0].keys, caches[1].keys),
+        (caches[0].values, caches[1].values),
+    ):
+        torch.testing.assert_close(ours_cache, theirs_cache, atol=1e-5, rtol=0)
+    assert torch.equal(caches[0].lengths, caches[1].lengths)
+
+
+def torch_blocks(model: Transformer, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    """The same pass with the kernel turned off."""
+    applies = decode_step.applies
+    decode_step.applies = lambda *_: False  # type: ignore[assignment]
+    try:
+        return model(tokens, cache, last_only=True)
+    finally:
+        decode_step.applies = applies
+
+
+@pytest.mark.parametrize("scheme", BLOCK_SCHEMES)
+def test_every_scheme_decodes_as_the_torch_blocks(scheme: str) -> None:
+    decode_both_ways(random_model(scheme, seed=4), steps=12)
+
+
+@pytest.mark.parametrize(
+    "architecture", ARCHITECTURES, ids=lambda a: "-".join(map(str, a.values()))
+)
+def test_every_architecture_decodes_as_the_torch_blocks(architecture: dict[str, Any]) -> None:
+    decode_both_ways(random_model("rope", seed=5, **architecture), steps=12)
+
+
+@pytest.mark.parametrize("scheme", ["rope", "alibi", "t5", "learned", "none"])
+def test_a_rows_logits_are_the_same_bits_alone_and_in_a_batch(scheme: str) -> None:
+    model = random_model(scheme, seed=2)
+    prompts = random_tokens(5, 9, seed=3)
+    with torch.inference_mode():
+        cache = KVCache(model.config, rows=5, max_length=16)
+        model(prompts, cache)
+        together = model(prompts[:, -1:], cache, last_only=True)
+        for row in range(5):
+            alone_cache = KVCache(model.config, rows=1, max_length=16)
+            model(prompts[row : row + 1], alone_cache)
+            alone = model(prompts[row : row + 1, -1:], alone_cache, last_only=True)
+            assert torch.equal(alone[0], together[row]), row
+
+
+def test_it_applies_only_to_one_token_per_row_without_gradients_in_float32() -> None:
+    model = random_model("rope")
+    one_token = torch.zeros(3, 1, model.config.d_model)
+    with torch.inference_mode():
+        assert decode_step.applies(model, one_token)
+        assert not decode_step.applies(model, torch.zeros(3, 2, model.config.d_model))  # a prompt
+        assert not decode_step.applies(model, one_token.double())
+        assert not decode_step.applies(model, torch.zeros(65, 1, model.config.d_model))
+        for scheme in ("fox", "cope"):
+            assert not decode_step.applies(random_model(scheme), one_token)
+        assert not decode_step.applies(random_model("rope", qk_norm=True), one_token)
+        model.train()
+        assert not decode_step.applies(model, one_token)
+    assert not decode_step.applies(model.eval(), one_token)  # gradients on
