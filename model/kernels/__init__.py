@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -55,6 +56,7 @@ def load(name: str) -> ModuleType | None:
     from torch.utils import cpp_extension
 
     try:
+        _clear_stale_lock(Path(cpp_extension._get_build_directory(f"ordinal_{name}", False)))
         return cpp_extension.load(
             name=f"ordinal_{name}",
             sources=[str(HERE / f"{name}.cpp")],
@@ -70,3 +72,19 @@ def load(name: str) -> ModuleType | None:
             file=sys.stderr,
         )
         return None
+
+
+STALE_LOCK_SECONDS = 600  # a build takes ~30 s here
+
+
+def _clear_stale_lock(build_directory: Path) -> None:
+    """Remove a build lock left by a build that was killed (the engine's watchdog, a timeout):
+    torch waits on it forever, and every later start would hang in that wait."""
+    lock = build_directory / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > STALE_LOCK_SECONDS:
+        print(f"note: removing a stale kernel build lock, {age:.0f} s old: {lock}", file=sys.stderr)
+        lock.unlink(missing_ok=True)

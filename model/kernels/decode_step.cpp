@@ -48,6 +48,77 @@ void normalise(const float* x, float* y, int64_t d, const float* weight, const f
   }
 }
 
+// head_attention for any head dimension, one float at a time.
+void scalar_head_attention(const float* q, const float* keys, int64_t key_stride,
+                           const float* values, int64_t value_stride, int64_t n, int64_t hd,
+                           float scale, const float* bias, int64_t bias_stride, float* scores,
+                           float* out) {
+  float largest = -INFINITY;
+  for (int64_t t = 0; t < n; ++t) {
+    float dot = 0.0f;
+    for (int64_t i = 0; i < hd; ++i) dot += q[i] * keys[t * key_stride + i];
+    scores[t] = dot * scale + (bias ? bias[t * bias_stride] : 0.0f);
+    largest = std::max(largest, scores[t]);
+  }
+  float total = 0.0f;
+  for (int64_t t = 0; t < n; ++t) {
+    scores[t] = std::exp(scores[t] - largest);
+    total += scores[t];
+  }
+  std::fill_n(out, hd, 0.0f);
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t i = 0; i < hd; ++i) out[i] += scores[t] * values[t * value_stride + i];
+  for (int64_t i = 0; i < hd; ++i) out[i] /= total;
+}
+
+// One head's attention of query q [hd] over n keys and values (rows `*_stride` floats apart)
+// with the score bias (null: none), into out [hd]; scores: room for n floats. The head dimension
+// is V registers (hd = 16·V): the query and the output stay in registers across all the keys.
+template <int V>
+void head_attention(const float* q, const float* keys, int64_t key_stride, const float* values,
+                    int64_t value_stride, int64_t n, int64_t /*hd*/, float scale,
+                    const float* bias, int64_t bias_stride, float* scores, float* out) {
+  __m512 query[V], acc[V];
+  for (int v = 0; v < V; ++v) query[v] = _mm512_loadu_ps(q + 16 * v);
+  float largest = -INFINITY;
+  for (int64_t t = 0; t < n; ++t) {
+    const float* k = keys + t * key_stride;
+    __m512 sum = _mm512_mul_ps(query[0], _mm512_loadu_ps(k));
+    for (int v = 1; v < V; ++v) sum = _mm512_fmadd_ps(query[v], _mm512_loadu_ps(k + 16 * v), sum);
+    float score = _mm512_reduce_add_ps(sum) * scale;
+    if (bias) score += bias[t * bias_stride];
+    scores[t] = score;
+    largest = std::max(largest, score);
+  }
+  float total = 0.0f;
+  for (int64_t t = 0; t < n; ++t) {
+    scores[t] = std::exp(scores[t] - largest);
+    total += scores[t];
+  }
+  for (int v = 0; v < V; ++v) acc[v] = _mm512_setzero_ps();
+  for (int64_t t = 0; t < n; ++t) {
+    const __m512 weight = _mm512_set1_ps(scores[t]);
+    const float* value = values + t * value_stride;
+    for (int v = 0; v < V; ++v)
+      acc[v] = _mm512_fmadd_ps(weight, _mm512_loadu_ps(value + 16 * v), acc[v]);
+  }
+  const __m512 inverse = _mm512_set1_ps(1.0f / total);
+  for (int v = 0; v < V; ++v) _mm512_storeu_ps(out + 16 * v, _mm512_mul_ps(acc[v], inverse));
+}
+
+using HeadAttention = void (*)(const float*, const float*, int64_t, const float*, int64_t, int64_t,
+                               int64_t, float, const float*, int64_t, float*, float*);
+
+HeadAttention head_attention_for(int64_t hd) {
+  switch (hd) {
+    case 16: return head_attention<1>;
+    case 32: return head_attention<2>;
+    case 64: return head_attention<4>;
+    case 128: return head_attention<8>;
+    default: return scalar_head_attention;
+  }
+}
+
 // NeoX half-split rotation of the first `rot` dims (model/positional/rotation.py).
 void rotate(float* x, const float* cos, const float* sin, int64_t rot) {
   const int64_t half = rot / 2;
@@ -99,33 +170,18 @@ void attend_row(const Shapes& s, float* qkv, const torch::Tensor& keys,
   }
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   const float* bias_base = bias.numel() ? bias.data_ptr<float>() + row * bias.stride(0) : nullptr;
+  const auto attention = head_attention_for(hd);
   for (int64_t h = 0; h < s.heads; ++h) {
     const int64_t g = h / group;
-    const float* q = queries + h * hd;
     const float* head_keys = key_base + g * ks[2];
-    float largest = -INFINITY;
-    for (int64_t t = 0; t <= position; ++t) {
-      const float* k = head_keys + t * ks[3];
-      float dot = 0.0f;
-      for (int64_t i = 0; i < hd; ++i) dot += q[i] * k[i];
-      float score = dot * scale;
-      if (bias_base) score += bias_base[h * bias.stride(1) + t * bias.stride(2)];
-      scores[t] = score;
-      largest = std::max(largest, score);
-    }
-    float total = 0.0f;
-    for (int64_t t = 0; t <= position; ++t) {
-      scores[t] = std::exp(scores[t] - largest);
-      total += scores[t];
-    }
-    float* o = out + h * hd;
-    std::fill_n(o, hd, 0.0f);
     const float* head_values = value_base + g * vs[2];
-    for (int64_t t = 0; t <= position; ++t) {
-      const float weight = scores[t] / total;
-      const float* v = head_values + t * vs[3];
-      for (int64_t i = 0; i < hd; ++i) o[i] += weight * v[i];
-    }
+    const float* head_bias = bias_base ? bias_base + h * bias.stride(1) : nullptr;
+    const int64_t bias_stride = bias_base ? bias.stride(2) : 0;
+    const float* q = queries + h * hd;
+    float* o = out + h * hd;
+    const int64_t n = position + 1;
+    attention(q, head_keys, ks[3], head_values, vs[3], n, hd, scale, head_bias, bias_stride,
+              scores, o);
   }
 }
 
@@ -160,7 +216,7 @@ torch::Tensor decode_blocks(torch::Tensor x, const std::vector<torch::Tensor>& b
 
   x = x.clone();  // the residual stream, updated in place
   std::vector<float> normed(rows * d), qkv(rows * qkv_width), attended(rows * heads * hd),
-      projected(rows * d), scores(longest);
+      projected(rows * d);
   std::vector<float> hidden;
   float* stream = x.data_ptr<float>();
   for (int64_t b = 0; b < n_blocks; ++b) {
@@ -172,12 +228,15 @@ torch::Tensor decode_blocks(torch::Tensor x, const std::vector<torch::Tensor>& b
                 data_or_null(t[1]), norm, static_cast<float>(eps));
     linear_core::project(normed.data(), transposed(t[2]), data_or_null(t[3]), qkv.data(), rows, d,
                          qkv_width);
-    for (int64_t r = 0; r < rows; ++r) {
-      const float* row_cos = rot ? cos.data_ptr<float>() + r * cos.stride(0) : nullptr;
-      const float* row_sin = rot ? sin.data_ptr<float>() + r * sin.stride(0) : nullptr;
-      attend_row(s, qkv.data() + r * qkv_width, keys, values, b, r, position[r], row_cos, row_sin,
-                 rot, bias, scores.data(), attended.data() + r * heads * hd);
-    }
+    at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> scores(longest);
+      for (int64_t r = begin; r < end; ++r) {
+        const float* row_cos = rot ? cos.data_ptr<float>() + r * cos.stride(0) : nullptr;
+        const float* row_sin = rot ? sin.data_ptr<float>() + r * sin.stride(0) : nullptr;
+        attend_row(s, qkv.data() + r * qkv_width, keys, values, b, r, position[r], row_cos,
+                   row_sin, rot, bias, scores.data(), attended.data() + r * heads * hd);
+      }
+    });
     linear_core::project(attended.data(), transposed(t[4]), data_or_null(t[5]), projected.data(),
                          rows, heads * hd, d);
     for (int64_t i = 0; i < rows * d; ++i) stream[i] += projected[i];

@@ -24,10 +24,10 @@ import torch
 from torch import Tensor, nn
 
 from model.kernels import decoding_on_cpu, load
-from model.positional.rotation import Rotation
 
 if TYPE_CHECKING:
     from model.cache import CacheWrite, KVCache
+    from model.positional.rotation import Rotation
     from model.transformer import Block, Transformer
 
 MAX_ROWS = 64  # as the projection kernel's: past it MKL's GEMM is as fast
