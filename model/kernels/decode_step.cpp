@@ -147,12 +147,81 @@ struct Shapes {
   int64_t rows, d, heads, kv_heads, head_dim, hidden;
 };
 
+// The schemes whose bias comes from each layer's own tensors (model/positional/fox.py, cope.py).
+enum Scheme : int64_t { kPlain = 0, kForgetting = 1, kContextual = 2 };
+
+struct LayerSignal {
+  int64_t scheme;
+  torch::Tensor gate_weight, gate_bias;  // FoX: [layers, H, d], [layers, H]
+  torch::Tensor states;                  // FoX: the cache's log gates [layers, rows, H, length]
+  torch::Tensor table;                   // CoPE: position embeddings [layers, n, hd]
+};
+
+float plain_dot(const float* a, const float* b, int64_t n) {
+  __m512 acc = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+  float sum = _mm512_reduce_add_ps(acc);
+  for (; i < n; ++i) sum += a[i] * b[i];
+  return sum;
+}
+
+float log_sigmoid(float x) { return std::min(x, 0.0f) - std::log1p(std::exp(-std::fabs(x))); }
+
+// FoX: each head's log forget gate of this row's new token, kept in the cache beside its key.
+void store_log_gates(const LayerSignal& signal, int64_t layer, int64_t row, int64_t position,
+                     const float* hidden, int64_t heads, int64_t d) {
+  const auto& w = signal.gate_weight;
+  const auto& st = signal.states;
+  for (int64_t h = 0; h < heads; ++h) {
+    const float* weight = w.data_ptr<float>() + layer * w.stride(0) + h * w.stride(1);
+    const float gate = plain_dot(weight, hidden, d) +
+                       signal.gate_bias.data_ptr<float>()[layer * signal.gate_bias.stride(0) + h];
+    st.data_ptr<float>()[layer * st.stride(0) + row * st.stride(1) + h * st.stride(2) +
+                         position * st.stride(3)] = log_sigmoid(gate);
+  }
+}
+
+// The data-dependent bias of one head's n keys (the query at slot n − 1) into `bias`.
+// FoX: D_j = Σ_{l=j+1..n−1} log f_l. CoPE: p_j = Σ_{t=j..n−1} σ(q·k_t/√hd), then q·e[p_j]
+// read between rows ⌊p_j⌋ and ⌈p_j⌉. Both running sums in double, as torch's CPU cumsum.
+void layer_bias(const LayerSignal& signal, int64_t layer, int64_t row, int64_t head,
+                const float* q, const float* keys, int64_t key_stride, int64_t n, int64_t hd,
+                float scale, float* bias) {
+  if (signal.scheme == kForgetting) {
+    const auto& st = signal.states;
+    const float* gates = st.data_ptr<float>() + layer * st.stride(0) + row * st.stride(1) +
+                         head * st.stride(2);
+    double running = 0.0;
+    for (int64_t t = n - 1; t >= 0; --t) {
+      bias[t] = static_cast<float>(running);
+      running += gates[t * st.stride(3)];
+    }
+    return;
+  }
+  const auto& table = signal.table;  // kContextual
+  const int64_t rows = table.size(1);
+  std::vector<float> at_rows(rows);
+  const float* embeddings = table.data_ptr<float>() + layer * table.stride(0);
+  for (int64_t k = 0; k < rows; ++k) at_rows[k] = plain_dot(q, embeddings + k * table.stride(1), hd);
+  double running = 0.0;
+  for (int64_t t = n - 1; t >= 0; --t) {
+    const float gate = 1.0f / (1.0f + std::exp(-plain_dot(q, keys + t * key_stride, hd) * scale));
+    running += gate;
+    const float p = std::min(static_cast<float>(running), static_cast<float>(rows - 1));
+    const float below = std::floor(p), weight = p - below;
+    const int64_t low = static_cast<int64_t>(below), high = static_cast<int64_t>(std::ceil(p));
+    bias[t] = at_rows[high] * weight + at_rows[low] * (1.0f - weight);
+  }
+}
+
 // One row's attention in one block: queries/keys/values in `qkv` [(H + 2·Hkv)·hd], the cache's
 // keys and values of this block for this row (strided views), the output [H·hd] in `out`.
 void attend_row(const Shapes& s, float* qkv, const torch::Tensor& keys,
                 const torch::Tensor& values, int64_t layer, int64_t row, int64_t position,
                 const float* cos, const float* sin, int64_t rot, const torch::Tensor& bias,
-                float* scores, float* out) {
+                const LayerSignal& signal, float* scores, float* own_bias, float* out) {
   const int64_t hd = s.head_dim, group = s.heads / s.kv_heads;
   float* queries = qkv;
   float* new_keys = qkv + s.heads * hd;
@@ -176,10 +245,15 @@ void attend_row(const Shapes& s, float* qkv, const torch::Tensor& keys,
     const float* head_keys = key_base + g * ks[2];
     const float* head_values = value_base + g * vs[2];
     const float* head_bias = bias_base ? bias_base + h * bias.stride(1) : nullptr;
-    const int64_t bias_stride = bias_base ? bias.stride(2) : 0;
+    int64_t bias_stride = bias_base ? bias.stride(2) : 0;
     const float* q = queries + h * hd;
     float* o = out + h * hd;
     const int64_t n = position + 1;
+    if (signal.scheme != kPlain) {
+      layer_bias(signal, layer, row, h, q, head_keys, ks[3], n, hd, scale, own_bias);
+      head_bias = own_bias;
+      bias_stride = 1;
+    }
     attention(q, head_keys, ks[3], head_values, vs[3], n, hd, scale, head_bias, bias_stride,
               scores, o);
   }
@@ -198,7 +272,10 @@ torch::Tensor decode_blocks(torch::Tensor x, const std::vector<torch::Tensor>& b
                             const torch::Tensor& keys, const torch::Tensor& values,
                             const torch::Tensor& positions, const torch::Tensor& cos,
                             const torch::Tensor& sin, const torch::Tensor& bias, int64_t heads,
-                            int64_t kv_heads, int64_t norm, double eps, int64_t mlp) {
+                            int64_t kv_heads, int64_t norm, double eps, int64_t mlp,
+                            int64_t scheme, const torch::Tensor& gate_weight,
+                            const torch::Tensor& gate_bias, const torch::Tensor& states,
+                            const torch::Tensor& table) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat,
               "x must be a contiguous float32 [rows, d] matrix");
   TORCH_CHECK(blocks.size() % kTensorsPerBlock == 0, "blocks: 12 tensors per block");
@@ -214,6 +291,9 @@ torch::Tensor decode_blocks(torch::Tensor x, const std::vector<torch::Tensor>& b
   for (int64_t r = 0; r < rows; ++r) longest = std::max(longest, position[r] + 1);
   TORCH_CHECK(longest <= keys.size(3), "a position is past the cache's allocated slots");
 
+  const LayerSignal signal{scheme, gate_weight, gate_bias, states, table};
+  TORCH_CHECK(scheme != kForgetting || (states.dim() == 4 && states.size(3) >= longest),
+              "FoX needs the cache's key states for these rows");
   x = x.clone();  // the residual stream, updated in place
   std::vector<float> normed(rows * d), qkv(rows * qkv_width), attended(rows * heads * hd),
       projected(rows * d);
@@ -228,13 +308,17 @@ torch::Tensor decode_blocks(torch::Tensor x, const std::vector<torch::Tensor>& b
                 data_or_null(t[1]), norm, static_cast<float>(eps));
     linear_core::project(normed.data(), transposed(t[2]), data_or_null(t[3]), qkv.data(), rows, d,
                          qkv_width);
+    if (scheme == kForgetting)
+      for (int64_t r = 0; r < rows; ++r)
+        store_log_gates(signal, b, r, position[r], normed.data() + r * d, heads, d);
     at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> scores(longest);
+      std::vector<float> scores(longest), own_bias(longest);
       for (int64_t r = begin; r < end; ++r) {
         const float* row_cos = rot ? cos.data_ptr<float>() + r * cos.stride(0) : nullptr;
         const float* row_sin = rot ? sin.data_ptr<float>() + r * sin.stride(0) : nullptr;
         attend_row(s, qkv.data() + r * qkv_width, keys, values, b, r, position[r], row_cos,
-                   row_sin, rot, bias, scores.data(), attended.data() + r * heads * hd);
+                   row_sin, rot, bias, signal, scores.data(), own_bias.data(),
+                   attended.data() + r * heads * hd);
       }
     });
     linear_core::project(attended.data(), transposed(t[4]), data_or_null(t[5]), projected.data(),
@@ -268,7 +352,9 @@ constexpr bool kVectorised = false;
 torch::Tensor decode_blocks(torch::Tensor, const std::vector<torch::Tensor>&,
                             const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
                             const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
-                            int64_t, int64_t, int64_t, double, int64_t) {
+                            int64_t, int64_t, int64_t, double, int64_t, int64_t,
+                            const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
+                            const torch::Tensor&) {
   TORCH_CHECK(false, "the decode-step kernel needs AVX-512");
 }
 

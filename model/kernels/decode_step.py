@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 MAX_ROWS = 64  # as the projection kernel's: past it MKL's GEMM is as fast
 NORMS = {"layernorm": 0, "rmsnorm": 1}
 MLPS = {"gelu": 0, "gelu_tanh": 1, "relu2": 2, "swiglu": 3}
+OWN_BIAS = {"fox": 1, "cope": 2}  # the data-dependent schemes the kernel computes itself
 
 
 @functools.cache
@@ -50,7 +51,7 @@ def applies(model: Transformer, x: Tensor) -> bool:
         and x.shape[0] <= MAX_ROWS
         and decoding_on_cpu(x)
         and not model.training
-        and not model.positional.data_dependent
+        and (not model.positional.data_dependent or model.positional.name in OWN_BIAS)
         and not config.qk_norm
         and config.norm in NORMS
         and config.mlp in MLPS
@@ -96,8 +97,23 @@ def run_blocks(
         NORMS[config.norm],
         eps,
         MLPS[config.mlp],
+        *own_bias_tensors(model, cache, plan),
     )
     return out.view(rows, 1, -1)
+
+
+def own_bias_tensors(
+    model: Transformer, cache: KVCache, plan: CacheWrite
+) -> tuple[int, Tensor, Tensor, Tensor, Tensor]:
+    """The kernel's scheme code and what fox's or cope's bias needs: fox's gate weights and
+    biases and the cache's key states for these rows, cope's position table; empty otherwise."""
+    scheme, empty = model.positional, torch.empty(0)
+    if scheme.name == "fox":
+        weight, bias = cast(Tensor, scheme.gate_weight), cast(Tensor, scheme.gate_bias)
+        return OWN_BIAS["fox"], weight, bias, cache.states[:, plan.rows], empty
+    if scheme.name == "cope":
+        return OWN_BIAS["cope"], empty, empty, empty, cast(Tensor, scheme.table)
+    return 0, empty, empty, empty, empty
 
 
 def block_tensors(model: Transformer) -> list[Tensor]:

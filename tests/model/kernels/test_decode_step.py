@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(
     not decode_step.ready(), reason="the decode-step kernel needs a C++ compiler and AVX-512"
 )
 
-BLOCK_SCHEMES = [s for s in ALL_SCHEMES if s not in ("fox", "cope")]  # their bias is per layer
+BLOCK_SCHEMES = ALL_SCHEMES
 ARCHITECTURES: list[dict[str, Any]] = [
     {"norm": "rmsnorm", "mlp": "swiglu"},
     {"bias": True, "mlp": "gelu"},
@@ -54,6 +54,8 @@ def decode_both_ways(model: Transformer, steps: int) -> None:
     ):
         torch.testing.assert_close(ours_cache, theirs_cache, atol=1e-5, rtol=0)
     assert torch.equal(caches[0].lengths, caches[1].lengths)
+    if caches[0].states.numel():  # fox's log gates
+        torch.testing.assert_close(caches[0].states, caches[1].states, atol=1e-5, rtol=0)
 
 
 def torch_blocks(model: Transformer, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
@@ -101,8 +103,8 @@ def test_it_applies_only_to_one_token_per_row_without_gradients_in_float32() -> 
         assert not decode_step.applies(model, torch.zeros(3, 2, model.config.d_model))  # a prompt
         assert not decode_step.applies(model, one_token.double())
         assert not decode_step.applies(model, torch.zeros(65, 1, model.config.d_model))
-        for scheme in ("fox", "cope"):
-            assert not decode_step.applies(random_model(scheme), one_token)
+        for scheme in ("fox", "cope"):  # their bias from each layer's tensors: computed there
+            assert decode_step.applies(random_model(scheme), one_token)
         assert not decode_step.applies(random_model("rope", qk_norm=True), one_token)
         model.train()
         assert not decode_step.applies(model, one_token)
