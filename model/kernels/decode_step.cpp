@@ -129,17 +129,21 @@ void rotate(float* x, const float* cos, const float* sin, int64_t rot) {
   }
 }
 
-float activate(float u, int64_t mlp) {
+// The MLP's activation over n floats in place, one plain loop per form so that the compiler
+// vectorises each (with -ffast-math, glibc's vector tanhf/erff/expf).
+void activate(float* h, int64_t n, int64_t mlp) {
   switch (mlp) {
-    case kGelu: return 0.5f * u * (1.0f + std::erf(u * 0.70710678118654752f));
-    case kGeluTanh: {
-      const float inner = 0.79788456080286536f * (u + 0.044715f * u * u * u);
-      return 0.5f * u * (1.0f + std::tanh(inner));
-    }
-    default: {  // kRelu2
-      const float r = u > 0.0f ? u : 0.0f;
-      return r * r;
-    }
+    case kGelu:
+      for (int64_t i = 0; i < n; ++i) h[i] = 0.5f * h[i] * (1.0f + std::erf(h[i] * 0.70710678f));
+      break;
+    case kGeluTanh:
+      for (int64_t i = 0; i < n; ++i) {
+        const float u = h[i];
+        h[i] = 0.5f * u * (1.0f + std::tanh(0.79788456f * (u + 0.044715f * u * u * u)));
+      }
+      break;
+    default:  // kRelu2
+      for (int64_t i = 0; i < n; ++i) h[i] = h[i] > 0.0f ? h[i] * h[i] : 0.0f;
   }
 }
 
@@ -329,14 +333,14 @@ torch::Tensor decode_blocks(torch::Tensor x, const std::vector<torch::Tensor>& b
                 data_or_null(t[7]), norm, static_cast<float>(eps));
     linear_core::project(normed.data(), transposed(t[8]), data_or_null(t[9]), hidden.data(), rows,
                          d, expanded);
-    for (int64_t r = 0; r < rows; ++r) {
-      float* h = hidden.data() + r * expanded;
-      if (mlp == kSwiGLU) {  // gate, then value (FeedForward's chunk(2)): silu(gate) · value
+    if (mlp == kSwiGLU) {
+      for (int64_t r = 0; r < rows; ++r) {  // gate, then value (FeedForward's chunk(2))
+        float* h = hidden.data() + r * expanded;
         for (int64_t i = 0; i < inner; ++i) h[i] = h[i] / (1.0f + std::exp(-h[i])) * h[inner + i];
         if (r) std::copy_n(h, inner, hidden.data() + r * inner);  // rows packed to [rows, inner]
-      } else {
-        for (int64_t i = 0; i < expanded; ++i) h[i] = activate(h[i], mlp);
       }
+    } else {
+      activate(hidden.data(), rows * expanded, mlp);
     }
     linear_core::project(hidden.data(), transposed(t[10]), data_or_null(t[11]), projected.data(),
                          rows, inner, d);
