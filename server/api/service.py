@@ -198,6 +198,7 @@ class Service:
             stream_interval=settings.stream_interval,
             rope_variants=settings.rope_variants,
             prefix_cache_tokens=settings.prefix_cache_tokens,
+            cuda_graphs=settings.cuda_graphs,
         )
         capacity = settings.max_batch_size + settings.max_queue
         self.engine = EngineClient(

@@ -82,6 +82,13 @@ class Settings(BaseSettings):
             "prefix caching; least recently used blocks make room; 0 turns it off)"
         ),
     )
+    cuda_graphs: bool = Field(
+        True,
+        description=(
+            "on a GPU, replay decode steps from CUDA graphs recorded once per batch size and "
+            "cache length (3.5-7.8x faster on an H200; no effect on a CPU)"
+        ),
+    )
     max_queue: int = Field(
         64, ge=0, description="requests that may wait for a free batch row, per model"
     )

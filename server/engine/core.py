@@ -133,6 +133,7 @@ class EngineCore:
                     self.config.prefill_chunk,
                     self.outbox,
                     self.config.prefix_cache_tokens,
+                    self.config.cuda_graphs,
                 )
                 self.channel.send(ModelLoaded(result.info()))
                 # A full collection walks every tracked object: with fifteen models loaded, 300k of

@@ -136,13 +136,21 @@ class ModelEngine:
         prefill_chunk: int,
         outbox: Outbox,
         prefix_cache_tokens: int = 0,
+        cuda_graphs: bool = True,
     ) -> None:
         """``prefix_cache_tokens``: the most prompt tokens whose keys and values are kept for
-        reuse (0: no prefix cache; none either for a scheme that is not ``prefix_stable``)."""
+        reuse (0: no prefix cache; none either for a scheme that is not ``prefix_stable``).
+        ``cuda_graphs``: False decodes every step eagerly on a GPU too (``model.captured``)."""
         self.loaded = loaded
         self.name = loaded.name
         self.batch: DecodeBatch[Request] = DecodeBatch(
-            loaded.model, max_rows, loaded.max_context, loaded.vocab, loaded.bos, grow=True
+            loaded.model,
+            max_rows,
+            loaded.max_context,
+            loaded.vocab,
+            loaded.bos,
+            grow=True,
+            graphs=None if cuda_graphs else False,  # None: on a GPU (model.captured.wanted)
         )
         self.prefix: PrefixCache | None = None
         if prefix_cache_tokens and loaded.model.positional.prefix_stable:

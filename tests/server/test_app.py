@@ -9,8 +9,10 @@ from typing import Any
 
 import httpx
 import pytest
+import torch
 from prometheus_client.parser import text_string_to_metric_families
 
+from model import captured
 from model.checkpoint import WEIGHTS_FILE, load_checkpoint
 from model.positional import TABLE_SCHEMES
 from model.tokenizer import encode_prompt
@@ -300,3 +302,16 @@ def test_a_broken_chat_template_fails_its_model_alone(checkpoints: Path, tmp_pat
         response = client.post("/v1/completions", json={**body, "model": "none"})
         assert response.status_code == 503
         assert engine.process is not None and engine.process.pid == first_engine  # no restart
+
+
+def test_cuda_graphs_are_one_setting_for_the_server_and_the_model(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``--cuda-graphs false`` or ``ORDINAL_CUDA_GRAPHS=0`` turns them off: the variable is the
+    one model.captured reads for offline decoding too."""
+    cuda = torch.device("cuda")
+    assert Settings().cuda_graphs and captured.wanted(cuda)
+    monkeypatch.setenv(captured.SWITCH, "0")
+    assert not Settings().cuda_graphs and not captured.wanted(cuda)
+    args = build_parser().parse_args(["serve", "--cuda-graphs", "true"])
+    assert settings_from_args(args).cuda_graphs  # the flag wins
