@@ -433,7 +433,7 @@ class Transformer(nn.Module):
         if cache is not None and recorder is None and decode_step.applies(self, x):
             # A CPU decode step: the same blocks in one C++ call (model/kernels/decode_step.py).
             assert plan is not None  # planned above, with the cache
-            bias = self.positional.attention_bias(positions, key_positions)
+            bias = decode_step.score_bias(self, positions, key_positions)
             x = decode_step.run_blocks(self, x, cache, plan, rotation, bias)
         else:
             mask = self._attention_mask(positions, key_positions, plan, x.dtype)

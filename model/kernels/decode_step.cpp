@@ -349,6 +349,39 @@ torch::Tensor decode_blocks(torch::Tensor x, const std::vector<torch::Tensor>& b
   return x;
 }
 
+// FIRE's score bias for one token per row (model/positional/fire.py): for the query at position
+// p and each key t ≤ p, f(ψ(p − t) / ψ(max(L, p))) with ψ(x) = log(|c|·x + 1) and f a one-input
+// ReLU MLP with an output per head. in_weight/in_bias [hidden], out_weight [H, hidden],
+// out_bias [H] (contiguous); keys past p get 0 (they are masked). → [rows, H, key_length].
+torch::Tensor fire_bias(const torch::Tensor& positions, int64_t key_length,
+                        const torch::Tensor& in_weight, const torch::Tensor& in_bias,
+                        const torch::Tensor& out_weight, const torch::Tensor& out_bias, double c,
+                        double threshold, bool log_transform, bool normalise) {
+  const int64_t rows = positions.size(0), hidden = in_weight.numel(), heads = out_bias.numel();
+  const auto position = positions.accessor<int64_t, 1>();
+  auto bias = torch::zeros({rows, heads, key_length});
+  const float* w1 = in_weight.data_ptr<float>();
+  const float* b1 = in_bias.data_ptr<float>();
+  const float* w2 = out_weight.data_ptr<float>();
+  const float* b2 = out_bias.data_ptr<float>();
+  const auto psi = [&](float x) { return log_transform ? std::log(static_cast<float>(c) * x + 1.0f) : x; };
+  std::vector<float> units(hidden);
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t p = position[r];
+    const float divisor =
+        normalise ? psi(std::max(static_cast<float>(p), static_cast<float>(threshold))) + 1e-6f
+                  : 1.0f;
+    float* out = bias.data_ptr<float>() + r * heads * key_length;
+    for (int64_t t = 0; t <= std::min(p, key_length - 1); ++t) {
+      const float x = psi(static_cast<float>(p - t)) / divisor;
+      for (int64_t j = 0; j < hidden; ++j) units[j] = std::max(0.0f, w1[j] * x + b1[j]);
+      for (int64_t h = 0; h < heads; ++h)
+        out[h * key_length + t] = plain_dot(w2 + h * hidden, units.data(), hidden) + b2[h];
+    }
+  }
+  return bias;
+}
+
 #else  // no AVX-512: decode_step.py never calls in (vectorised() is false)
 
 constexpr bool kVectorised = false;
@@ -366,5 +399,8 @@ torch::Tensor decode_blocks(torch::Tensor, const std::vector<torch::Tensor>&,
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_blocks", &decode_blocks, "every block of a one-token-per-row decode step");
+#if defined(__AVX512F__)
+  m.def("fire_bias", &fire_bias, "FIRE's score bias for one token per row");
+#endif
   m.def("vectorised", [] { return kVectorised; }, "whether this build has the AVX-512 kernel");
 }

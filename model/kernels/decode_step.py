@@ -102,6 +102,32 @@ def run_blocks(
     return out.view(rows, 1, -1)
 
 
+def score_bias(model: Transformer, positions: Tensor, key_positions: Tensor) -> Tensor | None:
+    """The scheme's score bias [B|1, H, 1, Tk] for this pass (``positions`` [B, 1] on the host),
+    or None: FIRE's from the kernel (its MLP over every key is ~17 small torch operations, 54 µs
+    a step), any other scheme's as it computes it."""
+    scheme = model.positional
+    if scheme.name != "fire":
+        return scheme.attention_bias(positions, key_positions)
+    extension = load("decode_step")
+    assert extension is not None, "check applies() first"
+    mlp_in, mlp_out = cast(nn.Linear, scheme.mlp_in), cast(nn.Linear, scheme.mlp_out)
+    threshold = cast(Tensor, scheme.threshold_scale) * cast(float, scheme.threshold)
+    bias = extension.fire_bias(
+        positions[:, 0],
+        key_positions.shape[0],
+        mlp_in.weight.view(-1),
+        mlp_in.bias,
+        mlp_out.weight.contiguous(),
+        mlp_out.bias,
+        float(cast(Tensor, scheme.c).abs()),
+        float(threshold.abs()),
+        scheme.params.log_transform,
+        scheme.params.normalise,
+    )
+    return bias.unsqueeze(2)
+
+
 def own_bias_tensors(
     model: Transformer, cache: KVCache, plan: CacheWrite
 ) -> tuple[int, Tensor, Tensor, Tensor, Tensor]:
