@@ -117,7 +117,8 @@ def machine_section(info: Results, decoded: Results) -> str:
 def decode_section(results: Results) -> str:
     parts = [
         f"## In-process decode\n\nPrompt {results['prompt_tokens']} tokens, "
-        f"{results['new_tokens']} new tokens, tokens/s best of the repeats.\n"
+        f"{results['new_tokens']} new tokens, tokens/s best of the repeats; each round runs every "
+        "scheme once in turn, so that the machine's noise falls on all of them alike.\n"
     ]
     for size, data in results["sizes"].items():
         schemes = {k: v for k, v in data["ours"].items() if k != GPT2_LAYOUT}

@@ -6,8 +6,10 @@
 // for a few hundred floats of work. Per block: norm, fused QKV projection, rotation of queries
 // and keys, the new key and value written into the cache at the row's position, attention over
 // the row's slots 0..position (plus the scheme's score bias), output projection, residual, norm,
-// MLP, residual. The projections are linear_core.h's, so a row's numbers are the same alone and
-// in any batch: everything else here is computed row by row, in a fixed order.
+// MLP, residual. The bias is the scheme's (alibi, t5, fire: computed once per pass, FIRE's by
+// fire_bias below) or, for fox and cope, computed here per layer and head from the same tensors
+// as their torch code. The projections are linear_core.h's, so a row's numbers are the same
+// alone and in any batch: everything else here is computed row by row, in a fixed order.
 #include <torch/extension.h>
 
 #include <cmath>
@@ -148,7 +150,7 @@ void activate(float* h, int64_t n, int64_t mlp) {
 }
 
 struct Shapes {
-  int64_t rows, d, heads, kv_heads, head_dim, hidden;
+  int64_t rows, d, heads, kv_heads, head_dim;
 };
 
 // The schemes whose bias comes from each layer's own tensors (model/positional/fox.py, cope.py).
@@ -287,7 +289,7 @@ torch::Tensor decode_blocks(torch::Tensor x, const std::vector<torch::Tensor>& b
               "the cache's keys and values must be [layers, rows, Hkv, length, hd], hd contiguous");
   const int64_t n_blocks = static_cast<int64_t>(blocks.size()) / kTensorsPerBlock;
   const int64_t rows = x.size(0), d = x.size(1), hd = keys.size(4);
-  const Shapes s{rows, d, heads, kv_heads, hd, 0};
+  const Shapes s{rows, d, heads, kv_heads, hd};
   const int64_t qkv_width = (heads + 2 * kv_heads) * hd;
   const int64_t rot = cos.numel() ? cos.size(1) : 0;
   const auto position = positions.accessor<int64_t, 1>();
