@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
+from model.cache import KVCache
 from model.checkpoint import load_checkpoint, with_positional
 from model.device import resolve_device
 from model.tokenizer import vocabulary_tables
@@ -141,8 +142,12 @@ def warm_up(model: Transformer) -> None:
     """One tiny forward before the model serves: it builds the C++ kernels its decoding uses
     (``model.kernels``: about half a minute each, once per machine) here, on the loader thread,
     rather than in the first request's step."""
+    weights = model.lm_head.weight
+    tokens = torch.zeros(1, 2, dtype=torch.long, device=weights.device)
+    cache = KVCache(model.config, 1, 3, weights.device, weights.dtype)
     with torch.inference_mode():
-        model(torch.zeros(1, 2, dtype=torch.long, device=model.lm_head.weight.device))
+        model(tokens, cache)  # a prompt: the projection kernel
+        model(tokens[:, :1], cache)  # a cached one-token step: the decode-step kernel
 
 
 def variant_of(base: LoadedModel, variant: str, max_context: int | None) -> LoadedModel:

@@ -6,9 +6,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
-from server.engine.loader import LoadedModel, context_limit, load_all
+from model.kernels import decode_step
+from server.engine.loader import LoadedModel, context_limit, load_all, warm_up
 from server.messages import EngineConfig, ModelFailed
+from tests.model.conftest import random_model
 from tests.server.conftest import CONTEXT_LENGTH, MAX_POSITIONS, engine_config, tiny_model
 
 VARIANTS = ["yarn4", "ntk4"]
@@ -59,3 +62,18 @@ def test_variants_share_the_weights_and_a_broken_checkpoint_fails_alone(
 )
 def test_context_limit(scheme: str, configured: int | None, expected: int) -> None:
     assert context_limit(tiny_model(scheme, 300, seed=0), configured) == expected
+
+
+def test_the_warm_up_runs_a_cached_one_token_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The decode-step kernel is built on the loader thread, before the model serves: built in
+    a request's step instead (half a minute), it would stall the engine past its watchdog."""
+    asked: list[tuple[int, ...]] = []
+    applies = decode_step.applies
+
+    def spy(model: object, x: torch.Tensor) -> bool:
+        asked.append(tuple(x.shape))
+        return applies(model, x)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(decode_step, "applies", spy)
+    warm_up(random_model("rope"))
+    assert (1, 1, 32) in asked  # one row, one token: the decode step's shape
