@@ -50,16 +50,17 @@ def bench_device() -> tuple[str, torch.dtype]:
 
 def best_rate(run_once: Callable[[], None], tokens: int, repeats: int) -> float:
     """Tokens/s of the fastest of ``repeats`` timed runs, after one untimed warm-up run."""
+    seconds(run_once)  # warm-up: allocator, kernels
+    return tokens / min(seconds(run_once) for _ in range(repeats))
 
-    def seconds() -> float:
-        synchronize()
-        start = time.perf_counter()
-        run_once()
-        synchronize()
-        return time.perf_counter() - start
 
-    seconds()  # warm-up: allocator, kernels
-    return tokens / min(seconds() for _ in range(repeats))
+def seconds(run_once: Callable[[], None]) -> float:
+    """Wall seconds of one run, the GPU's queued work included."""
+    synchronize()
+    start = time.perf_counter()
+    run_once()
+    synchronize()
+    return time.perf_counter() - start
 
 
 def synchronize() -> None:
@@ -87,16 +88,7 @@ def model_sizes(checkpoints: Path) -> dict[str, dict[str, Any]]:
 
 def time_ours(config: ModelConfig, batch: int, repeats: int) -> float:
     """Best-of-``repeats`` tokens/s of our cached greedy decode."""
-    device, dtype = bench_device()
-    torch.manual_seed(0)
-    model = Transformer(config).to(device, dtype).eval()
-    prompts = torch.randint(3, config.vocab_size, (batch, PROMPT_TOKENS)).tolist()
-
-    def once() -> None:
-        for _ in decode_tokens(model, prompts, NEW_TOKENS, GREEDY):
-            pass
-
-    return best_rate(once, batch * NEW_TOKENS, repeats)
+    return time_interleaved({"ours": config}, batch, repeats)["ours"]
 
 
 def time_interleaved(configs: dict[str, ModelConfig], batch: int, repeats: int) -> dict[str, float]:
@@ -115,11 +107,7 @@ def time_interleaved(configs: dict[str, ModelConfig], batch: int, repeats: int) 
         once()
     for _ in range(repeats):
         for name, once in runs.items():
-            synchronize()
-            start = time.perf_counter()
-            once()
-            synchronize()
-            rate = batch * NEW_TOKENS / (time.perf_counter() - start)
+            rate = batch * NEW_TOKENS / seconds(once)
             best[name] = max(best.get(name, 0.0), rate)
     return best
 

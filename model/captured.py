@@ -28,12 +28,16 @@ import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from model.cache import KVCache
 from model.transformer import Transformer
+
+if TYPE_CHECKING:
+    from torch.cuda import _POOL_HANDLE
 
 logger = logging.getLogger("ordinal.captured")
 
@@ -72,13 +76,17 @@ class CapturedDecode:
         self.positions = torch.zeros(cache.max_rows, 1, dtype=torch.long, device=tokens.device)
         self.steps: dict[tuple[int, int], _Step] = {}
         self.generation = cache.generation
-        self.pool = torch.cuda.graph_pool_handle() if replay else None
+        self.pool = self._new_pool()
         # Why steps run eagerly instead, once known (then for good).
         self.failure: str | None = None
         if not model.positional.prefix_stable:
             self.failure = "the scheme's tables depend on each pass (rope's dynamic scaling)"
         elif model.training:
             self.failure = "the model is training (dropout)"
+
+    def _new_pool(self) -> _POOL_HANDLE | None:
+        """A memory pool for the graphs recorded from now on (None when nothing is recorded)."""
+        return torch.cuda.graph_pool_handle() if self.replay else None
 
     def logits(self, rows: int) -> Tensor | None:
         """One decode step of the first ``rows`` rows, each fed its token in ``tokens`` →
@@ -100,7 +108,7 @@ class CapturedDecode:
             self.generation = cache.generation
             # A pool whose graphs are all gone is released; capturing into its handle again
             # trips an assertion in torch's allocator (seen on torch 2.11), so take a new one.
-            self.pool = torch.cuda.graph_pool_handle() if self.replay else None
+            self.pool = self._new_pool()
         self.positions[:bucket, 0].copy_(lengths)
         key = (bucket, cache.allocated[1])
         step = self.steps.get(key)

@@ -43,6 +43,14 @@ def decoding_on_cpu(x: Tensor) -> bool:
     )
 
 
+@functools.cache
+def vectorised(name: str) -> bool:
+    """Whether kernel ``name`` is built (building it on first call) with its AVX-512 code: on a
+    CPU without AVX-512 its build has only a stub, and the torch code runs instead."""
+    extension = load(name)
+    return extension is not None and bool(extension.vectorised())
+
+
 def build_all() -> None:
     """Build every kernel now (``make setup``), so that the first ``ordinal serve`` on a machine
     does not spend a minute and a half compiling before its first model serves."""

@@ -17,13 +17,12 @@ the two equal for every such scheme and architecture (tests/model/kernels/test_d
 
 from __future__ import annotations
 
-import functools
 from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import Tensor, nn
 
-from model.kernels import decoding_on_cpu, load
+from model.kernels import decoding_on_cpu, load, vectorised
 
 if TYPE_CHECKING:
     from model.cache import CacheWrite, KVCache
@@ -36,11 +35,9 @@ MLPS = {"gelu": 0, "gelu_tanh": 1, "relu2": 2, "swiglu": 3}
 OWN_BIAS = {"fox": 1, "cope": 2}  # the data-dependent schemes the kernel computes itself
 
 
-@functools.cache
 def ready() -> bool:
     """Whether the kernel is built (building it on first call) and this CPU has AVX-512."""
-    extension = load("decode_step")
-    return extension is not None and bool(extension.vectorised())
+    return vectorised("decode_step")
 
 
 def applies(model: Transformer, x: Tensor) -> bool:

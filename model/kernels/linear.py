@@ -16,22 +16,18 @@ and devices, prompts of more than :data:`MAX_ROWS` tokens and CPUs without AVX-5
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch import Tensor
 
-from model.kernels import decoding_on_cpu, load
+from model.kernels import decoding_on_cpu, load, vectorised
 
 # Above this many rows MKL's packing pays for itself (at 64 rows the two are level).
 MAX_ROWS = 64
 
 
-@functools.cache
 def ready() -> bool:
     """Whether the kernel is built (building it on first call) and this CPU has AVX-512."""
-    extension = load("linear")
-    return extension is not None and bool(extension.vectorised())
+    return vectorised("linear")
 
 
 def applies(x: Tensor, weight: Tensor) -> bool:

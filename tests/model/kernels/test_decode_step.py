@@ -82,6 +82,8 @@ def test_every_architecture_decodes_as_the_torch_blocks(architecture: dict[str, 
 
 @pytest.mark.parametrize("scheme", ["rope", "alibi", "t5", "learned", "none"])
 def test_a_rows_logits_are_the_same_bits_alone_and_in_a_batch(scheme: str) -> None:
+    """A prompt and one cached step: the projections (linear_core.h) and everything else are
+    row by row, so a row's step is the same bits alone and in a batch of five."""
     model = random_model(scheme, seed=2)
     prompts = random_tokens(5, 9, seed=3)
     with torch.inference_mode():

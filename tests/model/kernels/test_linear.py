@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from model.kernels import linear as linear_kernel
 from model.transformer import Linear, Transformer, _store_column_major
-from tests.model.conftest import random_model, random_tokens, tiny_config
+from tests.model.conftest import tiny_config
 
 pytestmark = pytest.mark.skipif(
     not linear_kernel.ready(), reason="the linear kernel needs a C++ compiler and AVX-512"
@@ -70,23 +70,3 @@ def test_every_projection_of_the_model_is_a_column_major_kernel_linear() -> None
     linears = [module for module in model.modules() if isinstance(module, torch.nn.Linear)]
     assert linears and all(isinstance(module, Linear) for module in linears)
     assert all(module.weight.stride(0) == 1 for module in linears)
-
-
-@pytest.mark.parametrize("scheme", ["rope", "alibi", "t5", "learned"])
-def test_a_decoded_rows_logits_are_the_same_bits_alone_and_in_a_batch(scheme: str) -> None:
-    """A prompt and one cached step, whole: with the projections row by row, every op of these
-    schemes' passes treats rows alike (fox's gates are a torch matmul, whose GEMM does not)."""
-    from model.cache import KVCache
-
-    model = random_model(scheme, seed=2)
-    prompts = random_tokens(5, 9, seed=3)
-    config = model.config
-    with torch.inference_mode():
-        cache = KVCache(config, rows=5, max_length=16)
-        model(prompts, cache)
-        together = model(prompts[:, -1:], cache)
-        for row in range(5):
-            alone_cache = KVCache(config, rows=1, max_length=16)
-            model(prompts[row : row + 1], alone_cache)
-            alone = model(prompts[row : row + 1, -1:], alone_cache)
-            assert torch.equal(alone[0], together[row]), row
