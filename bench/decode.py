@@ -4,7 +4,7 @@ For each model size (the shipped checkpoints' config, and 4 layers / 256 dims / 
 4096) and batch size (1 and 32): a 32-token prompt, 256 new tokens, greedy, EOS ignored, timed
 after a warm-up run. Hugging Face transformers' ``GPT2LMHeadModel.generate`` runs at identical
 dimensions (random weights, built from a config, nothing downloaded) against our ``learned``
-scheme in GPT-2's exact layout (biases, tanh GELU), and the ratio is reported from the same run.
+scheme in GPT-2's exact layout (biases, tanh GELU), the two timed in the same rounds.
 Everything runs on a CUDA GPU in bfloat16 when one is present, else on the CPU in float32; on a
 GPU, rope is also timed with its decode steps replayed from CUDA graphs (the default) and without.
 
@@ -39,6 +39,7 @@ BATCHES = (1, 32)
 GREEDY = SamplingParams(temperature=0.0)
 # GPT-2's architecture in our config: learned positions, biases everywhere, tanh-approximate GELU.
 GPT2_LAYOUT = {"positional": {"scheme": "learned"}, "bias": True, "mlp": "gelu_tanh"}
+TRANSFORMERS = "transformers generate"  # its key among the interleaved runs
 
 
 def bench_device() -> tuple[str, torch.dtype]:
@@ -48,13 +49,7 @@ def bench_device() -> tuple[str, torch.dtype]:
     return "cpu", torch.float32
 
 
-def best_rate(run_once: Callable[[], None], tokens: int, repeats: int) -> float:
-    """Tokens/s of the fastest of ``repeats`` timed runs, after one untimed warm-up run."""
-    seconds(run_once)  # warm-up: allocator, kernels
-    return tokens / min(seconds(run_once) for _ in range(repeats))
-
-
-def seconds(run_once: Callable[[], None]) -> float:
+def seconds(run_once: Callable[[], object]) -> float:
     """Wall seconds of one run, the GPU's queued work included."""
     synchronize()
     start = time.perf_counter()
@@ -88,20 +83,16 @@ def model_sizes(checkpoints: Path) -> dict[str, dict[str, Any]]:
 
 def time_ours(config: ModelConfig, batch: int, repeats: int) -> float:
     """Best-of-``repeats`` tokens/s of our cached greedy decode."""
-    return time_interleaved({"ours": config}, batch, repeats)["ours"]
+    return time_interleaved({"ours": our_decode(config, batch)}, batch, repeats)["ours"]
 
 
-def time_interleaved(configs: dict[str, ModelConfig], batch: int, repeats: int) -> dict[str, float]:
-    """Best-of-``repeats`` tokens/s of our cached greedy decode for every config, each round
-    running every config once in turn, so that a noisy minute on a shared machine falls on all
-    of them alike (one config's run after another's made their ratio mostly noise)."""
-    device, dtype = bench_device()
-    runs: dict[str, Callable[[], None]] = {}
-    for name, config in configs.items():
-        torch.manual_seed(0)
-        model = Transformer(config).to(device, dtype).eval()
-        prompts = torch.randint(3, config.vocab_size, (batch, PROMPT_TOKENS)).tolist()
-        runs[name] = functools.partial(_decode_all, model, prompts)
+def time_interleaved(
+    runs: dict[str, Callable[[], object]], batch: int, repeats: int
+) -> dict[str, float]:
+    """Best-of-``repeats`` tokens/s of every run (each decodes ``NEW_TOKENS`` for ``batch``
+    rows), each round running every one once in turn, so that a noisy minute on a shared
+    machine falls on all of them alike (one run after another's made their ratio mostly
+    noise: transformers timed after our schemes gave 2.07-2.61x from one run to the next)."""
     best: dict[str, float] = {}
     for once in runs.values():  # warm-up: allocator, kernels
         once()
@@ -112,13 +103,23 @@ def time_interleaved(configs: dict[str, ModelConfig], batch: int, repeats: int) 
     return best
 
 
+def our_decode(config: ModelConfig, batch: int) -> Callable[[], None]:
+    """One greedy decode of ``batch`` random prompts by a fresh model of ``config``."""
+    device, dtype = bench_device()
+    torch.manual_seed(0)
+    model = Transformer(config).to(device, dtype).eval()
+    prompts = torch.randint(3, config.vocab_size, (batch, PROMPT_TOKENS)).tolist()
+    return functools.partial(_decode_all, model, prompts)
+
+
 def _decode_all(model: Transformer, prompts: list[list[int]]) -> None:
     for _ in decode_tokens(model, prompts, NEW_TOKENS, GREEDY):
         pass
 
 
-def time_transformers(config: ModelConfig, batch: int, repeats: int) -> float | None:
-    """Best-of-``repeats`` tokens/s of transformers' GPT-2 ``generate`` at the same dimensions."""
+def transformers_decode(config: ModelConfig, batch: int) -> Callable[[], None] | None:
+    """One greedy ``generate`` by transformers' GPT-2 at the dimensions of ``config`` (in
+    GPT-2's layout), or None where transformers is not installed."""
     try:
         from transformers import GPT2Config, GPT2LMHeadModel
     except ImportError:
@@ -155,7 +156,7 @@ def time_transformers(config: ModelConfig, batch: int, repeats: int) -> float | 
                 pad_token_id=0,
             )
 
-    return best_rate(once, batch * NEW_TOKENS, repeats)
+    return once
 
 
 def rope_on_one_thread(checkpoints: Path, repeats: int) -> float:
@@ -216,15 +217,24 @@ def run(checkpoints: Path, repeats: int, schemes: list[str]) -> dict[str, Any]:
             scheme: ModelConfig.from_dict({**fields, "positional": {"scheme": scheme}})
             for scheme in schemes
         }
-        # GPT-2's exact layout (learned positions, biases everywhere) for the reference ratio.
+        # GPT-2's exact layout (learned positions, biases everywhere) for the reference ratio,
+        # timed in the same rounds as transformers' generate.
         gpt2_layout = ModelConfig.from_dict({**fields, **GPT2_LAYOUT})
         configs["learned+bias"] = gpt2_layout
-        rates = {b: time_interleaved(configs, b, repeats) for b in BATCHES}
+        rates, reference = {}, {}
+        for b in BATCHES:
+            runs: dict[str, Callable[[], object]] = {
+                name: our_decode(config, b) for name, config in configs.items()
+            }
+            theirs = transformers_decode(gpt2_layout, b)
+            if theirs is not None:
+                runs[TRANSFORMERS] = theirs
+            rates[b] = time_interleaved(runs, b, repeats)
+            reference[f"batch_{b}"] = rates[b].pop(TRANSFORMERS, None)
         rows = {name: {f"batch_{b}": rates[b][name] for b in BATCHES} for name in configs}
         for name, row in rows.items():
             print(size_name, name, {k: round(v) for k, v in row.items()}, flush=True)
-        reference = {f"batch_{b}": time_transformers(gpt2_layout, b, repeats) for b in BATCHES}
-        print(size_name, "transformers", reference, flush=True)
+        print(size_name, TRANSFORMERS, reference, flush=True)
         results["sizes"][size_name] = {"config": fields, "ours": rows, "transformers": reference}
     results["rope_batch_1_one_thread"] = rope_on_one_thread(checkpoints, repeats)
     results["cuda_graphs"] = graphs_on_and_off(checkpoints, repeats)

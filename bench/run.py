@@ -180,7 +180,8 @@ def transformers_section(results: Results) -> str:
     header = ["size", "batch", "ours: learned, GPT-2 layout", "transformers generate", "ratio"]
     return (
         "## Against Hugging Face transformers\n\nGPT-2's layout (learned positions, biases, "
-        "tanh GELU) in both, same dimensions, same run; tokens/s.\n\n" + table(header, rows)
+        "tanh GELU) in both, same dimensions, timed in the same rounds (each round runs every "
+        "scheme and transformers once in turn); tokens/s.\n\n" + table(header, rows)
     )
 
 
