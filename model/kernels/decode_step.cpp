@@ -24,6 +24,8 @@ namespace {
 enum Norm : int64_t { kLayerNorm = 0, kRMSNorm = 1 };
 enum Mlp : int64_t { kGelu = 0, kGeluTanh = 1, kRelu2 = 2, kSwiGLU = 3 };
 constexpr int kTensorsPerBlock = 12;  // see decode_step.py's block_tensors()
+// Fewer activations than this stay on one thread: a parallel region costs a few microseconds.
+constexpr int64_t kSerialActivations = 16384;
 
 const float* data_or_null(const torch::Tensor& t) {
   return t.numel() ? t.data_ptr<float>() : nullptr;
@@ -341,8 +343,11 @@ torch::Tensor decode_blocks(torch::Tensor x, const std::vector<torch::Tensor>& b
         for (int64_t i = 0; i < inner; ++i) h[i] = h[i] / (1.0f + std::exp(-h[i])) * h[inner + i];
         if (r) std::copy_n(h, inner, hidden.data() + r * inner);  // rows packed to [rows, inner]
       }
-    } else {
-      activate(hidden.data(), rows * expanded, mlp);
+    } else {  // row by row: a row's floats take the same vector lanes alone and in a batch
+      const int64_t grain = std::max<int64_t>(1, kSerialActivations / expanded);
+      at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+        for (int64_t r = begin; r < end; ++r) activate(hidden.data() + r * expanded, expanded, mlp);
+      });
     }
     linear_core::project(hidden.data(), transposed(t[10]), data_or_null(t[11]), projected.data(),
                          rows, inner, d);
