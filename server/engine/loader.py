@@ -22,6 +22,8 @@ from tokenizers import Tokenizer
 from model.cache import KVCache
 from model.checkpoint import load_checkpoint, with_positional
 from model.device import resolve_device
+from model.sampling import RowSampler, SamplingBatch
+from model.sampling_params import SamplingParams
 from model.tokenizer import vocabulary_tables
 from model.transformer import Transformer
 from server.messages import (
@@ -145,9 +147,11 @@ def warm_up(model: Transformer) -> None:
     weights = model.lm_head.weight
     tokens = torch.zeros(1, 2, dtype=torch.long, device=weights.device)
     cache = KVCache(model.config, 1, 3, weights.device, weights.dtype)
+    greedy = SamplingBatch([RowSampler(SamplingParams(temperature=0.0))], weights.device)
     with torch.inference_mode():
         model(tokens, cache)  # a prompt: the projection kernel
-        model(tokens[:, :1], cache)  # a cached one-token step: the decode-step kernel
+        logits = model(tokens[:, :1], cache, last_only=True)  # a cached step: the decode step's
+        greedy.sample(logits.float())  # a greedy draw: the argmax kernel
 
 
 def variant_of(base: LoadedModel, variant: str, max_context: int | None) -> LoadedModel:

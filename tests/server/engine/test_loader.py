@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from model.kernels import argmax as argmax_kernel
 from model.kernels import decode_step
 from server.engine.loader import LoadedModel, context_limit, load_all, warm_up
 from server.messages import EngineConfig, ModelFailed
@@ -77,3 +78,19 @@ def test_the_warm_up_runs_a_cached_one_token_step(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(decode_step, "applies", spy)
     warm_up(random_model("rope"))
     assert (1, 1, 32) in asked  # one row, one token: the decode step's shape
+
+
+def test_the_warm_up_draws_greedily(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The argmax kernel too is built before the model serves (the first greedy request's
+    step would otherwise build it)."""
+    asked: list[tuple[int, ...]] = []
+    applies = argmax_kernel.applies
+
+    def spy(x: torch.Tensor) -> bool:
+        asked.append(tuple(x.shape))
+        return applies(x)
+
+    monkeypatch.setattr(argmax_kernel, "applies", spy)
+    model = random_model("rope")
+    warm_up(model)
+    assert asked == [(1, model.config.vocab_size)]
