@@ -55,8 +55,8 @@ void normalise(const float* x, float* y, int64_t d, const float* weight, const f
 // head_attention for any head dimension, one float at a time.
 void scalar_head_attention(const float* q, const float* keys, int64_t key_stride,
                            const float* values, int64_t value_stride, int64_t n, int64_t hd,
-                           float scale, const float* bias, int64_t bias_stride, float* scores,
-                           float* out) {
+                           float scale, const float* bias, int64_t bias_stride,
+                           const float* /*next_keys*/, float* scores, float* out) {
   float largest = -INFINITY;
   for (int64_t t = 0; t < n; ++t) {
     float dot = 0.0f;
@@ -75,18 +75,28 @@ void scalar_head_attention(const float* q, const float* keys, int64_t key_stride
   for (int64_t i = 0; i < hd; ++i) out[i] /= total;
 }
 
+// A cache line on its way into L2 while other work runs.
+void prefetch(const float* line) { _mm_prefetch(reinterpret_cast<const char*>(line), _MM_HINT_T1); }
+
 // One head's attention of query q [hd] over n keys and values (rows `*_stride` floats apart)
 // with the score bias (null: none), into out [hd]; scores: room for n floats. The head dimension
 // is V registers (hd = 16·V): the query and the output stay in registers across all the keys.
+//
+// At batch 32 and more the cache comes from memory, and one stream at a time left most of the
+// bandwidth unused: the key pass asks for the values it will need next, and the value pass for
+// the next head's keys (next_keys; null: none to fetch), each key's lines at its turn. 0.73-0.89×
+// the step's time at batch 64 (shipped, one thread) and batch 32 (4L-256d, two threads).
 template <int V>
 void head_attention(const float* q, const float* keys, int64_t key_stride, const float* values,
                     int64_t value_stride, int64_t n, int64_t /*hd*/, float scale,
-                    const float* bias, int64_t bias_stride, float* scores, float* out) {
+                    const float* bias, int64_t bias_stride, const float* next_keys,
+                    float* scores, float* out) {
   __m512 query[V], acc[V];
   for (int v = 0; v < V; ++v) query[v] = _mm512_loadu_ps(q + 16 * v);
   float largest = -INFINITY;
   for (int64_t t = 0; t < n; ++t) {
     const float* k = keys + t * key_stride;
+    for (int v = 0; v < V; ++v) prefetch(values + t * value_stride + 16 * v);
     __m512 sum = _mm512_mul_ps(query[0], _mm512_loadu_ps(k));
     for (int v = 1; v < V; ++v) sum = _mm512_fmadd_ps(query[v], _mm512_loadu_ps(k + 16 * v), sum);
     float score = _mm512_reduce_add_ps(sum) * scale;
@@ -103,6 +113,8 @@ void head_attention(const float* q, const float* keys, int64_t key_stride, const
   for (int64_t t = 0; t < n; ++t) {
     const __m512 weight = _mm512_set1_ps(scores[t]);
     const float* value = values + t * value_stride;
+    if (next_keys)
+      for (int v = 0; v < V; ++v) prefetch(next_keys + t * key_stride + 16 * v);
     for (int v = 0; v < V; ++v)
       acc[v] = _mm512_fmadd_ps(weight, _mm512_loadu_ps(value + 16 * v), acc[v]);
   }
@@ -111,7 +123,7 @@ void head_attention(const float* q, const float* keys, int64_t key_stride, const
 }
 
 using HeadAttention = void (*)(const float*, const float*, int64_t, const float*, int64_t, int64_t,
-                               int64_t, float, const float*, int64_t, float*, float*);
+                               int64_t, float, const float*, int64_t, const float*, float*, float*);
 
 HeadAttention head_attention_for(int64_t hd) {
   switch (hd) {
@@ -262,8 +274,11 @@ void attend_row(const Shapes& s, float* qkv, const torch::Tensor& keys,
       head_bias = own_bias;
       bias_stride = 1;
     }
+    const int64_t next_group = (h + 1) / group;  // the next head's keys, if they are others
+    const float* next_keys =
+        h + 1 < s.heads && next_group != g ? key_base + next_group * ks[2] : nullptr;
     attention(q, head_keys, ks[3], head_values, vs[3], n, hd, scale, head_bias, bias_stride,
-              scores, o);
+              next_keys, scores, o);
   }
 }
 
