@@ -287,7 +287,7 @@ def test_draws_without_top_k_or_top_p_match_the_distribution() -> None:
 
 # ---- a row that cannot be sampled fails alone ------------------------------------------------
 
-MIXED = [  # every path: vocabulary order, sorted, greedy, penalised
+MIXED = [  # every path: temperature only, sorted, greedy, vocabulary order (penalised)
     SamplingParams(temperature=0.9, seed=1),
     SamplingParams(temperature=1.1, top_k=10, top_p=0.9, seed=2),
     SamplingParams(temperature=0.0),
@@ -798,6 +798,7 @@ MANY_PATHS = [  # two or more rows on each path, so that every group is indexed
     SamplingParams(temperature=0.0),
     SamplingParams(top_p=0.8, repetition_penalty=0.7, seed=4),
     SamplingParams(temperature=1.5, seed=5),
+    SamplingParams(temperature=0.7, min_p=0.2, seed=6),
 ]
 
 
