@@ -37,7 +37,7 @@ import numpy as np
 import orjson
 
 from bench.http import (
-    MAX_BATCH,
+    closed_loops,
     percentile,
     prompt_ids,
     running_server,
@@ -223,21 +223,11 @@ async def shared_head(url: str) -> list[int]:
 
 async def load_level(url: str, streams: int, tokens: int, min_seconds: float) -> dict[str, Any]:
     """``streams`` closed-loop clients for ``min_seconds`` (two requests each at least)."""
-    limits = httpx.Limits(max_connections=2 * MAX_BATCH, max_keepalive_connections=2 * MAX_BATCH)
-    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=300) as client:
+    async with httpx.AsyncClient(base_url=url, timeout=300) as client:
         prompt = await prompt_ids(client)
         for seed in range(3):
             await stream_completion(client, prompt, 16, seed)
-        done, seeds, start = [], itertools.count(), time.perf_counter()
-
-        async def client_loop() -> None:
-            rounds = 0
-            while rounds < 2 or time.perf_counter() - start < min_seconds:
-                done.append(await stream_completion(client, prompt, tokens, next(seeds)))
-                rounds += 1
-
-        await asyncio.gather(*(client_loop() for _ in range(streams)))
-        wall = time.perf_counter() - start
+    done, wall = await closed_loops(url, prompt, streams, tokens, min_seconds, min_rounds=2)
     gaps = [1000 * (b - a) for s in done for a, b in itertools.pairwise(s.token_times)]
     return {
         "streams": streams,
