@@ -196,8 +196,8 @@ class SamplingBatch:
     Each row draws along the cheapest path that gives its exact distribution: greedy rows take
     the argmax; rows with a temperature alone draw from its softmax; rows with min-p but no
     top-k or top-p draw in vocabulary order (no sort); only rows with top-k or top-p sort the
-    vocabulary. The path depends on the row's own parameters alone, so a
-    seeded row draws the same tokens whatever rows share its batch.
+    vocabulary. The path depends on the row's own parameters alone, so a seeded row draws the
+    same tokens whatever rows share its batch.
     """
 
     def __init__(self, rows: Sequence[RowSampler], device: torch.device | str = "cpu") -> None:

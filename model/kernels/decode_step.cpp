@@ -76,7 +76,9 @@ void scalar_head_attention(const float* q, const float* keys, int64_t key_stride
 }
 
 // A cache line on its way into L2 while other work runs.
-void prefetch(const float* line) { _mm_prefetch(reinterpret_cast<const char*>(line), _MM_HINT_T1); }
+void prefetch(const float* line) {
+  _mm_prefetch(reinterpret_cast<const char*>(line), _MM_HINT_T1);
+}
 
 // One head's attention of query q [hd] over n keys and values (rows `*_stride` floats apart)
 // with the score bias (null: none), into out [hd]; scores: room for n floats. The head dimension
@@ -84,8 +86,9 @@ void prefetch(const float* line) { _mm_prefetch(reinterpret_cast<const char*>(li
 //
 // At batch 32 and more the cache comes from memory, and one stream at a time left most of the
 // bandwidth unused: the key pass asks for the values it will need next, and the value pass for
-// the next head's keys (next_keys; null: none to fetch), each key's lines at its turn. 0.73-0.89×
-// the step's time at batch 64 (shipped, one thread) and batch 32 (4L-256d, two threads).
+// the next head's keys (next_keys; null: none to fetch), each key's lines at its turn. The
+// blocks then took 0.70-0.78× the time at batch 64 (shipped, one thread) and 0.91× at batch 32
+// (4L-256d, two threads); docs/performance.md, sixth round.
 template <int V>
 void head_attention(const float* q, const float* keys, int64_t key_stride, const float* values,
                     int64_t value_stride, int64_t n, int64_t /*hd*/, float scale,
