@@ -261,9 +261,11 @@ class SamplingBatch:
         failures: dict[int, FailureReason] = {}
         # A row's sum is finite exactly when its logits are (NaN and ±inf propagate; finite
         # logits would need |x| ~ 1e34 to overflow it): one reduction, not isfinite over [B, V],
-        # which costs 270 µs at [32, 2048] on this CPU against 17 µs for the sum.
-        finite = torch.isfinite(logits.sum(dim=-1))
-        if not finite.all():
+        # which costs 270 µs at [32, 2048] on this CPU against 17 µs for the sum. The whole
+        # batch's sum clears the common case with one reduction and one read (2 µs, against 7
+        # for the rows' sums and their test); only when it is not finite are the rows checked.
+        if not math.isfinite(float(logits.sum())):
+            finite = torch.isfinite(logits.sum(dim=-1))
             for row in (~finite).nonzero().flatten().tolist():
                 failures[row] = FailureReason.NON_FINITE_LOGITS
             logits = logits.masked_fill(~finite.unsqueeze(-1), 0.0)  # any finite row will do
@@ -276,8 +278,9 @@ class SamplingBatch:
         except Exception:  # find the rows at fault: each draws alone, with its own uniform
             logger.exception("the batch's draw raised: drawing its %d rows one by one", batch)
             tokens = self._draw_each(logits, history, uniforms, failures)
-        outside = (tokens < 0) | (tokens >= vocab)
-        if outside.any():
+        lowest, highest = torch.aminmax(tokens)  # one op where a range test takes three
+        if int(lowest) < 0 or int(highest) >= vocab:
+            outside = (tokens < 0) | (tokens >= vocab)
             for row in outside.nonzero().flatten().tolist():
                 failures.setdefault(row, FailureReason.SAMPLING_ERROR)
         if self._constrained:

@@ -334,6 +334,28 @@ def test_a_failing_row_fails_alone(how: str, bad_row: int) -> None:
         assert ((others >= 0) & (others < VOCAB)).all()
 
 
+def test_finite_rows_whose_batch_sum_overflows_do_not_fail() -> None:
+    """The batch-wide sum only screens: rows near float32's largest value sum to infinity
+    together, and each is then checked alone (finite) and drawn as it would be alone."""
+    logits = torch.zeros(3, VOCAB)
+    logits[0, 5] = logits[1, 9] = logits[2, 11] = 3e38  # each row's sum finite, the batch's not
+    rows = [RowSampler(SamplingParams(temperature=0.0)) for _ in range(3)]
+    tokens, failures = SamplingBatch(rows).draw(logits)
+    assert failures == {}
+    assert tokens.tolist() == [5, 9, 11]
+
+
+def test_rows_of_opposite_infinities_both_fail() -> None:
+    """+inf in one row and -inf in another make the batch's sum NaN: the row check then finds
+    both (each row's own sum is infinite), and a finite row beside them draws as usual."""
+    logits = random_logits(3, seed=4)
+    logits[0, 1], logits[2, 2] = math.inf, -math.inf
+    rows = [RowSampler(SamplingParams(temperature=0.0)) for _ in range(3)]
+    tokens, failures = SamplingBatch(rows).draw(logits)
+    assert failures == {0: FailureReason.NON_FINITE_LOGITS, 2: FailureReason.NON_FINITE_LOGITS}
+    assert tokens[1].item() == logits[1].argmax().item()
+
+
 def test_a_draw_that_raises_is_retried_row_by_row(monkeypatch: pytest.MonkeyPatch) -> None:
     """When the batched draw itself raises, every row draws alone with the same uniform, so
     the tokens are the ones the batched draw would have given."""
