@@ -170,8 +170,8 @@ def make_norm(config: ModelConfig) -> nn.Module:
 # cuDNN's fused attention, which torch tries first on a Hopper GPU, builds an execution plan for
 # every new shape: 53-57 ms a call on an H200 (bench/results-cuda/sdpa.txt), and an uncaptured
 # decode step's key length is new at almost every step (8 streams served at 37-57 ms a step,
-# 91% of it in attention). Flash and
-# memory-efficient attention need no plan; the math kernel takes what they cannot.
+# 91% of it in attention). Flash and memory-efficient attention need no plan; the math kernel
+# takes what they cannot.
 GPU_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 

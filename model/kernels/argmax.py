@@ -1,10 +1,10 @@
 """Each row's argmax, for the greedy draw of a decode step.
 
 ``torch.argmax`` over a [rows, vocabulary] matrix walks it one float at a time: 115 µs at
-[64, 2048] on one thread of this project's CPU, about as long as a row's whole block of the
-shipped model takes in the decode-step kernel. ``argmax.cpp`` finds each row's largest value 16
-floats at a time, then its first index: the same answer (ties to the lowest index, a NaN counted
-as the largest), in a tenth of the time (``python -m bench.micro``; docs/performance.md).
+[64, 2048] on one thread of this project's CPU, a few percent of a greedy 64-row decode step.
+``argmax.cpp`` finds each row's largest value 16 floats at a time, then its first index: the
+same answer (ties to the lowest index, a NaN counted as the largest) in 11 µs (one-off timing;
+docs/performance.md, sixth round).
 Gradients, other dtypes and devices, and CPUs without AVX-512 keep ``torch.argmax``.
 """
 
@@ -16,6 +16,11 @@ from torch import Tensor
 from model.kernels import decoding_on_cpu, load, vectorised
 
 
+def ready() -> bool:
+    """Whether the kernel is built (building it on first call) and this CPU has AVX-512."""
+    return vectorised("argmax")
+
+
 def applies(x: Tensor) -> bool:
     """Whether ``x`` [rows, n] (n ≥ 1) takes the kernel: float32 on a CPU, no gradient, AVX-512."""
     return (
@@ -23,7 +28,7 @@ def applies(x: Tensor) -> bool:
         and x.shape[1] > 0
         and x.dtype is torch.float32
         and decoding_on_cpu(x)
-        and vectorised("argmax")
+        and ready()
     )
 
 

@@ -206,7 +206,8 @@ void store_log_gates(const LayerSignal& signal, int64_t layer, int64_t row, int6
   }
 }
 
-// The data-dependent bias of one head's n keys (the query at slot n − 1) into `bias`.
+// The data-dependent bias of one head's n keys (the query at slot n − 1) into `bias`, which has
+// room after them for CoPE's q·e products, one per table row.
 // FoX: D_j = Σ_{l=j+1..n−1} log f_l. CoPE: p_j = Σ_{t=j..n−1} σ(q·k_t/√hd), then q·e[p_j]
 // read between rows ⌊p_j⌋ and ⌈p_j⌉. Both running sums in double, as torch's CPU cumsum.
 void layer_bias(const LayerSignal& signal, int64_t layer, int64_t row, int64_t head,
@@ -225,7 +226,7 @@ void layer_bias(const LayerSignal& signal, int64_t layer, int64_t row, int64_t h
   }
   const auto& table = signal.table;  // kContextual
   const int64_t rows = table.size(1);
-  std::vector<float> at_rows(rows);
+  float* at_rows = bias + n;
   const float* embeddings = table.data_ptr<float>() + layer * table.stride(0);
   for (int64_t k = 0; k < rows; ++k) at_rows[k] = plain_dot(q, embeddings + k * table.stride(1), hd);
   double running = 0.0;
@@ -338,7 +339,8 @@ torch::Tensor decode_blocks(torch::Tensor x, const std::vector<torch::Tensor>& b
       for (int64_t r = 0; r < rows; ++r)
         store_log_gates(signal, b, r, position[r], normed.data() + r * d, heads, d);
     at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> scores(longest), own_bias(longest);
+      const int64_t table_rows = scheme == kContextual ? table.size(1) : 0;
+      std::vector<float> scores(longest), own_bias(longest + table_rows);
       for (int64_t r = begin; r < end; ++r) {
         const float* row_cos = rot ? cos.data_ptr<float>() + r * cos.stride(0) : nullptr;
         const float* row_sin = rot ? sin.data_ptr<float>() + r * sin.stride(0) : nullptr;
@@ -389,7 +391,9 @@ torch::Tensor fire_bias(const torch::Tensor& positions, int64_t key_length,
   const float* b1 = in_bias.data_ptr<float>();
   const float* w2 = out_weight.data_ptr<float>();
   const float* b2 = out_bias.data_ptr<float>();
-  const auto psi = [&](float x) { return log_transform ? std::log(static_cast<float>(c) * x + 1.0f) : x; };
+  const auto psi = [&](float x) {
+    return log_transform ? std::log(static_cast<float>(c) * x + 1.0f) : x;
+  };
   std::vector<float> units(hidden);
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t p = position[r];

@@ -151,7 +151,7 @@ def warm_up(model: Transformer) -> None:
     with torch.inference_mode():
         model(tokens, cache)  # a prompt: the projection kernel
         logits = model(tokens[:, :1], cache, last_only=True)  # a cached step: the decode step's
-        greedy.sample(logits.float())  # a greedy draw: the argmax kernel
+        greedy.sample(logits)  # a greedy draw: the argmax kernel
 
 
 def variant_of(base: LoadedModel, variant: str, max_context: int | None) -> LoadedModel:

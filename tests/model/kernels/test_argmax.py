@@ -11,7 +11,7 @@ from model.sampling import RowSampler, SamplingBatch
 from model.sampling_params import SamplingParams
 
 requires_kernel = pytest.mark.skipif(
-    not argmax_kernel.vectorised("argmax"),
+    not argmax_kernel.ready(),
     reason="the argmax kernel needs a C++ compiler and AVX-512",
 )
 
