@@ -12,6 +12,7 @@
 // alone and in any batch: everything else here is computed row by row, in a fixed order.
 #include <torch/extension.h>
 
+#include <atomic>
 #include <cmath>
 #include <vector>
 
@@ -426,10 +427,20 @@ torch::Tensor decode_blocks(torch::Tensor, const std::vector<torch::Tensor>&,
 
 #endif
 
+// How many threads this library's parallel loops use in the calling thread: each library built
+// on ATen copies torch's process-wide thread count on its first loop in a thread, so this may
+// differ from torch.get_num_threads() there (server/engine/core.py's pin_threads).
+int64_t parallel_threads() {
+  std::atomic<int64_t> chunks{0};
+  at::parallel_for(0, 1024, 1, [&](int64_t, int64_t) { chunks.fetch_add(1); });
+  return chunks.load();
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_blocks", &decode_blocks, "every block of a one-token-per-row decode step");
 #if defined(__AVX512F__)
   m.def("fire_bias", &fire_bias, "FIRE's score bias for one token per row");
 #endif
   m.def("vectorised", [] { return kVectorised; }, "whether this build has the AVX-512 kernel");
+  m.def("parallel_threads", &parallel_threads, "threads of this library's loops in this thread");
 }

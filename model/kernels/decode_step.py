@@ -40,6 +40,14 @@ def ready() -> bool:
     return vectorised("decode_step")
 
 
+def parallel_threads() -> int:
+    """How many threads the kernel's parallel loops use when called from this thread (1 when
+    the kernel is not built). ``torch.get_num_threads()`` need not say: see
+    ``server.engine.core.pin_threads``."""
+    extension = load("decode_step")
+    return 1 if extension is None else int(extension.parallel_threads())
+
+
 def applies(model: Transformer, x: Tensor) -> bool:
     """Whether the blocks of a pass over ``x`` [B, 1, d] (after the embeddings) run here."""
     config = model.config

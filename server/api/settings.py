@@ -41,9 +41,9 @@ class Settings(BaseSettings):
         1,
         ge=1,
         description=(
-            "torch CPU threads of each model's decode thread (default 1: on two cores a second "
-            "thread's spin-waiting takes the core the HTTP loop needs; measured with 2: one "
-            "stream 1.04x, 32 streams 0.93x, TTFT p99 at 32 streams 125 -> 225 ms)"
+            "torch CPU threads of the engine's decode loop (default 1: on two cores the second "
+            "thread contends with the API process and the clients; measured with 2 over HTTP: "
+            "one stream 0.9x, 32 streams 1.03x, 64 streams 0.8x the tokens/s of 1)"
         ),
     )
     max_batch_size: int = Field(

@@ -111,7 +111,7 @@ class EngineCore:
         return min(waits, default=None)
 
     def _load(self) -> None:
-        torch.set_num_threads(1)  # the decode loop's thread count is its own
+        pin_threads(1)  # the decode loop's thread count is its own
         for result in load_all(
             self.config, announce=lambda name: self.channel.send(ModelLoading(name))
         ):
@@ -127,6 +127,7 @@ class EngineCore:
                 logger.error("model '%s' failed to load: %s", result.name, result.message)
                 self.channel.send(result)
             else:
+                pin_threads(self.config.threads)  # what the loader's count of 1 changed
                 self.engines[result.name] = ModelEngine(
                     result,
                     self.config.max_batch_size,
@@ -218,6 +219,20 @@ def run_engine_process(
     os._exit(status)
 
 
+def pin_threads(count: int) -> None:
+    """Give the calling thread ``count`` torch threads.
+
+    ``torch.set_num_threads`` sets the caller's count and a process-wide one, and every library
+    built on ATen (torch, and each of ``model.kernels``) copies the process-wide count into a
+    thread on that library's first parallel loop there. The loader thread sets 1 for itself, so
+    the decode loop sets its own count back before each model it takes (before any step): when
+    it did so only at start, its kernels' first loops copied the loader's 1 and ``--threads 2``
+    decoded on one thread. Reading the count at once makes torch's own copy now.
+    """
+    torch.set_num_threads(count)
+    torch.get_num_threads()
+
+
 def serve_engine(sock: socket.socket, setup: Callable[[EngineCore], None] | None = None) -> None:
     """Read the configuration from ``sock``, load, and serve until told to stop."""
     channel = Channel(sock)
@@ -225,7 +240,6 @@ def serve_engine(sock: socket.socket, setup: Callable[[EngineCore], None] | None
         config = channel.config()
     except (ConnectionError, msgspec.DecodeError):
         return
-    torch.set_num_threads(config.threads)
     core = EngineCore(config, channel)
     if setup is not None:
         setup(core)

@@ -8,7 +8,8 @@ boundary:
 - a **gate** makes each forward pass of a model wait for one permit (``Gate``);
 - **poison** turns one seeded request's logits NaN once it has generated some tokens;
 - a **failing sampler** makes one seeded request's generator raise on a later draw;
-- **break** makes a model's forward raise (a failed step).
+- **break** makes a model's forward raise (a failed step);
+- **count threads** records the decode kernel's thread count in each forward.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import torch
 import server.engine.core
 import server.engine.engine
 import server.engine.loader
+from model.kernels import decode_step
 from model.sampling import RowSampler
 from server.engine.core import EngineCore, run_engine_process
 
@@ -78,6 +80,7 @@ class Controller(threading.Thread):
         self.passed: dict[str, int] = {}
         self.ungated: dict[str, Callable[..., Any] | None] = {}  # forwards under the gates
         self.loading = threading.Event()
+        self.threads_seen_by: dict[str, list[int]] = {}
 
     def hold_loading(self) -> None:
         load_all = server.engine.core.load_all
@@ -184,6 +187,23 @@ class Controller(threading.Thread):
             return broken
 
         self._wrap(name, wrapper)
+
+    def count_threads(self, name: str) -> None:
+        """Each forward of the model records how many threads the decode-step kernel's loops
+        use in the thread running it (``threads_seen``)."""
+        seen = self.threads_seen_by[name] = []
+
+        def wrapper(forward: Callable[..., Any]) -> Callable[..., Any]:
+            def counted(*args: Any, **kwargs: Any) -> Any:
+                seen.append(decode_step.parallel_threads())
+                return forward(*args, **kwargs)
+
+            return counted
+
+        self._wrap(name, wrapper)
+
+    def threads_seen(self, name: str) -> list[int]:
+        return self.threads_seen_by[name]
 
     def idle_shrink(self, seconds: float) -> None:
         """Models' caches shrink after ``seconds`` idle (``server.engine.engine.IDLE_SHRINK``)."""

@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 import server.api.client
+from model.kernels import decode_step
 from model.sampling import SamplingParams
 from server.api.job import Failure, Job
 from server.api.service import Service
@@ -135,3 +136,17 @@ def test_an_idle_models_cache_stays_grown_for_the_next_request_then_shrinks(
         client.close()
     finally:
         server.control.call("idle_shrink", 2.0)
+
+
+@pytest.mark.skipif(not decode_step.ready(), reason="the decode-step kernel needs AVX-512")
+def test_the_decode_loop_runs_on_the_threads_asked_for(checkpoints: Path) -> None:
+    """``--threads 2``: the decode kernel's loops run on two threads in the decode loop, though
+    the loader thread set torch's count to 1 for itself (each kernel library copies that shared
+    count on its first loop in a thread, after the model has loaded)."""
+    with running_server(test_settings(checkpoints, models=[MODEL], threads=2)) as running:
+        running.control.call("count_threads", MODEL)
+        with httpx.Client(base_url=running.url, timeout=60) as client:
+            response = client.post("/v1/completions", json={**BODY, "max_tokens": 4})
+        assert response.status_code == 200, response.text
+        seen = running.control.call("threads_seen", MODEL)
+        assert len(seen) >= 4 and set(seen) == {2}
