@@ -27,6 +27,9 @@ enum Mlp : int64_t { kGelu = 0, kGeluTanh = 1, kRelu2 = 2, kSwiGLU = 3 };
 constexpr int kTensorsPerBlock = 12;  // see decode_step.py's block_tensors()
 // Fewer activations than this stay on one thread: a parallel region costs a few microseconds.
 constexpr int64_t kSerialActivations = 16384;
+// From this many rows, on several threads, each thread takes its share of the rows through all
+// the blocks (decode_blocks).
+constexpr int64_t kSplitRows = 8;
 
 const float* data_or_null(const torch::Tensor& t) {
   return t.numel() ? t.data_ptr<float>() : nullptr;
@@ -323,57 +326,73 @@ torch::Tensor decode_blocks(torch::Tensor x, const std::vector<torch::Tensor>& b
   TORCH_CHECK(scheme != kForgetting || (states.dim() == 4 && states.size(3) >= longest),
               "FoX needs the cache's key states for these rows");
   x = x.clone();  // the residual stream, updated in place
-  std::vector<float> normed(rows * d), qkv(rows * qkv_width), attended(rows * heads * hd),
-      projected(rows * d);
-  std::vector<float> hidden;
-  float* stream = x.data_ptr<float>();
-  for (int64_t b = 0; b < n_blocks; ++b) {
-    const torch::Tensor* t = blocks.data() + b * kTensorsPerBlock;
-    const int64_t expanded = t[8].size(0), inner = t[10].size(1);
-    hidden.resize(rows * expanded);
-    for (int64_t r = 0; r < rows; ++r)
-      normalise(stream + r * d, normed.data() + r * d, d, t[0].data_ptr<float>(),
-                data_or_null(t[1]), norm, static_cast<float>(eps));
-    linear_core::project(normed.data(), transposed(t[2]), data_or_null(t[3]), qkv.data(), rows, d,
-                         qkv_width);
-    if (scheme == kForgetting)
-      for (int64_t r = 0; r < rows; ++r)
-        store_log_gates(signal, b, r, position[r], normed.data() + r * d, heads, d);
-    at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-      const int64_t table_rows = scheme == kContextual ? table.size(1) : 0;
-      std::vector<float> scores(longest), own_bias(longest + table_rows);
-      for (int64_t r = begin; r < end; ++r) {
-        const float* row_cos = rot ? cos.data_ptr<float>() + r * cos.stride(0) : nullptr;
-        const float* row_sin = rot ? sin.data_ptr<float>() + r * sin.stride(0) : nullptr;
-        attend_row(s, qkv.data() + r * qkv_width, keys, values, b, r, position[r], row_cos,
-                   row_sin, rot, bias, signal, scores.data(), own_bias.data(),
-                   attended.data() + r * heads * hd);
-      }
-    });
-    linear_core::project(attended.data(), transposed(t[4]), data_or_null(t[5]), projected.data(),
-                         rows, heads * hd, d);
-    for (int64_t i = 0; i < rows * d; ++i) stream[i] += projected[i];
-    for (int64_t r = 0; r < rows; ++r)
-      normalise(stream + r * d, normed.data() + r * d, d, t[6].data_ptr<float>(),
-                data_or_null(t[7]), norm, static_cast<float>(eps));
-    linear_core::project(normed.data(), transposed(t[8]), data_or_null(t[9]), hidden.data(), rows,
-                         d, expanded);
-    if (mlp == kSwiGLU) {
-      for (int64_t r = 0; r < rows; ++r) {  // gate, then value (FeedForward's chunk(2))
-        float* h = hidden.data() + r * expanded;
-        for (int64_t i = 0; i < inner; ++i) h[i] = h[i] / (1.0f + std::exp(-h[i])) * h[inner + i];
-        if (r) std::copy_n(h, inner, hidden.data() + r * inner);  // rows packed to [rows, inner]
-      }
-    } else {  // row by row: a row's floats take the same vector lanes alone and in a batch
-      const int64_t grain = std::max<int64_t>(1, kSerialActivations / expanded);
-      at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
-        for (int64_t r = begin; r < end; ++r) activate(hidden.data() + r * expanded, expanded, mlp);
+  // Rows [first, last) through every block; buffers hold those rows only, while the cache,
+  // positions and tables are indexed by the row's place in the batch.
+  const auto through_blocks = [&](int64_t first, int64_t last) {
+    const int64_t n = last - first;
+    std::vector<float> normed(n * d), qkv(n * qkv_width), attended(n * heads * hd),
+        projected(n * d);
+    std::vector<float> hidden;
+    float* stream = x.data_ptr<float>() + first * d;
+    for (int64_t b = 0; b < n_blocks; ++b) {
+      const torch::Tensor* t = blocks.data() + b * kTensorsPerBlock;
+      const int64_t expanded = t[8].size(0), inner = t[10].size(1);
+      hidden.resize(n * expanded);
+      for (int64_t r = 0; r < n; ++r)
+        normalise(stream + r * d, normed.data() + r * d, d, t[0].data_ptr<float>(),
+                  data_or_null(t[1]), norm, static_cast<float>(eps));
+      linear_core::project(normed.data(), transposed(t[2]), data_or_null(t[3]), qkv.data(), n,
+                           d, qkv_width);
+      if (scheme == kForgetting)
+        for (int64_t r = 0; r < n; ++r)
+          store_log_gates(signal, b, first + r, position[first + r], normed.data() + r * d,
+                          heads, d);
+      at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+        const int64_t table_rows = scheme == kContextual ? table.size(1) : 0;
+        std::vector<float> scores(longest), own_bias(longest + table_rows);
+        for (int64_t r = begin; r < end; ++r) {
+          const int64_t row = first + r;
+          const float* row_cos = rot ? cos.data_ptr<float>() + row * cos.stride(0) : nullptr;
+          const float* row_sin = rot ? sin.data_ptr<float>() + row * sin.stride(0) : nullptr;
+          attend_row(s, qkv.data() + r * qkv_width, keys, values, b, row, position[row], row_cos,
+                     row_sin, rot, bias, signal, scores.data(), own_bias.data(),
+                     attended.data() + r * heads * hd);
+        }
       });
+      linear_core::project(attended.data(), transposed(t[4]), data_or_null(t[5]),
+                           projected.data(), n, heads * hd, d);
+      for (int64_t i = 0; i < n * d; ++i) stream[i] += projected[i];
+      for (int64_t r = 0; r < n; ++r)
+        normalise(stream + r * d, normed.data() + r * d, d, t[6].data_ptr<float>(),
+                  data_or_null(t[7]), norm, static_cast<float>(eps));
+      linear_core::project(normed.data(), transposed(t[8]), data_or_null(t[9]), hidden.data(), n,
+                           d, expanded);
+      if (mlp == kSwiGLU) {
+        for (int64_t r = 0; r < n; ++r) {  // gate, then value (FeedForward's chunk(2))
+          float* h = hidden.data() + r * expanded;
+          for (int64_t i = 0; i < inner; ++i) h[i] = h[i] / (1.0f + std::exp(-h[i])) * h[inner + i];
+          if (r) std::copy_n(h, inner, hidden.data() + r * inner);  // rows packed to [n, inner]
+        }
+      } else {  // row by row: a row's floats take the same vector lanes alone and in a batch
+        const int64_t grain = std::max<int64_t>(1, kSerialActivations / expanded);
+        at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
+          for (int64_t r = begin; r < end; ++r)
+            activate(hidden.data() + r * expanded, expanded, mlp);
+        });
+      }
+      linear_core::project(hidden.data(), transposed(t[10]), data_or_null(t[11]),
+                           projected.data(), n, inner, d);
+      for (int64_t i = 0; i < n * d; ++i) stream[i] += projected[i];
     }
-    linear_core::project(hidden.data(), transposed(t[10]), data_or_null(t[11]), projected.data(),
-                         rows, inner, d);
-    for (int64_t i = 0; i < rows * d; ++i) stream[i] += projected[i];
-  }
+  };
+  // A large batch on several threads: each thread takes its rows through every block, one
+  // parallel region a step instead of one per product and attention (each a wait for the
+  // slowest thread, which on a busy machine may be waiting for a core). Inside, the loops above
+  // run serially. A row's numbers are the same either way: everything is computed row by row.
+  if (rows >= kSplitRows && at::get_num_threads() > 1)
+    at::parallel_for(0, rows, kSplitRows / 2, through_blocks);
+  else
+    through_blocks(0, rows);
   return x;
 }
 

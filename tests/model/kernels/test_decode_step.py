@@ -4,6 +4,7 @@ it takes, gives a row the same bits alone and in any batch, and applies only whe
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import pytest
@@ -95,6 +96,32 @@ def test_a_rows_logits_are_the_same_bits_alone_and_in_a_batch(scheme: str) -> No
             model(prompts[row : row + 1], alone_cache)
             alone = model(prompts[row : row + 1, -1:], alone_cache, last_only=True)
             assert torch.equal(alone[0], together[row]), row
+
+
+@pytest.mark.parametrize("scheme", ["rope", "alibi", "fox", "cope"])
+def test_rows_split_across_threads_keep_their_bits(scheme: str) -> None:
+    """From eight rows on two threads, each thread takes its share of the rows through every
+    block: the step's logits and the cache it writes are the same bits as on one thread."""
+    model = random_model(scheme, seed=6)
+    lengths = (5, 9, 3, 7, 8, 2, 6, 9, 4, 5, 3, 8)  # twelve rows at ragged lengths
+    prompts = [random_tokens(1, n, seed=n + row)[0] for row, n in enumerate(lengths)]
+    with torch.inference_mode():
+        prefilled = KVCache(model.config, rows=len(lengths), max_length=16)
+        for row, prompt in enumerate(prompts):
+            model(prompt[None], prefilled, rows=slice(row, row + 1))
+        tokens = torch.stack([prompt[-1:] for prompt in prompts])
+        steps = []
+        for threads in (1, 2):
+            cache = copy.deepcopy(prefilled)
+            torch.set_num_threads(threads)
+            try:
+                assert decode_step.parallel_threads() == threads
+                logits = model(tokens, cache, last_only=True)
+            finally:
+                torch.set_num_threads(1)
+            steps.append((logits, cache.keys, cache.values, cache.states))
+    for one_thread, two_threads in zip(*steps, strict=True):
+        assert torch.equal(one_thread, two_threads)
 
 
 def test_it_applies_only_to_one_token_per_row_without_gradients_in_float32() -> None:
