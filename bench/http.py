@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import itertools
 import os
 import resource
@@ -282,6 +283,21 @@ async def single_stream(client: httpx.AsyncClient, prompt: list[int]) -> dict[st
     }
 
 
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off while requests are timed, collected before and on
+    again after. A full collection in this load generator, tens of thousands of timestamps in,
+    stopped every stream for ~130 ms now and then, and each request sent meanwhile counted it in
+    its time to first token: 3 of 8 runs of a 32-stream level had requests at 163-306 ms, none
+    of 6 with the collector off (docs/performance.md, seventh round)."""
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
 async def closed_loops(
     url: str, prompt: list[int], streams: int, tokens: int, min_seconds: float, min_rounds: int
 ) -> tuple[list[Stream], float]:
@@ -305,8 +321,9 @@ async def closed_loops(
             rounds += 1
 
     try:
-        await asyncio.gather(*(client_loop(client) for client in clients))
-        return done, time.perf_counter() - start
+        with collector_paused():
+            await asyncio.gather(*(client_loop(client) for client in clients))
+            return done, time.perf_counter() - start
     finally:
         await asyncio.gather(*(client.aclose() for client in clients))
 
@@ -382,18 +399,19 @@ async def prefill_interference(url: str, long_prompts: bool) -> dict[str, Any]:
                 (await client.post("/v1/completions", json=body)).raise_for_status()
                 arrived += 1
 
-        feeder = asyncio.create_task(arrivals()) if long_prompts else None
-        streams = asyncio.gather(
-            *(
-                stream_completion(client, prompt, LEVEL_TOKENS, seed)
-                for seed in range(INTERFERENCE_STREAMS)
+        with collector_paused():
+            feeder = asyncio.create_task(arrivals()) if long_prompts else None
+            streams = asyncio.gather(
+                *(
+                    stream_completion(client, prompt, LEVEL_TOKENS, seed)
+                    for seed in range(INTERFERENCE_STREAMS)
+                )
             )
-        )
-        decoding.set()
-        done = await streams
-        decoding.clear()
-        if feeder is not None:
-            await feeder
+            decoding.set()
+            done = await streams
+            decoding.clear()
+            if feeder is not None:
+                await feeder
     gaps = [1000 * (b - a) for s in done for a, b in itertools.pairwise(s.token_times)]
     return {
         "streams": INTERFERENCE_STREAMS,

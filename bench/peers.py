@@ -55,7 +55,15 @@ from typing import Any
 
 import httpx
 
-from bench.http import PROMPT, free_port, percentile, running_process, serve_command, stream_body
+from bench.http import (
+    PROMPT,
+    collector_paused,
+    free_port,
+    percentile,
+    running_process,
+    serve_command,
+    stream_body,
+)
 from bench.run import load_results, peers_section, render
 from model.checkpoint import load_checkpoint
 from model.config import write_json_atomic
@@ -245,7 +253,8 @@ async def burst(url: str, streams: int, body: dict[str, Any]) -> dict[str, float
     gaps between a stream's consecutive tokens (ms)."""
     limits = httpx.Limits(max_connections=streams, max_keepalive_connections=streams)
     async with httpx.AsyncClient(base_url=url, limits=limits, timeout=600) as client:
-        done = await asyncio.gather(*(stream_body(client, body) for _ in range(streams)))
+        with collector_paused():
+            done = await asyncio.gather(*(stream_body(client, body) for _ in range(streams)))
     tokens = sum(len(stream.token_times) for stream in done)
     wall = max(s.token_times[-1] for s in done) - min(s.sent for s in done)
     gaps = [1000 * (b - a) for s in done for a, b in itertools.pairwise(s.token_times)]

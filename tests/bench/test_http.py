@@ -1,5 +1,6 @@
 """bench.http's load generator: each simulated client has its own connection pool, as separate
-users do, and every one is closed when its level ends.
+users do, and every one is closed when its level ends; Python's garbage collector does not run
+while requests are timed.
 
 The figures themselves are measurements (``make bench``); what is checked is how the load is
 sent, against an in-memory server (httpx's MockTransport), nothing on the network.
@@ -8,6 +9,7 @@ sent, against an in-memory server (httpx's MockTransport), nothing on the networ
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 from typing import Any, ClassVar
 
@@ -30,6 +32,7 @@ class RecordingClient(httpx.AsyncClient):
     requests it sent and whether it was closed."""
 
     made: ClassVar[list[RecordingClient]] = []
+    collector_on: ClassVar[list[bool]] = []  # gc.isenabled() as each request was answered
 
     def __init__(self, **kwargs: Any) -> None:
         self.sent = 0
@@ -37,6 +40,7 @@ class RecordingClient(httpx.AsyncClient):
 
         def answer(request: httpx.Request) -> httpx.Response:
             self.sent += 1
+            RecordingClient.collector_on.append(gc.isenabled())
             return httpx.Response(
                 200, content=EVENTS, headers={"content-type": "text/event-stream"}
             )
@@ -77,3 +81,23 @@ def test_the_clients_are_closed_when_a_request_fails(monkeypatch: pytest.MonkeyP
         asyncio.run(bench_http.closed_loops("http://server", [1], 3, 3, 0.0, 1))
     assert len(RecordingClient.made) == 3
     assert all(client.finished for client in RecordingClient.made)
+
+
+def test_the_collector_is_off_while_requests_are_timed_and_on_again_after(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    RecordingClient.collector_on = []
+    monkeypatch.setattr(bench_http.httpx, "AsyncClient", RecordingClient)
+    assert gc.isenabled()
+    asyncio.run(bench_http.closed_loops("http://server", [1], 3, 3, min_seconds=0.0, min_rounds=2))
+    assert RecordingClient.collector_on == [False] * 6
+    assert gc.isenabled()
+
+    class FailingClient(RecordingClient):
+        async def send(self, request: httpx.Request, **kwargs: Any) -> httpx.Response:
+            return httpx.Response(500, request=request)
+
+    monkeypatch.setattr(bench_http.httpx, "AsyncClient", FailingClient)
+    with pytest.raises(httpx.HTTPStatusError):
+        asyncio.run(bench_http.closed_loops("http://server", [1], 2, 3, 0.0, 1))
+    assert gc.isenabled()
