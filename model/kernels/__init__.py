@@ -64,7 +64,7 @@ def load(name: str) -> ModuleType | None:
     from torch.utils import cpp_extension
 
     try:
-        _clear_stale_lock(Path(cpp_extension._get_build_directory(f"ordinal_{name}", False)))
+        _wait_out_lock(Path(cpp_extension._get_build_directory(f"ordinal_{name}", False)))
         return cpp_extension.load(
             name=f"ordinal_{name}",
             sources=[str(HERE / f"{name}.cpp")],
@@ -82,17 +82,26 @@ def load(name: str) -> ModuleType | None:
         return None
 
 
-STALE_LOCK_SECONDS = 600  # a build takes ~30 s here
+STALE_LOCK_SECONDS = 180  # a build takes ~30 s here: a lock this old has no build behind it
+LOCK_POLL = 0.5  # seconds between looks at another build's lock
 
 
-def _clear_stale_lock(build_directory: Path) -> None:
-    """Remove a build lock left by a build that was killed (the engine's watchdog, a timeout):
-    torch waits on it forever, and every later start would hang in that wait."""
+def _wait_out_lock(build_directory: Path) -> None:
+    """Wait while another process builds this kernel (its lock is in the build directory), and
+    remove a lock once it is ``STALE_LOCK_SECONDS`` old: a killed build leaves its lock, and
+    torch waits on a lock forever. (Looking once and removing only 10-minute-old locks left a
+    server restarted within 10 minutes of a killed build with a model loading for good.)"""
     lock = build_directory / "lock"
-    try:
-        age = time.time() - lock.stat().st_mtime
-    except FileNotFoundError:
-        return
-    if age > STALE_LOCK_SECONDS:
-        print(f"note: removing a stale kernel build lock, {age:.0f} s old: {lock}", file=sys.stderr)
-        lock.unlink(missing_ok=True)
+    while True:
+        try:
+            age = time.time() - lock.stat().st_mtime
+        except FileNotFoundError:
+            return
+        if age > STALE_LOCK_SECONDS:
+            print(
+                f"note: removing a stale kernel build lock, {age:.0f} s old: {lock}",
+                file=sys.stderr,
+            )
+            lock.unlink(missing_ok=True)
+            return
+        time.sleep(LOCK_POLL)
