@@ -53,6 +53,13 @@ class RecordingClient(httpx.AsyncClient):
         await super().aclose()
 
 
+class FailingClient(RecordingClient):
+    """A RecordingClient whose every request gets a 500."""
+
+    async def send(self, request: httpx.Request, **kwargs: Any) -> httpx.Response:
+        return httpx.Response(500, request=request)
+
+
 def test_each_closed_loop_has_its_own_client_and_all_are_closed(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -71,11 +78,6 @@ def test_each_closed_loop_has_its_own_client_and_all_are_closed(
 
 def test_the_clients_are_closed_when_a_request_fails(monkeypatch: pytest.MonkeyPatch) -> None:
     RecordingClient.made = []
-
-    class FailingClient(RecordingClient):
-        async def send(self, request: httpx.Request, **kwargs: Any) -> httpx.Response:
-            return httpx.Response(500, request=request)
-
     monkeypatch.setattr(bench_http.httpx, "AsyncClient", FailingClient)
     with pytest.raises(httpx.HTTPStatusError):
         asyncio.run(bench_http.closed_loops("http://server", [1], 3, 3, 0.0, 1))
@@ -92,11 +94,6 @@ def test_the_collector_is_off_while_requests_are_timed_and_on_again_after(
     asyncio.run(bench_http.closed_loops("http://server", [1], 3, 3, min_seconds=0.0, min_rounds=2))
     assert RecordingClient.collector_on == [False] * 6
     assert gc.isenabled()
-
-    class FailingClient(RecordingClient):
-        async def send(self, request: httpx.Request, **kwargs: Any) -> httpx.Response:
-            return httpx.Response(500, request=request)
-
     monkeypatch.setattr(bench_http.httpx, "AsyncClient", FailingClient)
     with pytest.raises(httpx.HTTPStatusError):
         asyncio.run(bench_http.closed_loops("http://server", [1], 2, 3, 0.0, 1))
