@@ -30,7 +30,7 @@ class KVCache:
 
     ``rows`` × ``max_length`` is the most it holds. With ``reserve`` = (rows, length) only that
     much is allocated at first, and the cache grows (doubling, up to the most) when a sequence
-    joins past its rows (:meth:`reserve_rows`) or a write goes past its length
+    joins past its rows (:meth:`reserve`) or a write goes past its length
     (:meth:`positions`); :meth:`release` shrinks an empty cache back. Growing copies the old
     allocation into the new one once; a server's idle models then hold almost nothing.
     """
@@ -100,11 +100,26 @@ class KVCache:
         self._layer_keys, self._layer_values = keys.unbind(0), values.unbind(0)
         self._layer_states = states.unbind(0) if self._keeps_state else ()
 
+    def reserve(self, rows: int, length: int) -> None:
+        """Room for ``rows`` sequences (≤ the most it holds) of ``length`` slots each (CacheFull
+        past the most), in one reallocation at most: each dimension that must grow at least
+        doubles, so a logarithmic number of them."""
+        if length > self.max_length:
+            raise CacheFull(
+                f"the cache holds {self.max_length} positions per row; this step needs {length}"
+            )
+        allocated_rows, allocated_length = self.allocated
+        if rows <= allocated_rows and length <= allocated_length:
+            return
+        if rows > allocated_rows:
+            allocated_rows = min(self.max_rows, max(rows, 2 * allocated_rows))
+        if length > allocated_length:
+            allocated_length = min(self.max_length, max(length, 2 * allocated_length))
+        self._allocate(allocated_rows, allocated_length)
+
     def reserve_rows(self, rows: int) -> None:
         """Make room for ``rows`` sequences (≤ the most it holds)."""
-        allocated, length = self.allocated
-        if rows > allocated:
-            self._allocate(min(self.max_rows, max(rows, 2 * allocated)), length)
+        self.reserve(rows, 0)
 
     def release(self) -> None:
         """Shrink back to the first reservation; only while no row holds a sequence."""
@@ -172,13 +187,7 @@ class KVCache:
     def make_room(self, key_length: int) -> None:
         """Allocate ``key_length`` slots per row now (CacheFull past the most), so that the
         writes up to it need no reallocation."""
-        if key_length > self.max_length:
-            raise CacheFull(
-                f"the cache holds {self.max_length} positions per row; this step needs {key_length}"
-            )
-        rows, length = self.allocated
-        if key_length > length:
-            self._allocate(rows, min(self.max_length, max(key_length, 2 * length)))
+        self.reserve(0, key_length)
 
     def write(
         self, layer: int, plan: CacheWrite, keys: Tensor, values: Tensor

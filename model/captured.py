@@ -101,8 +101,7 @@ class CapturedDecode:
         limit = self.model.positional.max_positions
         if needed > cache.max_length or (limit is not None and needed > limit):
             return None  # the eager step raises the error this deserves
-        cache.reserve_rows(bucket)
-        cache.make_room(needed)
+        cache.reserve(bucket, needed)
         if cache.generation != self.generation:  # new tensors: the recorded addresses are stale
             self.steps.clear()
             self.generation = cache.generation

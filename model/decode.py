@@ -62,12 +62,15 @@ class Row:
     sampled token to ``tokens.generated_ids``; the batch reads it only to rebuild its masks.
 
     ``logprobs``: how many top logprobs to report per sampled token (None: no logprobs).
-    ``index`` is the row's slot in the cache while it holds one (None before and after).
+    ``max_new_tokens``: the most tokens it may generate, whose slots a growing cache allocates
+    when it joins (None: only its first). ``index`` is the row's slot in the cache while it
+    holds one (None before and after).
     """
 
     tokens: TokenHistory
     sampler: RowSampler
     logprobs: int | None = None
+    max_new_tokens: int | None = None
     index: int | None = None
 
 
@@ -166,15 +169,23 @@ class DecodeBatch(Generic[R]):
         """``row`` takes the next free cache row now rather than with its first chunk, so that
         its first slots can be filled before (``KVCache.fill``: a reused prefix, whose chunks
         then start after it); returns that cache row. Rows join in the order their chunks
-        come. Room for its prompt and first token is allocated at once (one reallocation,
-        not one per doubling)."""
+        come."""
         if row.index is not None or not self.free:
             raise ValueError("only a row outside the batch may join, while a row is free")
-        row.index = len(self.members)
-        self.members.append(row)
-        self.cache.reserve_rows(len(self.members))
-        self.cache.make_room(min(len(row.tokens.prompt_ids) + 1, self.cache.max_length))
-        return row.index
+        self._seat([row])
+        return len(self.members) - 1
+
+    def _seat(self, joining: Sequence[R]) -> None:
+        """``joining`` take the next free cache rows, with room at once (one reallocation at
+        most) for every slot they may fill: prompt and ``max_new_tokens``. So a growing cache
+        grows in the step that admits a row, a prefill, and not in the middle of decoding,
+        where one reallocation stops every row (32 rows from 128 to 256 slots: ~20 ms, ten
+        steps' time, most of it the page faults of fresh memory)."""
+        for row in joining:
+            row.index = len(self.members)
+            self.members.append(row)
+        final = (len(row.tokens.prompt_ids) + (row.max_new_tokens or 1) for row in joining)
+        self.cache.reserve(len(self.members), min(max(final, default=0), self.cache.max_length))
 
     def _decode(self) -> Tensor:
         """One cached step for every decoding row, fed its last sampled token → logits [d, V]."""
@@ -191,11 +202,7 @@ class DecodeBatch(Generic[R]):
         whose prompt this completes (a prefix of ``chunks``)."""
         begins = self._check(chunks)
         rows = slice(self.decoding, self.decoding + len(chunks))
-        for row, _ in chunks:
-            if row.index is None:
-                row.index = len(self.members)
-                self.members.append(row)
-        self.cache.reserve_rows(len(self.members))
+        self._seat([row for row, _ in chunks if row.index is None])
         counts = [count for _, count in chunks]
         prompts = torch.full((len(chunks), max(counts)), self.filler, dtype=torch.long)
         for index, ((row, count), begin) in enumerate(zip(chunks, begins, strict=True)):

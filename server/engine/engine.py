@@ -202,6 +202,7 @@ class ModelEngine:
                 submit.params, constraint_of(submit.params, self.loaded.tokenizer, self.loaded.eos)
             ),
             logprobs=submit.logprobs,
+            max_new_tokens=submit.max_tokens,
             submit=submit,
             state=state,
         )

@@ -261,6 +261,29 @@ def test_a_growing_cache_holds_what_a_full_one_holds_and_shrinks_when_empty() ->
     assert growing.allocated == (1, 2) and not growing.keys.any()
 
 
+def test_reserve_grows_rows_and_length_together_in_one_reallocation() -> None:
+    """Each dimension that must grow at least doubles (up to the most), both in one
+    reallocation that keeps what the rows hold; a reservation that fits changes nothing."""
+    cache = KVCache(CONFIG, 8, 40, reserve=(1, 4))
+    keys, values = entries(1, 3)
+    write_every_layer(cache, cache.positions(slice(0, 1), 3), keys, values)
+    generation = cache.generation
+    cache.reserve(1, 4)
+    assert cache.generation == generation
+    cache.reserve(3, 5)  # rows past double, length doubled
+    assert cache.allocated == (3, 8) and cache.generation == generation + 1
+    cache.reserve(4, 30)  # rows doubled, length past double
+    assert cache.allocated == (6, 30) and cache.generation == generation + 2
+    for layer in range(LAYERS):
+        assert torch.equal(cache.keys[layer, 0, :, :3], keys[0] + 1e6 * layer)
+        assert torch.equal(cache.values[layer, 0, :, :3], values[0] - 1e6 * layer)
+    assert not cache.keys[:, 1:].any() and not cache.keys[:, :, :, 3:].any()
+    cache.reserve(7, 31)
+    assert cache.allocated == (8, 40)  # doubling stops at the most
+    with pytest.raises(CacheFull):
+        cache.reserve(1, 41)
+
+
 def test_a_key_state_is_kept_like_the_keys_through_writes_growth_and_moves() -> None:
     """FoX's per-head scalar per slot: written where the plan says (ragged rows too), returned
     for every slot so far, kept when the cache grows, moved with its row; no other scheme's

@@ -32,7 +32,9 @@ class Sequence:
         self.prompt = random_tokens(1, length, seed)[0].tolist()
         self.params = rng.choice(SETTINGS)
         self.wanted = rng.randint(1, 16)
-        self.row = Row(Tokens(self.prompt, []), RowSampler(self.params))
+        # Half say how many tokens they want, so that a growing cache reserves them on joining.
+        room = self.wanted if rng.random() < 0.5 else None
+        self.row = Row(Tokens(self.prompt, []), RowSampler(self.params), max_new_tokens=room)
         self.fed = 0  # prompt tokens given to the batch
 
     @property
@@ -128,6 +130,36 @@ def test_rows_joining_leaving_and_prefilled_in_chunks_decode_as_alone(
         ]
         got = sequence.row.tokens.generated_ids
         assert got == (alone[: len(got)] if index in cancelled else alone), index
+
+
+def test_a_growing_cache_grows_when_rows_join_and_never_while_they_decode() -> None:
+    """Rows that say how many tokens they may generate get the room for all of them in the
+    step that admits them: no reallocation (which stops every row) while they decode, and the
+    same tokens as an offline batch, whose cache never grows."""
+    model = random_model("rope", seed=2)
+    batch = DecodeBatch(model, max_rows=8, max_length=256, vocab=TINY_VOCAB, filler=0, grow=True)
+    wanted = 100
+    prompts = [random_tokens(1, 5 + index, index)[0].tolist() for index in range(6)]
+    rows = [
+        Row(Tokens(prompt, []), RowSampler(SETTINGS[0]), max_new_tokens=wanted)
+        for prompt in prompts
+    ]
+    with torch.inference_mode():
+        sampled = batch.step([(row, len(row.tokens.prompt_ids)) for row in rows])
+        generation = batch.cache.generation
+        assert batch.cache.allocated[1] >= len(prompts[-1]) + wanted > GROW_FROM[1]
+        for _ in range(wanted - 1):
+            assert sampled is not None
+            for row, token in zip(sampled.rows, sampled.tokens, strict=True):
+                row.tokens.generated_ids.append(token)
+            sampled = batch.step()
+        assert sampled is not None
+        for row, token in zip(sampled.rows, sampled.tokens, strict=True):
+            row.tokens.generated_ids.append(token)
+    assert batch.cache.generation == generation
+    alone = list(decode_tokens(model, prompts, wanted, SETTINGS[0]))
+    for index, row in enumerate(rows):
+        assert row.tokens.generated_ids == [step[index] for step in alone]
 
 
 def test_chunks_out_of_row_order_are_refused() -> None:
