@@ -64,7 +64,7 @@ from bench.http import (
     serve_command,
     stream_body,
 )
-from bench.run import load_results, peers_section, render
+from bench.run import cpu_model, load_results, peers_section, render
 from model.checkpoint import load_checkpoint
 from model.config import write_json_atomic
 from model.files import write_text_atomic
@@ -336,6 +336,7 @@ def measure_load(args: argparse.Namespace, engines: list[str]) -> dict[str, Any]
     }
     return {
         "date": time.strftime("%Y-%m-%d %H:%M"),
+        "cpu": cpu_model(),  # the hosts differ between sessions, and every engine with them
         "load_average_at_start": load_average,
         "rounds": args.rounds,
         "engines": engines,

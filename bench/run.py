@@ -616,7 +616,9 @@ def peers_section(load: Results) -> str:
     header = ["load", "ordinal", *(PEER_NAMES.get(engine, engine) for engine in engines)]
     return (
         "## Against vLLM and llama.cpp (`bench.peers --load`)\n\n"
-        f"`{load['command']}`, {load['date']}, load average at start "
+        f"`{load['command']}`, {load['date']}"
+        + (f", {load['cpu']}" if "cpu" in load else "")
+        + ", load average at start "
         f"{load['load_average_at_start']:.2f}; medians of {load['rounds']} interleaved rounds, "
         "the same streaming client and greedy requests for every server, one compute thread "
         "each. Ratios are ordinal ÷ the peer (tokens/s: above 1 is ordinal faster; latencies: "

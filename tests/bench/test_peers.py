@@ -61,9 +61,11 @@ def test_the_load_table_gives_ordinals_ratio_to_each_peer() -> None:
     load = {
         "medians": medians, "engines": ["llama.cpp"], "command": "python -m bench.peers --load",
         "date": "2026-12-02 06:00", "load_average_at_start": 0.5, "rounds": 5,
-        "loads": [{"label": label} for label in medians],
+        "loads": [{"label": label} for label in medians], "cpu": "Some CPU 9000",
     }  # fmt: skip
-    rows = {line.split(" | ")[0]: line for line in peers_section(load).splitlines()}
+    section = peers_section(load)
+    assert "2026-12-02 06:00, Some CPU 9000, load average" in section  # the host it ran on
+    rows = {line.split(" | ")[0]: line for line in section.splitlines()}
     assert "1,000 (ordinal 1.50×)" in rows["| 1 stream × 256, tokens/s"]
     assert "2,000 (ordinal 3.00×)" in rows["| 32 streams × 128, tokens/s"]
     assert "240.0 (ordinal 0.50×)" in rows["| time to first token p99, 32 streams × 128, ms"]
