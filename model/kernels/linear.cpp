@@ -4,25 +4,33 @@
 
 #include "linear_core.h"
 
-#if defined(__AVX512F__)
+#if defined(LINEAR_CORE_VECTORISED)
 
 constexpr bool kVectorised = true;
 
-// x [M, K] float32, weight [N, K] stored column-major (weight.t() contiguous), bias [N] or None.
+// x [M, K] float32, weight [N, K] float32 or bfloat16 stored column-major (weight.t()
+// contiguous), bias [N] float32 or None.
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight,
                      const c10::optional<torch::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "x must be a contiguous float32 [rows, in] matrix");
   const auto wt = weight.t();
-  TORCH_CHECK(wt.is_contiguous() && wt.scalar_type() == at::kFloat && wt.size(0) == x.size(1),
-              "the weight must be float32 [out, in] stored column-major");
+  const bool narrow = wt.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(wt.is_contiguous() && (narrow || wt.scalar_type() == at::kFloat) &&
+                  wt.size(0) == x.size(1),
+              "the weight must be float32 or bfloat16 [out, in] stored column-major");
   TORCH_CHECK(!bias || (bias->is_contiguous() && bias->numel() == wt.size(1) &&
                         bias->scalar_type() == at::kFloat),
               "the bias must be a contiguous float32 [out] vector");
   auto y = torch::empty({x.size(0), wt.size(1)}, x.options());
-  linear_core::project(x.data_ptr<float>(), wt.data_ptr<float>(),
-                       bias ? bias->data_ptr<float>() : nullptr, y.data_ptr<float>(), x.size(0),
-                       x.size(1), wt.size(1));
+  const float* b = bias ? bias->data_ptr<float>() : nullptr;
+  if (narrow)
+    linear_core::project(x.data_ptr<float>(),
+                         reinterpret_cast<const uint16_t*>(wt.data_ptr<at::BFloat16>()), b,
+                         y.data_ptr<float>(), x.size(0), x.size(1), wt.size(1));
+  else
+    linear_core::project(x.data_ptr<float>(), wt.data_ptr<float>(), b, y.data_ptr<float>(),
+                         x.size(0), x.size(1), wt.size(1));
   return y;
 }
 

@@ -42,10 +42,27 @@ def applies(x: Tensor, weight: Tensor) -> bool:
     )
 
 
+def narrowed(weight: Tensor) -> Tensor:
+    """What the kernels read for ``weight`` (float32, column-major): a bfloat16 copy in the same
+    layout when every value of it is a bfloat16 value, else ``weight`` itself.
+
+    The shipped checkpoints store bfloat16 weights, which a float32 model holds exactly; the
+    kernels widen each bfloat16 back to that float32 in registers, so a product is the same bits
+    from half the bytes — and a batch-1 step is mostly the reading of its weights. The copy is
+    made once per version of the weight (loading, or any in-place change, makes a new one)."""
+    kept: tuple[int, Tensor | None] | None = getattr(weight, "_ordinal_narrowed", None)
+    if kept is None or kept[0] != weight._version:
+        narrow = weight.detach().to(torch.bfloat16)  # keeps the column-major layout
+        kept = (weight._version, narrow if torch.equal(narrow.float(), weight) else None)
+        weight._ordinal_narrowed = kept  # type: ignore[attr-defined]
+    return weight if kept[1] is None else kept[1]
+
+
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     """``F.linear(x, weight, bias)`` for ``x`` [..., in] → [..., out] (check :func:`applies`)."""
     extension = load("linear")
     assert extension is not None, "check applies() first"
     rows = x.reshape(-1, x.shape[-1])
-    out = extension.linear(rows if rows.is_contiguous() else rows.contiguous(), weight, bias)
+    contiguous = rows if rows.is_contiguous() else rows.contiguous()
+    out = extension.linear(contiguous, narrowed(weight), bias)
     return out.view(*x.shape[:-1], weight.shape[0])

@@ -138,3 +138,32 @@ def test_it_applies_only_to_one_token_per_row_without_gradients_in_float32() -> 
         model.train()
         assert not decode_step.applies(model, one_token)
     assert not decode_step.applies(model.eval(), one_token)  # gradients on
+
+
+@pytest.mark.parametrize("scheme", ["rope", "t5"])
+def test_bfloat16_valued_weights_read_narrow_decode_the_same_bits(scheme: str) -> None:
+    """A model whose weights are bfloat16 values (the shipped checkpoints') decodes through
+    bfloat16 copies of its projections (half the bytes a step reads): the same logits and
+    cache, bit for bit, as from its float32 weights."""
+    model = random_model(scheme, seed=8)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.copy_(parameter.bfloat16().float())
+    tokens = random_tokens(4, 6, seed=1)
+    results = []
+    for narrow in (True, False):
+        narrowed = decode_step.narrowed
+        if not narrow:
+            decode_step.narrowed = lambda weight: weight  # type: ignore[assignment]
+        try:
+            read = decode_step.block_tensors(model)[2]  # the first block's QKV weight
+            assert (read.dtype is torch.bfloat16) == narrow
+            cache = KVCache(model.config, rows=4, max_length=16)
+            with torch.inference_mode():
+                model(tokens[:, :-1], cache)
+                logits = model(tokens[:, -1:], cache, last_only=True)
+        finally:
+            decode_step.narrowed = narrowed
+        results.append((logits, cache.keys, cache.values))
+    for narrow, wide in zip(*results, strict=True):
+        assert torch.equal(narrow, wide)

@@ -70,3 +70,25 @@ def test_every_projection_of_the_model_is_a_column_major_kernel_linear() -> None
     linears = [module for module in model.modules() if isinstance(module, torch.nn.Linear)]
     assert linears and all(isinstance(module, Linear) for module in linears)
     assert all(module.weight.stride(0) == 1 for module in linears)
+
+
+def test_weights_that_are_bfloat16_values_are_read_as_bfloat16_for_the_same_bits() -> None:
+    """``narrowed``: a bfloat16 copy (column-major too) exactly when every value of the weight
+    is a bfloat16 value, made again after the weight changes; the kernel gives the same bits
+    from it as from the float32 weight (and for a ragged last block)."""
+    for outputs in (384, 77):
+        linear = column_major_linear(128, outputs, bias=True, seed=outputs)
+        with torch.no_grad():
+            assert linear_kernel.narrowed(linear.weight) is linear.weight  # not bf16 values
+            linear.weight.copy_(linear.weight.bfloat16().float())  # now they are
+            narrow = linear_kernel.narrowed(linear.weight)
+            assert narrow.dtype is torch.bfloat16 and narrow.t().is_contiguous()
+            assert torch.equal(narrow.float(), linear.weight)
+            assert linear_kernel.narrowed(linear.weight) is narrow  # kept while unchanged
+            x = torch.randn(5, 128)
+            extension = linear_kernel.load("linear")
+            from_float = extension.linear(x, linear.weight, linear.bias)
+            assert torch.equal(linear(x), from_float)  # the kernel read the bfloat16 copy
+            assert torch.equal(extension.linear(x, narrow, linear.bias), from_float)
+            linear.weight[0, 0] += 1e-3  # no longer a bfloat16 value: the float32 weight again
+            assert linear_kernel.narrowed(linear.weight) is linear.weight
