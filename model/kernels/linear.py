@@ -49,11 +49,13 @@ def narrowed(weight: Tensor) -> Tensor:
     The shipped checkpoints store bfloat16 weights, which a float32 model holds exactly; the
     kernels widen each bfloat16 back to that float32 in registers, so a product is the same bits
     from half the bytes — and a batch-1 step is mostly the reading of its weights. The copy is
-    made once per version of the weight (loading, or any in-place change, makes a new one)."""
-    kept: tuple[int, Tensor | None] | None = getattr(weight, "_ordinal_narrowed", None)
-    if kept is None or kept[0] != weight._version:
+    made once per version of the weight: loading or any in-place change (the version counter),
+    or new data put under the parameter (its address), makes a new one."""
+    key = (weight._version, weight.data_ptr(), weight.stride())
+    kept: tuple[object, Tensor | None] | None = getattr(weight, "_ordinal_narrowed", None)
+    if kept is None or kept[0] != key:
         narrow = weight.detach().to(torch.bfloat16)  # keeps the column-major layout
-        kept = (weight._version, narrow if torch.equal(narrow.float(), weight) else None)
+        kept = (key, narrow if torch.equal(narrow.float(), weight) else None)
         weight._ordinal_narrowed = kept  # type: ignore[attr-defined]
     return weight if kept[1] is None else kept[1]
 

@@ -92,3 +92,6 @@ def test_weights_that_are_bfloat16_values_are_read_as_bfloat16_for_the_same_bits
             assert torch.equal(extension.linear(x, narrow, linear.bias), from_float)
             linear.weight[0, 0] += 1e-3  # no longer a bfloat16 value: the float32 weight again
             assert linear_kernel.narrowed(linear.weight) is linear.weight
+            replaced = column_major_linear(128, outputs, bias=True, seed=1).weight.bfloat16()
+            linear.weight.data = replaced.float()  # new data under the same parameter
+            assert torch.equal(linear_kernel.narrowed(linear.weight), replaced)
