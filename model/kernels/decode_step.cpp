@@ -35,18 +35,6 @@ const float* data_or_null(const torch::Tensor& t) {
   return t.numel() ? t.data_ptr<float>() : nullptr;
 }
 
-// y [M, N] = x [M, K] · weightᵀ + bias: weight [N, K] stored column-major (its transpose
-// contiguous), float32 or bfloat16 (linear_core.h: the same bits from half the bytes).
-void project(const float* x, const torch::Tensor& weight, const torch::Tensor& bias, float* y,
-             int64_t M, int64_t K, int64_t N) {
-  TORCH_CHECK(weight.t().is_contiguous(), "projection weights must be stored column-major");
-  if (weight.scalar_type() == at::kBFloat16)
-    linear_core::project(x, reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>()),
-                         data_or_null(bias), y, M, K, N);
-  else
-    linear_core::project(x, weight.data_ptr<float>(), data_or_null(bias), y, M, K, N);
-}
-
 void normalise(const float* x, float* y, int64_t d, const float* weight, const float* bias,
                int64_t norm, float eps) {
   float mean = 0.0f;
@@ -347,7 +335,7 @@ torch::Tensor decode_blocks(torch::Tensor x, const std::vector<torch::Tensor>& b
       for (int64_t r = 0; r < n; ++r)
         normalise(stream + r * d, normed.data() + r * d, d, t[0].data_ptr<float>(),
                   data_or_null(t[1]), norm, static_cast<float>(eps));
-      project(normed.data(), t[2], t[3], qkv.data(), n, d, qkv_width);
+      linear_core::project(normed.data(), t[2], data_or_null(t[3]), qkv.data(), n, d, qkv_width);
       if (scheme == kForgetting)
         for (int64_t r = 0; r < n; ++r)
           store_log_gates(signal, b, first + r, position[first + r], normed.data() + r * d,
@@ -364,12 +352,14 @@ torch::Tensor decode_blocks(torch::Tensor x, const std::vector<torch::Tensor>& b
                      attended.data() + r * heads * hd);
         }
       });
-      project(attended.data(), t[4], t[5], projected.data(), n, heads * hd, d);
+      linear_core::project(attended.data(), t[4], data_or_null(t[5]), projected.data(), n,
+                           heads * hd, d);
       for (int64_t i = 0; i < n * d; ++i) stream[i] += projected[i];
       for (int64_t r = 0; r < n; ++r)
         normalise(stream + r * d, normed.data() + r * d, d, t[6].data_ptr<float>(),
                   data_or_null(t[7]), norm, static_cast<float>(eps));
-      project(normed.data(), t[8], t[9], hidden.data(), n, d, expanded);
+      linear_core::project(normed.data(), t[8], data_or_null(t[9]), hidden.data(), n, d,
+                           expanded);
       if (mlp == kSwiGLU) {
         for (int64_t r = 0; r < n; ++r) {  // gate, then value (FeedForward's chunk(2))
           float* h = hidden.data() + r * expanded;
@@ -383,7 +373,8 @@ torch::Tensor decode_blocks(torch::Tensor x, const std::vector<torch::Tensor>& b
             activate(hidden.data() + r * expanded, expanded, mlp);
         });
       }
-      project(hidden.data(), t[10], t[11], projected.data(), n, inner, d);
+      linear_core::project(hidden.data(), t[10], data_or_null(t[11]), projected.data(), n, inner,
+                           d);
       for (int64_t i = 0; i < n * d; ++i) stream[i] += projected[i];
     }
   };

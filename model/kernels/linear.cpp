@@ -14,23 +14,14 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight,
                      const c10::optional<torch::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "x must be a contiguous float32 [rows, in] matrix");
-  const auto wt = weight.t();
-  const bool narrow = wt.scalar_type() == at::kBFloat16;
-  TORCH_CHECK(wt.is_contiguous() && (narrow || wt.scalar_type() == at::kFloat) &&
-                  wt.size(0) == x.size(1),
-              "the weight must be float32 or bfloat16 [out, in] stored column-major");
-  TORCH_CHECK(!bias || (bias->is_contiguous() && bias->numel() == wt.size(1) &&
+  TORCH_CHECK(weight.dim() == 2 && weight.size(1) == x.size(1),
+              "the weight must be [out, in] with in = x's columns");
+  TORCH_CHECK(!bias || (bias->is_contiguous() && bias->numel() == weight.size(0) &&
                         bias->scalar_type() == at::kFloat),
               "the bias must be a contiguous float32 [out] vector");
-  auto y = torch::empty({x.size(0), wt.size(1)}, x.options());
-  const float* b = bias ? bias->data_ptr<float>() : nullptr;
-  if (narrow)
-    linear_core::project(x.data_ptr<float>(),
-                         reinterpret_cast<const uint16_t*>(wt.data_ptr<at::BFloat16>()), b,
-                         y.data_ptr<float>(), x.size(0), x.size(1), wt.size(1));
-  else
-    linear_core::project(x.data_ptr<float>(), wt.data_ptr<float>(), b, y.data_ptr<float>(),
-                         x.size(0), x.size(1), wt.size(1));
+  auto y = torch::empty({x.size(0), weight.size(0)}, x.options());
+  linear_core::project(x.data_ptr<float>(), weight, bias ? bias->data_ptr<float>() : nullptr,
+                       y.data_ptr<float>(), x.size(0), x.size(1), weight.size(0));
   return y;
 }
 

@@ -20,6 +20,8 @@
 #pragma once
 
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -134,6 +136,20 @@ inline void project(const float* x, const W* wt, const float* bias, float* y, in
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t block = begin; block < end; ++block) column_block(o, block * kColumns);
   });
+}
+
+// The same for a weight tensor [N, K] stored column-major (its transpose contiguous), float32
+// or bfloat16: the one place that reads a weight's dtype.
+inline void project(const float* x, const at::Tensor& weight, const float* bias, float* y,
+                    int64_t M, int64_t K, int64_t N) {
+  const bool narrow = weight.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(weight.t().is_contiguous() && (narrow || weight.scalar_type() == at::kFloat),
+              "a projection's weight must be float32 or bfloat16, stored column-major");
+  if (narrow)
+    project(x, reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>()), bias, y, M, K,
+            N);
+  else
+    project(x, weight.data_ptr<float>(), bias, y, M, K, N);
 }
 
 }  // namespace linear_core
