@@ -330,7 +330,8 @@ torch::Tensor decode_blocks(torch::Tensor x, const std::vector<torch::Tensor>& b
     float* stream = x.data_ptr<float>() + first * d;
     for (int64_t b = 0; b < n_blocks; ++b) {
       const torch::Tensor* t = blocks.data() + b * kTensorsPerBlock;
-      const int64_t expanded = t[8].size(0), inner = t[10].size(1);
+      // The up projection's outputs, from the down projection's inputs (packing pads outputs).
+      const int64_t inner = t[10].size(1), expanded = mlp == kSwiGLU ? 2 * inner : inner;
       hidden.resize(n * expanded);
       for (int64_t r = 0; r < n; ++r)
         normalise(stream + r * d, normed.data() + r * d, d, t[0].data_ptr<float>(),

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from model.kernels import decoding_on_cpu, load, vectorised
-from model.kernels.linear import narrowed
+from model.kernels.linear import packed
 
 if TYPE_CHECKING:
     from model.cache import CacheWrite, KVCache
@@ -152,14 +152,14 @@ def block_tensors(model: Transformer) -> list[Tensor]:
     """Each block's 12 tensors in the kernel's order (an absent bias as an empty tensor):
     attention norm weight and bias, QKV weight and bias, output projection weight and bias, MLP
     norm weight and bias, up weight and bias, down weight and bias. The parameters themselves
-    (a projection's as :func:`~model.kernels.linear.narrowed` reads it, made again whenever
-    the parameter changes), so the list is fresh whatever was loaded into them."""
+    (a projection's as :func:`~model.kernels.linear.packed` lays it out for the kernel, made
+    again whenever the parameter changes), so the list is fresh whatever was loaded into them."""
     empty = torch.empty(0)
 
     def pair(module: nn.Module) -> list[Tensor]:
         weight, bias = cast(Tensor, module.weight), getattr(module, "bias", None)
         if isinstance(module, nn.Linear):
-            weight = narrowed(weight)  # bfloat16 where that is exact: half the bytes, same bits
+            weight = packed(weight)  # in contiguous blocks; bfloat16 where that is exact
         return [weight, empty if bias is None else bias]
 
     tensors: list[Tensor] = []

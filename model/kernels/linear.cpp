@@ -8,20 +8,18 @@
 
 constexpr bool kVectorised = true;
 
-// x [M, K] float32, weight [N, K] float32 or bfloat16 stored column-major (weight.t()
-// contiguous), bias [N] float32 or None.
-torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight,
-                     const c10::optional<torch::Tensor>& bias) {
+// x [M, K] float32; packed: a weight [out, K] packed as linear_core.h says (float32 or
+// bfloat16); bias [out] float32 or None.
+torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed,
+                     const c10::optional<torch::Tensor>& bias, int64_t out) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "x must be a contiguous float32 [rows, in] matrix");
-  TORCH_CHECK(weight.dim() == 2 && weight.size(1) == x.size(1),
-              "the weight must be [out, in] with in = x's columns");
-  TORCH_CHECK(!bias || (bias->is_contiguous() && bias->numel() == weight.size(0) &&
+  TORCH_CHECK(!bias || (bias->is_contiguous() && bias->numel() == out &&
                         bias->scalar_type() == at::kFloat),
               "the bias must be a contiguous float32 [out] vector");
-  auto y = torch::empty({x.size(0), weight.size(0)}, x.options());
-  linear_core::project(x.data_ptr<float>(), weight, bias ? bias->data_ptr<float>() : nullptr,
-                       y.data_ptr<float>(), x.size(0), x.size(1), weight.size(0));
+  auto y = torch::empty({x.size(0), out}, x.options());
+  linear_core::project(x.data_ptr<float>(), packed, bias ? bias->data_ptr<float>() : nullptr,
+                       y.data_ptr<float>(), x.size(0), x.size(1), out);
   return y;
 }
 
@@ -29,14 +27,14 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight,
 
 constexpr bool kVectorised = false;
 
-torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight,
-                     const c10::optional<torch::Tensor>& bias) {
+torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed,
+                     const c10::optional<torch::Tensor>& bias, int64_t out) {
   TORCH_CHECK(false, "the linear kernel needs AVX-512");
 }
 
 #endif
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("linear", &linear, "x [M, K] · weight [N, K]ᵀ + bias, for a few rows");
+  m.def("linear", &linear, "x [M, K] · weight [out, K]ᵀ + bias (weight packed), for a few rows");
   m.def("vectorised", [] { return kVectorised; }, "whether this build has the AVX-512 kernel");
 }

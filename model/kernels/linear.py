@@ -2,9 +2,9 @@
 
 A decode step multiplies 1 to 64 rows by each weight. MKL's GEMM is built for large products:
 it packs panels of both operands before multiplying, and at these shapes that costs more than
-the arithmetic. ``linear.cpp`` streams each weight once per four rows, straight from the
-column-major layout the model keeps: whole greedy decodes run 1.08-1.21x faster with it on this
-project's CPU (``python -m bench.micro``; docs/performance.md).
+the arithmetic. ``linear.cpp`` streams each weight once per four rows from a copy packed in
+contiguous blocks of 64 outputs (:func:`packed`): whole greedy decodes run 1.08-1.21x faster
+with it on this project's CPU than with MKL (``python -m bench.micro``; docs/performance.md).
 
 It also makes the projections batch-invariant: every output is the same chain of multiply-adds
 whatever the number of rows, so a row's projections are the same bits alone and in any batch
@@ -32,32 +32,42 @@ def ready() -> bool:
 
 def applies(x: Tensor, weight: Tensor) -> bool:
     """Whether ``x`` [..., in] · ``weight``ᵀ runs here: no gradient, float32 on a CPU, at most
-    MAX_ROWS rows, the weight stored column-major, outside torch.compile."""
+    MAX_ROWS rows, outside torch.compile."""
     return (
         decoding_on_cpu(x)
         and x.numel() <= MAX_ROWS * x.shape[-1]
-        and weight.stride(0) == 1
         and weight.dtype is torch.float32
         and ready()
     )
 
 
-def narrowed(weight: Tensor) -> Tensor:
-    """What the kernels read for ``weight`` (float32, column-major): a bfloat16 copy in the same
-    layout when every value of it is a bfloat16 value, else ``weight`` itself.
+COLUMNS = 64  # outputs per packed block: linear_core.h's kColumns
+
+
+def packed(weight: Tensor) -> Tensor:
+    """What the kernels read for ``weight`` [out, in]: a copy packed into blocks of 64 outputs,
+    [ceil(out / 64), in, 64] (the last block zero-padded), so that each block's weights are one
+    contiguous run read front to back (linear_core.h says why) — in bfloat16 when every value of
+    ``weight`` is a bfloat16 value, else float32.
 
     The shipped checkpoints store bfloat16 weights, which a float32 model holds exactly; the
     kernels widen each bfloat16 back to that float32 in registers, so a product is the same bits
     from half the bytes — and a batch-1 step is mostly the reading of its weights. The copy is
     made once per version of the weight: loading or any in-place change (the version counter),
-    or new data put under the parameter (its address), makes a new one."""
+    or new data put under the parameter (its address), makes a new one. It costs 2 bytes per
+    weight in bfloat16, 4 in float32 (beside the model's own float32 weight)."""
     key = (weight._version, weight.data_ptr(), weight.stride())
-    kept: tuple[object, Tensor | None] | None = getattr(weight, "_ordinal_narrowed", None)
+    kept: tuple[object, Tensor] | None = getattr(weight, "_ordinal_packed", None)
     if kept is None or kept[0] != key:
-        narrow = weight.detach().to(torch.bfloat16)  # keeps the column-major layout
-        kept = (key, narrow if torch.equal(narrow.float(), weight) else None)
-        weight._ordinal_narrowed = kept  # type: ignore[attr-defined]
-    return weight if kept[1] is None else kept[1]
+        out, inputs = weight.shape
+        blocks = -(-out // COLUMNS)
+        padded = weight.detach().new_zeros(blocks * COLUMNS, inputs)
+        padded[:out] = weight.detach()
+        copy = padded.view(blocks, COLUMNS, inputs).transpose(1, 2).contiguous()
+        narrow = copy.to(torch.bfloat16)
+        kept = (key, narrow if torch.equal(narrow.float(), copy) else copy)
+        weight._ordinal_packed = kept  # type: ignore[attr-defined]
+    return kept[1]
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
@@ -66,5 +76,5 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     assert extension is not None, "check applies() first"
     rows = x.reshape(-1, x.shape[-1])
     contiguous = rows if rows.is_contiguous() else rows.contiguous()
-    out = extension.linear(contiguous, narrowed(weight), bias)
+    out = extension.linear(contiguous, packed(weight), bias, weight.shape[0])
     return out.view(*x.shape[:-1], weight.shape[0])

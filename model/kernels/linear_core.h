@@ -1,12 +1,15 @@
 // y = x · Wᵀ + b for the few rows a decode step multiplies (model/kernels/linear.py says when it
 // runs and why).
 //
-// The weight is stored column-major (model.transformer keeps every projection so), so Wᵀ is a
-// contiguous [in, out] matrix and row k of it is what input k adds to every output. A block of
-// 64 outputs is 4 AVX-512 registers: for each input k the block's slice of row k is loaded once
-// and multiplied into up to 4 rows of x at a time (16 accumulators in registers). A decode step
-// reads each weight once per 4 rows, from the CPU's caches; MKL's general GEMM copies and packs
-// panels first, which at these sizes costs more than the arithmetic (docs/performance.md).
+// The kernel reads a packed copy of the weight W [N, K] (model.kernels.linear.packed makes it):
+// [ceil(N / 64), K, 64], block b holding outputs 64b..64b+63 for every input k, the last block
+// zero-padded. A block of 64 outputs is 4 AVX-512 registers: for each input k the block's slice
+// of row k is loaded once and multiplied into up to 4 rows of x at a time (16 accumulators in
+// registers). So a block's weights are one contiguous run of memory, read front to back: the
+// CPU's prefetchers follow it and each 4 KB page is entered once. Read in place from Wᵀ, the same
+// slices lay N floats apart, every one on its own page for the logits — 1.2x slower at batch 1
+// (docs/performance.md). MKL's general GEMM copies and packs panels on every call, which at
+// these sizes costs more than the arithmetic.
 //
 // Every output is the same chain of fused multiply-adds, over k in order from 0, then the bias:
 // a row's result does not depend on how many rows are multiplied with it or where it sits, so a
@@ -54,11 +57,13 @@ constexpr int64_t kAhead = 8;  // weight rows fetched ahead (cold weights: 1.34 
 
 template <typename W>
 struct Operands {
-  const float* x;     // [M, K]
-  const W* wt;        // [K, N]: float, or bfloat16 bits
-  const float* bias;  // [N] or null
-  float* y;           // [M, N]
+  const float* x;       // [M, K]
+  const W* packed;      // [ceil(N / 64), K, 64]: float, or bfloat16 bits
+  const float* bias;    // [N] or null
+  float* y;             // [M, N]
   int64_t M, K, N;
+  // Row k of the block that starts at output `column` (a multiple of 64): its 64 weights.
+  const W* row(int64_t column, int64_t k) const { return packed + column * K + k * kColumns; }
 };
 
 // Rows [row, row + R) and the 64 outputs from `column`, over inputs [k0, k1).
@@ -71,12 +76,12 @@ inline void full_block(const Operands<W>& o, int64_t row, int64_t column, int64_
       acc[r][v] = k0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(y + r * o.N + 16 * v);
   const float* x = o.x + row * o.K;
   for (int64_t k = k0; k < k1; ++k) {
-    const W* w = o.wt + k * o.N + column;
+    const W* w = o.row(column, k);
     __m512 weights[kVectors];
     for (int v = 0; v < kVectors; ++v) weights[v] = load16(w + 16 * v);
     if (k + kAhead < o.K)  // more rows in flight when the weights come from memory
       for (int v = 0; v < kVectors; ++v)
-        _mm_prefetch(reinterpret_cast<const char*>(w + kAhead * o.N + 16 * v), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(w + kAhead * kColumns + 16 * v), _MM_HINT_T0);
     for (int r = 0; r < R; ++r) {
       const __m512 input = _mm512_set1_ps(x[r * o.K + k]);
       for (int v = 0; v < kVectors; ++v) acc[r][v] = _mm512_fmadd_ps(input, weights[v], acc[r][v]);
@@ -102,7 +107,7 @@ inline void ragged_block(const Operands<W>& o, int64_t row, int64_t column) {
     const __mmask16 mask = static_cast<__mmask16>((1u << lanes) - 1u);
     __m512 acc = _mm512_setzero_ps();
     for (int64_t k = 0; k < o.K; ++k)
-      acc = _mm512_fmadd_ps(_mm512_set1_ps(x[k]), load16(mask, o.wt + k * o.N + c), acc);
+      acc = _mm512_fmadd_ps(_mm512_set1_ps(x[k]), load16(mask, o.row(column, k) + c - column), acc);
     if (o.bias) acc = _mm512_add_ps(acc, _mm512_maskz_loadu_ps(mask, o.bias + c));
     _mm512_mask_storeu_ps(y + c, mask, acc);
   }
@@ -127,29 +132,33 @@ inline void column_block(const Operands<W>& o, int64_t column) {
   }
 }
 
-// y [M, N] = x [M, K] · wt [K, N] + bias [N] (bias may be null), blocks of outputs in parallel.
+// y [M, N] = x [M, K] · Wᵀ + bias [N] (bias may be null), W packed as Operands says; blocks of
+// outputs in parallel.
 template <typename W>
-inline void project(const float* x, const W* wt, const float* bias, float* y, int64_t M,
+inline void project(const float* x, const W* packed, const float* bias, float* y, int64_t M,
                     int64_t K, int64_t N) {
-  const Operands<W> o{x, wt, bias, y, M, K, N};
+  const Operands<W> o{x, packed, bias, y, M, K, N};
   const int64_t blocks = (N + kColumns - 1) / kColumns;
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t block = begin; block < end; ++block) column_block(o, block * kColumns);
   });
 }
 
-// The same for a weight tensor [N, K] stored column-major (its transpose contiguous), float32
-// or bfloat16: the one place that reads a weight's dtype.
-inline void project(const float* x, const at::Tensor& weight, const float* bias, float* y,
+// The same for a packed weight tensor [ceil(N / 64), K, 64], float32 or bfloat16: the one place
+// that reads a weight's layout and dtype.
+inline void project(const float* x, const at::Tensor& packed, const float* bias, float* y,
                     int64_t M, int64_t K, int64_t N) {
-  const bool narrow = weight.scalar_type() == at::kBFloat16;
-  TORCH_CHECK(weight.t().is_contiguous() && (narrow || weight.scalar_type() == at::kFloat),
-              "a projection's weight must be float32 or bfloat16, stored column-major");
+  const bool narrow = packed.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(packed.dim() == 3 && packed.size(0) == (N + kColumns - 1) / kColumns &&
+                  packed.size(1) == K && packed.size(2) == kColumns && packed.is_contiguous(),
+              "a projection's weight must be packed as [ceil(out / 64), in, 64]");
+  TORCH_CHECK(narrow || packed.scalar_type() == at::kFloat,
+              "a projection's packed weight must be float32 or bfloat16");
   if (narrow)
-    project(x, reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>()), bias, y, M, K,
+    project(x, reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), bias, y, M, K,
             N);
   else
-    project(x, weight.data_ptr<float>(), bias, y, M, K, N);
+    project(x, packed.data_ptr<float>(), bias, y, M, K, N);
 }
 
 }  // namespace linear_core

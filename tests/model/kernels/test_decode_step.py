@@ -151,10 +151,10 @@ def test_bfloat16_valued_weights_read_narrow_decode_the_same_bits(scheme: str) -
             parameter.copy_(parameter.bfloat16().float())
     tokens = random_tokens(4, 6, seed=1)
     results = []
+    packed = decode_step.packed
     for narrow in (True, False):
-        narrowed = decode_step.narrowed
-        if not narrow:
-            decode_step.narrowed = lambda weight: weight  # type: ignore[assignment]
+        if not narrow:  # the same packed copy, widened to float32
+            decode_step.packed = lambda weight: packed(weight).float()  # type: ignore[assignment]
         try:
             read = decode_step.block_tensors(model)[2]  # the first block's QKV weight
             assert (read.dtype is torch.bfloat16) == narrow
@@ -163,7 +163,7 @@ def test_bfloat16_valued_weights_read_narrow_decode_the_same_bits(scheme: str) -
                 model(tokens[:, :-1], cache)
                 logits = model(tokens[:, -1:], cache, last_only=True)
         finally:
-            decode_step.narrowed = narrowed
+            decode_step.packed = packed
         results.append((logits, cache.keys, cache.values))
     for narrow, wide in zip(*results, strict=True):
         assert torch.equal(narrow, wide)

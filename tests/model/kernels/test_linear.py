@@ -60,9 +60,21 @@ def test_it_applies_only_to_decoding_in_float32_on_a_cpu() -> None:
         assert linear_kernel.applies(few, linear.weight)
         assert not linear_kernel.applies(many, linear.weight)  # a long prompt: MKL's GEMM
         assert not linear_kernel.applies(few.bfloat16(), linear.weight)
-        row_major = torch.nn.Linear(16, 32)  # not stored column-major
-        assert not linear_kernel.applies(few, row_major.weight)
     assert not linear_kernel.applies(few, linear.weight)  # gradients: autograd's F.linear
+
+
+def test_a_weight_in_any_layout_gives_the_same_bits() -> None:
+    """The kernel reads its own packed copy, so a row-major weight (an embedding tied to the
+    logits, say) gives the bits the column-major one does."""
+    linear = column_major_linear(200, 130, bias=True, seed=3)
+    row_major = torch.nn.Linear(200, 130)
+    x = torch.randn(6, 200)
+    with torch.no_grad():
+        row_major.weight.copy_(linear.weight)
+        row_major.bias.copy_(linear.bias)
+        assert row_major.weight.is_contiguous() and linear_kernel.applies(x, row_major.weight)
+        from_row_major = linear_kernel.linear(x, row_major.weight, row_major.bias)
+        assert torch.equal(from_row_major, linear(x))
 
 
 def test_every_projection_of_the_model_is_a_column_major_kernel_linear() -> None:
@@ -72,26 +84,44 @@ def test_every_projection_of_the_model_is_a_column_major_kernel_linear() -> None
     assert all(module.weight.stride(0) == 1 for module in linears)
 
 
+def unpack(packed: torch.Tensor, outputs: int) -> torch.Tensor:
+    """The weight [out, in] back from its packed copy [blocks, in, 64]."""
+    return packed.transpose(1, 2).reshape(-1, packed.shape[1])[:outputs]
+
+
+@pytest.mark.parametrize("outputs", [384, 77, 5])
+def test_the_packed_copy_holds_the_weight_in_blocks_of_64_outputs(outputs: int) -> None:
+    linear = column_major_linear(130, outputs, bias=False, seed=outputs)
+    with torch.no_grad():
+        packed = linear_kernel.packed(linear.weight)
+    blocks = -(-outputs // 64)
+    assert packed.shape == (blocks, 130, 64) and packed.is_contiguous()
+    assert packed.dtype is torch.float32  # random weights are not bfloat16 values
+    assert torch.equal(unpack(packed, outputs), linear.weight)
+    assert not unpack(packed, blocks * 64)[outputs:].any()  # the last block's padding: zeros
+
+
 def test_weights_that_are_bfloat16_values_are_read_as_bfloat16_for_the_same_bits() -> None:
-    """``narrowed``: a bfloat16 copy (column-major too) exactly when every value of the weight
-    is a bfloat16 value, made again after the weight changes; the kernel gives the same bits
-    from it as from the float32 weight (and for a ragged last block)."""
+    """``packed``: a bfloat16 copy exactly when every value of the weight is a bfloat16 value,
+    made again after the weight changes; the kernel gives the same bits from it as from a float32
+    copy (and for a ragged last block)."""
+    extension = linear_kernel.load("linear")
     for outputs in (384, 77):
         linear = column_major_linear(128, outputs, bias=True, seed=outputs)
         with torch.no_grad():
-            assert linear_kernel.narrowed(linear.weight) is linear.weight  # not bf16 values
-            linear.weight.copy_(linear.weight.bfloat16().float())  # now they are
-            narrow = linear_kernel.narrowed(linear.weight)
-            assert narrow.dtype is torch.bfloat16 and narrow.t().is_contiguous()
-            assert torch.equal(narrow.float(), linear.weight)
-            assert linear_kernel.narrowed(linear.weight) is narrow  # kept while unchanged
+            linear.weight.copy_(linear.weight.bfloat16().float())  # bfloat16 values now
+            narrow = linear_kernel.packed(linear.weight)
+            assert narrow.dtype is torch.bfloat16
+            assert torch.equal(unpack(narrow, outputs).float(), linear.weight)
+            assert linear_kernel.packed(linear.weight) is narrow  # kept while unchanged
             x = torch.randn(5, 128)
-            extension = linear_kernel.load("linear")
-            from_float = extension.linear(x, linear.weight, linear.bias)
-            assert torch.equal(linear(x), from_float)  # the kernel read the bfloat16 copy
-            assert torch.equal(extension.linear(x, narrow, linear.bias), from_float)
-            linear.weight[0, 0] += 1e-3  # no longer a bfloat16 value: the float32 weight again
-            assert linear_kernel.narrowed(linear.weight) is linear.weight
+            from_float = extension.linear(x, narrow.float(), linear.bias, outputs)
+            assert torch.equal(extension.linear(x, narrow, linear.bias, outputs), from_float)
+            assert torch.equal(linear(x), from_float)  # the layer reads the bfloat16 copy
+            linear.weight[0, 0] += 1e-3  # no longer a bfloat16 value: a float32 copy again
+            changed = linear_kernel.packed(linear.weight)
+            assert changed.dtype is torch.float32
+            assert torch.equal(unpack(changed, outputs), linear.weight)
             replaced = column_major_linear(128, outputs, bias=True, seed=1).weight.bfloat16()
             linear.weight.data = replaced.float()  # new data under the same parameter
-            assert torch.equal(linear_kernel.narrowed(linear.weight), replaced)
+            assert torch.equal(unpack(linear_kernel.packed(linear.weight), outputs), replaced)
