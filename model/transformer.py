@@ -423,35 +423,38 @@ class Transformer(nn.Module):
             positions = plan.positions.to(device)  # [B, T]
             key_positions = torch.arange(plan.key_length, device=device)
 
-        x = self.token_embedding(tokens)
         position_vectors = self.positional.embedding(positions)
+        rotation = self.positional.rotation(positions)
+        if cache is not None and recorder is None and decode_step.applies(self, tokens):
+            # A CPU decode step: the same arithmetic in one C++ call (model/kernels/decode_step.py).
+            assert plan is not None  # planned above, with the cache
+            bias = decode_step.score_bias(self, positions, key_positions)
+            logits = decode_step.run_step(
+                self, tokens, position_vectors, cache, plan, rotation, bias
+            )
+            if not planned_by_caller:
+                cache.commit(plan)
+            return logits if last_only else logits.unsqueeze(1)
+
+        x = self.token_embedding(tokens)
         dropped = frozenset() if intervention is None else intervention.drop_positional
         if position_vectors is not None and 0 not in dropped:
             x = x + position_vectors.to(x.dtype)
         if self.training:
             x = F.dropout(x, self.config.dropout)
-        rotation = self.positional.rotation(positions)
-        if cache is not None and recorder is None and decode_step.applies(self, x):
-            # A CPU decode step: the same blocks in one C++ call (model/kernels/decode_step.py).
-            assert plan is not None  # planned above, with the cache
-            bias = decode_step.score_bias(self, positions, key_positions)
-            x = decode_step.run_blocks(self, x, cache, plan, rotation, bias)
-        else:
-            mask = self._attention_mask(positions, key_positions, plan, x.dtype)
-            for layer, block in enumerate(self.blocks):
-                if intervention is None:  # every decode step: nothing to change
-                    x = block(x, rotation, mask, cache, plan, layer, recorder, self.positional)
-                elif layer in dropped:  # uncached: the plain causal mask, as `none`'s
-                    gates = intervention.head_gates(layer, self.config.n_heads, device)
-                    plain = AttentionMask(None, is_causal=True)
-                    x = block(x, None, plain, cache, plan, layer, recorder, None, gates)
-                else:
-                    gates = intervention.head_gates(layer, self.config.n_heads, device)
-                    x = block(
-                        x, rotation, mask, cache, plan, layer, recorder, self.positional, gates
-                    )
-                if recorder is not None:
-                    recorder.residuals.append(x)
+        mask = self._attention_mask(positions, key_positions, plan, x.dtype)
+        for layer, block in enumerate(self.blocks):
+            if intervention is None:  # every decode step: nothing to change
+                x = block(x, rotation, mask, cache, plan, layer, recorder, self.positional)
+            elif layer in dropped:  # uncached: the plain causal mask, as `none`'s
+                gates = intervention.head_gates(layer, self.config.n_heads, device)
+                plain = AttentionMask(None, is_causal=True)
+                x = block(x, None, plain, cache, plan, layer, recorder, None, gates)
+            else:
+                gates = intervention.head_gates(layer, self.config.n_heads, device)
+                x = block(x, rotation, mask, cache, plan, layer, recorder, self.positional, gates)
+            if recorder is not None:
+                recorder.residuals.append(x)
         if cache is not None and not planned_by_caller:
             assert plan is not None  # planned above, with the cache
             cache.commit(plan)

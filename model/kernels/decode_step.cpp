@@ -1,12 +1,13 @@
-// Every block of a decode step — one new token per row — in one call (model/kernels/decode_step.py
-// says when it runs and why).
+// A whole decode step — one new token per row, from its id to its logits — in one call
+// (model/kernels/decode_step.py says when it runs and why).
 //
 // The torch forward (model/transformer.py) is the definition; this is the same arithmetic
 // without the ~40 tensor operations a block costs there, each a few microseconds of dispatch
-// for a few hundred floats of work. Per block: norm, fused QKV projection, rotation of queries
+// for a few hundred floats of work. The token's embedding plus the scheme's position vector;
+// then per block: norm, fused QKV projection, rotation of queries
 // and keys, the new key and value written into the cache at the row's position, attention over
 // the row's slots 0..position (plus the scheme's score bias), output projection, residual, norm,
-// MLP, residual. The bias is the scheme's (alibi, t5, fire: computed once per pass, FIRE's by
+// MLP, residual; then the final norm and the logits. The bias is the scheme's (alibi, t5, fire: computed once per pass, FIRE's by
 // fire_bias below) or, for fox and cope, computed here per layer and head from the same tensors
 // as their torch code. The projections are linear_core.h's, so a row's numbers are the same
 // alone and in any batch: everything else here is computed row by row, in a fixed order.
@@ -28,7 +29,7 @@ constexpr int kTensorsPerBlock = 12;  // see decode_step.py's block_tensors()
 // Fewer activations than this stay on one thread: a parallel region costs a few microseconds.
 constexpr int64_t kSerialActivations = 16384;
 // From this many rows, on several threads, each thread takes its share of the rows through all
-// the blocks (decode_blocks).
+// the blocks (decode_step).
 constexpr int64_t kSplitRows = 8;
 
 const float* data_or_null(const torch::Tensor& t) {
@@ -288,26 +289,39 @@ void attend_row(const Shapes& s, float* qkv, const torch::Tensor& keys,
 
 constexpr bool kVectorised = true;
 
-// x [rows, d] (the embeddings plus any position vectors) → the last block's output [rows, d].
-// blocks: kTensorsPerBlock tensors per block (an absent bias is an empty tensor). keys/values:
-// the cache's [layers, rows, Hkv, length, hd] for these rows; positions [rows] int64, where each
-// row's token goes and the last slot it sees; cos/sin [rows, rot] (empty: no rotation); bias
-// [rows, H, length] (empty: none).
-torch::Tensor decode_blocks(torch::Tensor x, const std::vector<torch::Tensor>& blocks,
-                            const torch::Tensor& keys, const torch::Tensor& values,
-                            const torch::Tensor& positions, const torch::Tensor& cos,
-                            const torch::Tensor& sin, const torch::Tensor& bias, int64_t heads,
-                            int64_t kv_heads, int64_t norm, double eps, int64_t mlp,
-                            int64_t scheme, const torch::Tensor& gate_weight,
-                            const torch::Tensor& gate_bias, const torch::Tensor& states,
-                            const torch::Tensor& table) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat,
-              "x must be a contiguous float32 [rows, d] matrix");
+// tokens [rows] int64: each row's new token; embedding [vocab', d] float32 (any strides);
+// position_vectors [rows, d] (empty: none), added to the embeddings. blocks: kTensorsPerBlock
+// tensors per block (an absent bias is an empty tensor); head: the final norm's weight and bias
+// and the logits projection's packed weight and bias, 4 tensors; vocab: its outputs.
+// keys/values: the cache's [layers, rows, Hkv, length, hd] for these rows; positions [rows]
+// int64, where each row's token goes and the last slot it sees; cos/sin [rows, rot] (empty: no
+// rotation); bias [rows, H, length] (empty: none). → logits [rows, vocab].
+torch::Tensor decode_step(const torch::Tensor& tokens, const torch::Tensor& embedding,
+                          const torch::Tensor& position_vectors,
+                          const std::vector<torch::Tensor>& blocks,
+                          const std::vector<torch::Tensor>& head, int64_t vocab,
+                          const torch::Tensor& keys, const torch::Tensor& values,
+                          const torch::Tensor& positions, const torch::Tensor& cos,
+                          const torch::Tensor& sin, const torch::Tensor& bias, int64_t heads,
+                          int64_t kv_heads, int64_t norm, double eps, int64_t mlp,
+                          int64_t scheme, const torch::Tensor& gate_weight,
+                          const torch::Tensor& gate_bias, const torch::Tensor& states,
+                          const torch::Tensor& table) {
+  TORCH_CHECK(tokens.dim() == 1 && tokens.scalar_type() == at::kLong && tokens.is_contiguous(),
+              "tokens must be a contiguous int64 [rows] vector");
+  TORCH_CHECK(embedding.dim() == 2 && embedding.scalar_type() == at::kFloat,
+              "the embedding must be a float32 [vocab, d] matrix");
+  TORCH_CHECK(head.size() == 4, "head: the final norm's weight and bias, the logits' weight and bias");
   TORCH_CHECK(blocks.size() % kTensorsPerBlock == 0, "blocks: 12 tensors per block");
   TORCH_CHECK(keys.dim() == 5 && keys.stride(4) == 1 && values.stride(4) == 1,
               "the cache's keys and values must be [layers, rows, Hkv, length, hd], hd contiguous");
   const int64_t n_blocks = static_cast<int64_t>(blocks.size()) / kTensorsPerBlock;
-  const int64_t rows = x.size(0), d = x.size(1), hd = keys.size(4);
+  const int64_t rows = tokens.size(0), d = embedding.size(1), hd = keys.size(4);
+  TORCH_CHECK(!position_vectors.numel() ||
+                  (position_vectors.sizes() == at::IntArrayRef{rows, d} &&
+                   position_vectors.is_contiguous() &&
+                   position_vectors.scalar_type() == at::kFloat),
+              "position_vectors must be a contiguous float32 [rows, d] matrix");
   const Shapes s{rows, d, heads, kv_heads, hd};
   const int64_t qkv_width = (heads + 2 * kv_heads) * hd;
   const int64_t rot = cos.numel() ? cos.size(1) : 0;
@@ -319,7 +333,22 @@ torch::Tensor decode_blocks(torch::Tensor x, const std::vector<torch::Tensor>& b
   const LayerSignal signal{scheme, gate_weight, gate_bias, states, table};
   TORCH_CHECK(scheme != kForgetting || (states.dim() == 4 && states.size(3) >= longest),
               "FoX needs the cache's key states for these rows");
-  x = x.clone();  // the residual stream, updated in place
+  // The residual stream [rows, d], updated in place: each row's embedding plus its position's
+  // vector, as the torch forward adds them.
+  auto x = torch::empty({rows, d}, embedding.options());
+  const int64_t* token = tokens.data_ptr<int64_t>();
+  const float* table_of_embeddings = embedding.data_ptr<float>();
+  for (int64_t r = 0; r < rows; ++r) {
+    TORCH_CHECK_INDEX(token[r] >= 0 && token[r] < embedding.size(0), "token ", token[r],
+                      " is outside the embedding's ", embedding.size(0), " rows");
+    const float* from = table_of_embeddings + token[r] * embedding.stride(0);
+    float* to = x.data_ptr<float>() + r * d;
+    for (int64_t i = 0; i < d; ++i) to[i] = from[i * embedding.stride(1)];
+    if (position_vectors.numel()) {
+      const float* vector = position_vectors.data_ptr<float>() + r * d;
+      for (int64_t i = 0; i < d; ++i) to[i] += vector[i];
+    }
+  }
   // Rows [first, last) through every block; buffers hold those rows only, while the cache,
   // positions and tables are indexed by the row's place in the batch.
   const auto through_blocks = [&](int64_t first, int64_t last) {
@@ -387,7 +416,16 @@ torch::Tensor decode_blocks(torch::Tensor x, const std::vector<torch::Tensor>& b
     at::parallel_for(0, rows, kSplitRows / 2, through_blocks);
   else
     through_blocks(0, rows);
-  return x;
+  // The final norm, then the logits: one projection over every row (its outputs split across
+  // threads), so that each thread reads only its share of the largest weight.
+  std::vector<float> normed(rows * d);
+  for (int64_t r = 0; r < rows; ++r)
+    normalise(x.data_ptr<float>() + r * d, normed.data() + r * d, d, head[0].data_ptr<float>(),
+              data_or_null(head[1]), norm, static_cast<float>(eps));
+  auto logits = torch::empty({rows, vocab}, x.options());
+  linear_core::project(normed.data(), head[2], data_or_null(head[3]), logits.data_ptr<float>(),
+                       rows, d, vocab);
+  return logits;
 }
 
 // FIRE's score bias for one token per row (model/positional/fire.py): for the query at position
@@ -429,12 +467,13 @@ torch::Tensor fire_bias(const torch::Tensor& positions, int64_t key_length,
 
 constexpr bool kVectorised = false;
 
-torch::Tensor decode_blocks(torch::Tensor, const std::vector<torch::Tensor>&,
-                            const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
-                            const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
-                            int64_t, int64_t, int64_t, double, int64_t, int64_t,
-                            const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
-                            const torch::Tensor&) {
+torch::Tensor decode_step(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
+                          const std::vector<torch::Tensor>&, const std::vector<torch::Tensor>&,
+                          int64_t, const torch::Tensor&, const torch::Tensor&,
+                          const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
+                          const torch::Tensor&, int64_t, int64_t, int64_t, double, int64_t,
+                          int64_t, const torch::Tensor&, const torch::Tensor&,
+                          const torch::Tensor&, const torch::Tensor&) {
   TORCH_CHECK(false, "the decode-step kernel needs AVX-512");
 }
 
@@ -450,7 +489,7 @@ int64_t parallel_threads() {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("decode_blocks", &decode_blocks, "every block of a one-token-per-row decode step");
+  m.def("decode_step", &decode_step, "a one-token-per-row decode step: token ids to logits");
 #if defined(LINEAR_CORE_VECTORISED)
   m.def("fire_bias", &fire_bias, "FIRE's score bias for one token per row");
 #endif

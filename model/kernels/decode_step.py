@@ -1,18 +1,22 @@
-"""Every block of a decode step in one C++ call, on a CPU.
+"""A decode step, from the new tokens' ids to their logits, in one C++ call on a CPU.
 
 A decode step's blocks are ~40 torch operations each — a norm, three projections, a rotation,
 a cache write, attention, an MLP — on a few hundred floats per row, so at batch 1 the step was
 Python and dispatch, not arithmetic: 93% of a single stream's engine time was the forward
-(docs/performance.md). ``decode_step.cpp`` runs the blocks' arithmetic in one call, with
-``linear_core.h``'s projections (a row's numbers the same alone and in any batch).
+(docs/performance.md). ``decode_step.cpp`` runs the step's arithmetic in one call, with
+``linear_core.h``'s projections (a row's numbers the same alone and in any batch): the
+embedding lookup, the blocks, the final norm and the logits. The lookup and the head are in it
+too because a step streams megabytes of weights through the CPU's caches, after which each
+small torch operation runs cold — an embedding lookup 52 µs instead of 6, a norm 22 instead of
+7 (timed on this project's Intel host; docs/performance.md).
 
-The torch forward stays the definition: the model computes the token embeddings, the scheme's
-position vectors, rotation tables and score bias as before, and the final norm and the logits;
-only the blocks between run here. It applies to a cached pass of one token per row, without
-gradients, in float32 on an AVX-512 CPU, for a scheme whose signal is a vector, a rotation or a
-bias (not fox and cope, whose bias comes from each layer's own queries and keys), without
-QK-norm, and for at most :data:`MAX_ROWS` rows; anything else runs the torch blocks. Tests hold
-the two equal for every such scheme and architecture (tests/model/kernels/test_decode_step.py).
+The torch forward stays the definition, and the model still computes the scheme's position
+vectors, rotation tables and score bias in torch. It applies to a cached pass of one token per
+row, without gradients, in float32 on an AVX-512 CPU, for a scheme whose signal is a vector, a
+rotation or a bias (fox's and cope's, which come from each layer's own tensors, are computed in
+the kernel), without QK-norm, and for at most :data:`MAX_ROWS` rows; anything else runs the
+torch blocks. Tests hold the two equal for every scheme and architecture
+(tests/model/kernels/test_decode_step.py).
 """
 
 from __future__ import annotations
@@ -49,13 +53,14 @@ def parallel_threads() -> int:
     return 1 if extension is None else int(extension.parallel_threads())
 
 
-def applies(model: Transformer, x: Tensor) -> bool:
-    """Whether the blocks of a pass over ``x`` [B, 1, d] (after the embeddings) run here."""
+def applies(model: Transformer, tokens: Tensor) -> bool:
+    """Whether a cached pass over ``tokens`` [B, T] runs here."""
     config = model.config
     return (
-        x.shape[1] == 1
-        and x.shape[0] <= MAX_ROWS
-        and decoding_on_cpu(x)
+        tokens.shape[1] == 1
+        and tokens.shape[0] <= MAX_ROWS
+        and tokens.is_cpu
+        and decoding_on_cpu(model.lm_head.weight)
         and not model.training
         and (not model.positional.data_dependent or model.positional.name in OWN_BIAS)
         and not config.qk_norm
@@ -65,33 +70,41 @@ def applies(model: Transformer, x: Tensor) -> bool:
     )
 
 
-def run_blocks(
+def run_step(
     model: Transformer,
-    x: Tensor,
+    tokens: Tensor,
+    position_vectors: Tensor | None,
     cache: KVCache,
     plan: CacheWrite,
     rotation: Rotation | None,
     bias: Tensor | None,
 ) -> Tensor:
-    """The blocks of a cached one-token pass: ``x`` [B, 1, d] → [B, 1, d], each row's key and
-    value written into ``cache`` at its position (``plan``). ``rotation``: cos/sin [B, 1, 1,
-    rot] or None; ``bias``: the scheme's score bias [B|1, H, 1, Tk] or None."""
+    """A cached one-token pass: ``tokens`` [B, 1] → logits [B, vocab], each row's key and value
+    written into ``cache`` at its position (``plan``). ``position_vectors``: the scheme's
+    [B|1, 1, d] or None; ``rotation``: cos/sin [B, 1, 1, rot] or None; ``bias``: the scheme's
+    score bias [B|1, H, 1, Tk] or None."""
     extension = load("decode_step")
     assert extension is not None, "check applies() first"
     config = model.config
-    rows = x.shape[0]
-    cos = sin = torch.empty(0)
+    rows = tokens.shape[0]
+    vectors = cos = sin = flat_bias = torch.empty(0)
+    if position_vectors is not None:
+        vectors = position_vectors.float().expand(rows, 1, -1).reshape(rows, -1).contiguous()
     if rotation is not None:
         cos, sin = (table.reshape(rows, -1).float() for table in rotation)
-    flat_bias = torch.empty(0)
     if bias is not None:
         flat_bias = bias.float().expand(rows, -1, -1, -1)[:, :, 0]  # [B, H, Tk]
     first_norm = cast("list[Block]", model.blocks)[0].attention_norm
     norm_eps = cast("nn.LayerNorm | nn.RMSNorm", first_norm).eps
     eps = torch.finfo(torch.float32).eps if norm_eps is None else norm_eps  # RMSNorm's default
-    out = extension.decode_blocks(
-        x.reshape(rows, -1).contiguous(),
-        block_tensors(model),
+    blocks, head = step_tensors(model)
+    return extension.decode_step(
+        tokens.reshape(rows).contiguous(),
+        model.token_embedding.weight,
+        vectors,
+        blocks,
+        head,
+        model.lm_head.weight.shape[0],
         cache.keys[:, plan.rows],
         cache.values[:, plan.rows],
         plan.positions[:, 0],
@@ -105,7 +118,6 @@ def run_blocks(
         MLPS[config.mlp],
         *own_bias_tensors(model, cache, plan),
     )
-    return out.view(rows, 1, -1)
 
 
 def score_bias(model: Transformer, positions: Tensor, key_positions: Tensor) -> Tensor | None:
@@ -148,12 +160,14 @@ def own_bias_tensors(
     return 0, empty, empty, empty, empty
 
 
-def block_tensors(model: Transformer) -> list[Tensor]:
-    """Each block's 12 tensors in the kernel's order (an absent bias as an empty tensor):
+def step_tensors(model: Transformer) -> tuple[list[Tensor], list[Tensor]]:
+    """The kernel's tensors: each block's 12 in its order (an absent bias as an empty tensor) —
     attention norm weight and bias, QKV weight and bias, output projection weight and bias, MLP
-    norm weight and bias, up weight and bias, down weight and bias. The parameters themselves
-    (a projection's as :func:`~model.kernels.linear.packed` lays it out for the kernel, made
-    again whenever the parameter changes), so the list is fresh whatever was loaded into them."""
+    norm weight and bias, up weight and bias, down weight and bias — and the head's 4: the final
+    norm's weight and bias, the logits projection's weight and bias. The parameters themselves,
+    a projection's weight as :func:`~model.kernels.linear.packed` lays it out for the kernel
+    (made again whenever the parameter changes), so the lists are fresh whatever was loaded into
+    them."""
     empty = torch.empty(0)
 
     def pair(module: nn.Module) -> list[Tensor]:
@@ -162,7 +176,7 @@ def block_tensors(model: Transformer) -> list[Tensor]:
             weight = packed(weight)  # in contiguous blocks; bfloat16 where that is exact
         return [weight, empty if bias is None else bias]
 
-    tensors: list[Tensor] = []
+    blocks: list[Tensor] = []
     for block in cast("list[Block]", model.blocks):
         for module in (
             block.attention_norm,
@@ -172,5 +186,5 @@ def block_tensors(model: Transformer) -> list[Tensor]:
             block.mlp.up,
             block.mlp.down,
         ):
-            tensors += pair(module)
-    return tensors
+            blocks += pair(module)
+    return blocks, pair(model.final_norm) + pair(model.lm_head)

@@ -44,7 +44,7 @@ def decode_both_ways(model: Transformer, steps: int) -> None:
                 model(prompt[None], cache, rows=slice(row, row + 1))
         tokens = torch.stack([prompt[-1:] for prompt in prompts])  # [3, 1]
         for step in range(steps):
-            assert decode_step.applies(model, torch.zeros(3, 1, config.d_model))
+            assert decode_step.applies(model, torch.zeros(3, 1, dtype=torch.long))
             ours = model(tokens, caches[0], last_only=True)
             theirs = torch_blocks(model, tokens, caches[1])
             torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0, msg=f"step {step}")
@@ -126,12 +126,12 @@ def test_rows_split_across_threads_keep_their_bits(scheme: str) -> None:
 
 def test_it_applies_only_to_one_token_per_row_without_gradients_in_float32() -> None:
     model = random_model("rope")
-    one_token = torch.zeros(3, 1, model.config.d_model)
+    one_token = torch.zeros(3, 1, dtype=torch.long)
     with torch.inference_mode():
         assert decode_step.applies(model, one_token)
-        assert not decode_step.applies(model, torch.zeros(3, 2, model.config.d_model))  # a prompt
-        assert not decode_step.applies(model, one_token.double())
-        assert not decode_step.applies(model, torch.zeros(65, 1, model.config.d_model))
+        assert not decode_step.applies(model, torch.zeros(3, 2, dtype=torch.long))  # a prompt
+        assert not decode_step.applies(copy.deepcopy(model).double(), one_token)
+        assert not decode_step.applies(model, torch.zeros(65, 1, dtype=torch.long))
         for scheme in ("fox", "cope"):  # their bias from each layer's tensors: computed there
             assert decode_step.applies(random_model(scheme), one_token)
         assert not decode_step.applies(random_model("rope", qk_norm=True), one_token)
@@ -156,7 +156,7 @@ def test_bfloat16_valued_weights_read_narrow_decode_the_same_bits(scheme: str) -
         if not narrow:  # the same packed copy, widened to float32
             decode_step.packed = lambda weight: packed(weight).float()  # type: ignore[assignment]
         try:
-            read = decode_step.block_tensors(model)[2]  # the first block's QKV weight
+            read = decode_step.step_tensors(model)[0][2]  # the first block's QKV weight
             assert (read.dtype is torch.bfloat16) == narrow
             cache = KVCache(model.config, rows=4, max_length=16)
             with torch.inference_mode():
@@ -167,3 +167,14 @@ def test_bfloat16_valued_weights_read_narrow_decode_the_same_bits(scheme: str) -
         results.append((logits, cache.keys, cache.values))
     for narrow, wide in zip(*results, strict=True):
         assert torch.equal(narrow, wide)
+
+
+def test_a_token_outside_the_vocabulary_is_an_index_error_as_in_torch() -> None:
+    model = random_model("rope")
+    cache = KVCache(model.config, rows=1, max_length=8)
+    outside = torch.tensor([[model.config.vocab_size]])
+    with torch.inference_mode():
+        assert decode_step.applies(model, outside)
+        with pytest.raises(IndexError, match="outside the embedding"):
+            model(outside, cache, last_only=True)
+        assert int(cache.lengths[0]) == 0  # nothing was stored
