@@ -289,32 +289,40 @@ void attend_row(const Shapes& s, float* qkv, const torch::Tensor& keys,
 
 constexpr bool kVectorised = true;
 
-// tokens [rows] int64: each row's new token; embedding [vocab', d] float32 (any strides);
+// tokens [rows, 1] int64: each row's new token; embedding [vocab', d] float32 (any strides);
 // position_vectors [rows, d] (empty: none), added to the embeddings. blocks: kTensorsPerBlock
 // tensors per block (an absent bias is an empty tensor); head: the final norm's weight and bias
 // and the logits projection's packed weight and bias, 4 tensors; vocab: its outputs.
-// keys/values: the cache's [layers, rows, Hkv, length, hd] for these rows; positions [rows]
-// int64, where each row's token goes and the last slot it sees; cos/sin [rows, rot] (empty: no
+// cache_keys/cache_values: the cache's [layers, cache rows, Hkv, length, hd], of which these
+// rows are first_row.. ; positions [rows, 1] int64, where each row's token goes and the last
+// slot it sees; cos/sin [rows, rot] (empty: no
 // rotation); bias [rows, H, length] (empty: none). → logits [rows, vocab].
 torch::Tensor decode_step(const torch::Tensor& tokens, const torch::Tensor& embedding,
                           const torch::Tensor& position_vectors,
                           const std::vector<torch::Tensor>& blocks,
                           const std::vector<torch::Tensor>& head, int64_t vocab,
-                          const torch::Tensor& keys, const torch::Tensor& values,
-                          const torch::Tensor& positions, const torch::Tensor& cos,
-                          const torch::Tensor& sin, const torch::Tensor& bias, int64_t heads,
-                          int64_t kv_heads, int64_t norm, double eps, int64_t mlp,
-                          int64_t scheme, const torch::Tensor& gate_weight,
+                          const torch::Tensor& cache_keys, const torch::Tensor& cache_values,
+                          int64_t first_row, const torch::Tensor& positions,
+                          const torch::Tensor& cos, const torch::Tensor& sin,
+                          const torch::Tensor& bias, int64_t heads, int64_t kv_heads,
+                          int64_t norm, double eps, int64_t mlp, int64_t scheme, const torch::Tensor& gate_weight,
                           const torch::Tensor& gate_bias, const torch::Tensor& states,
                           const torch::Tensor& table) {
-  TORCH_CHECK(tokens.dim() == 1 && tokens.scalar_type() == at::kLong && tokens.is_contiguous(),
-              "tokens must be a contiguous int64 [rows] vector");
+  TORCH_CHECK(tokens.dim() == 2 && tokens.size(1) == 1 && tokens.scalar_type() == at::kLong,
+              "tokens must be an int64 [rows, 1] matrix");
+  TORCH_CHECK(positions.dim() == 2 && positions.size(0) == tokens.size(0) &&
+                  positions.size(1) == 1 && positions.scalar_type() == at::kLong,
+              "positions must be an int64 [rows, 1] matrix");
   TORCH_CHECK(embedding.dim() == 2 && embedding.scalar_type() == at::kFloat,
               "the embedding must be a float32 [vocab, d] matrix");
   TORCH_CHECK(head.size() == 4, "head: the final norm's weight and bias, the logits' weight and bias");
   TORCH_CHECK(blocks.size() % kTensorsPerBlock == 0, "blocks: 12 tensors per block");
-  TORCH_CHECK(keys.dim() == 5 && keys.stride(4) == 1 && values.stride(4) == 1,
+  TORCH_CHECK(cache_keys.dim() == 5 && cache_keys.stride(4) == 1 && cache_values.stride(4) == 1,
               "the cache's keys and values must be [layers, rows, Hkv, length, hd], hd contiguous");
+  TORCH_CHECK(first_row >= 0 && first_row + tokens.size(0) <= cache_keys.size(1),
+              "the rows are past the cache's");
+  const torch::Tensor keys = cache_keys.narrow(1, first_row, tokens.size(0));
+  const torch::Tensor values = cache_values.narrow(1, first_row, tokens.size(0));
   const int64_t n_blocks = static_cast<int64_t>(blocks.size()) / kTensorsPerBlock;
   const int64_t rows = tokens.size(0), d = embedding.size(1), hd = keys.size(4);
   TORCH_CHECK(!position_vectors.numel() ||
@@ -325,7 +333,9 @@ torch::Tensor decode_step(const torch::Tensor& tokens, const torch::Tensor& embe
   const Shapes s{rows, d, heads, kv_heads, hd};
   const int64_t qkv_width = (heads + 2 * kv_heads) * hd;
   const int64_t rot = cos.numel() ? cos.size(1) : 0;
-  const auto position = positions.accessor<int64_t, 1>();
+  const auto row_positions = positions.accessor<int64_t, 2>();
+  std::vector<int64_t> position(rows);
+  for (int64_t r = 0; r < rows; ++r) position[r] = row_positions[r][0];
   int64_t longest = 0;
   for (int64_t r = 0; r < rows; ++r) longest = std::max(longest, position[r] + 1);
   TORCH_CHECK(longest <= keys.size(3), "a position is past the cache's allocated slots");
@@ -336,12 +346,12 @@ torch::Tensor decode_step(const torch::Tensor& tokens, const torch::Tensor& embe
   // The residual stream [rows, d], updated in place: each row's embedding plus its position's
   // vector, as the torch forward adds them.
   auto x = torch::empty({rows, d}, embedding.options());
-  const int64_t* token = tokens.data_ptr<int64_t>();
+  const auto token = tokens.accessor<int64_t, 2>();
   const float* table_of_embeddings = embedding.data_ptr<float>();
   for (int64_t r = 0; r < rows; ++r) {
-    TORCH_CHECK_INDEX(token[r] >= 0 && token[r] < embedding.size(0), "token ", token[r],
+    TORCH_CHECK_INDEX(token[r][0] >= 0 && token[r][0] < embedding.size(0), "token ", token[r][0],
                       " is outside the embedding's ", embedding.size(0), " rows");
-    const float* from = table_of_embeddings + token[r] * embedding.stride(0);
+    const float* from = table_of_embeddings + token[r][0] * embedding.stride(0);
     float* to = x.data_ptr<float>() + r * d;
     for (int64_t i = 0; i < d; ++i) to[i] = from[i * embedding.stride(1)];
     if (position_vectors.numel()) {
@@ -469,7 +479,7 @@ constexpr bool kVectorised = false;
 
 torch::Tensor decode_step(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
                           const std::vector<torch::Tensor>&, const std::vector<torch::Tensor>&,
-                          int64_t, const torch::Tensor&, const torch::Tensor&,
+                          int64_t, const torch::Tensor&, const torch::Tensor&, int64_t,
                           const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
                           const torch::Tensor&, int64_t, int64_t, int64_t, double, int64_t,
                           int64_t, const torch::Tensor&, const torch::Tensor&,

@@ -59,6 +59,7 @@ def applies(model: Transformer, tokens: Tensor) -> bool:
     return (
         tokens.shape[1] == 1
         and tokens.shape[0] <= MAX_ROWS
+        and tokens.dtype is torch.long
         and tokens.is_cpu
         and decoding_on_cpu(model.lm_head.weight)
         and not model.training
@@ -98,16 +99,19 @@ def run_step(
     norm_eps = cast("nn.LayerNorm | nn.RMSNorm", first_norm).eps
     eps = torch.finfo(torch.float32).eps if norm_eps is None else norm_eps  # RMSNorm's default
     blocks, head = step_tensors(model)
+    first_row, _, step = plan.rows.indices(cache.keys.shape[1])
+    assert step == 1, "a decode step's rows are consecutive"
     return extension.decode_step(
-        tokens.reshape(rows).contiguous(),
+        tokens,
         model.token_embedding.weight,
         vectors,
         blocks,
         head,
         model.lm_head.weight.shape[0],
-        cache.keys[:, plan.rows],
-        cache.values[:, plan.rows],
-        plan.positions[:, 0],
+        cache.keys,
+        cache.values,
+        first_row,
+        plan.positions,
         cos,
         sin,
         flat_bias,
