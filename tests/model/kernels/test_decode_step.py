@@ -27,6 +27,7 @@ ARCHITECTURES: list[dict[str, Any]] = [
     {"mlp": "relu2", "n_kv_heads": 2},  # grouped-query attention
     {"positional": {"scheme": "rope", "fraction": 0.75}},  # p-RoPE: pairs left unturned
     {"positional": {"scheme": "rope", "rotary_fraction": 0.5}},  # half of each head rotated
+    {"positional": {"scheme": "learned"}, "tie_embeddings": False},  # own logits weight
 ]
 
 

@@ -71,13 +71,13 @@ def test_the_warm_up_runs_a_cached_one_token_step(monkeypatch: pytest.MonkeyPatc
     asked: list[tuple[int, ...]] = []
     applies = decode_step.applies
 
-    def spy(model: object, x: torch.Tensor) -> bool:
-        asked.append(tuple(x.shape))
-        return applies(model, x)  # type: ignore[arg-type]
+    def spy(model: object, tokens: torch.Tensor) -> bool:
+        asked.append(tuple(tokens.shape))
+        return applies(model, tokens)  # type: ignore[arg-type]
 
     monkeypatch.setattr(decode_step, "applies", spy)
     warm_up(random_model("rope"))
-    assert (1, 1, 32) in asked  # one row, one token: the decode step's shape
+    assert (1, 1) in asked  # one row, one token: the decode step's shape
 
 
 def test_the_warm_up_draws_greedily(monkeypatch: pytest.MonkeyPatch) -> None:
