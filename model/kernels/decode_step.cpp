@@ -239,20 +239,18 @@ void layer_bias(const LayerSignal& signal, int64_t layer, int64_t row, int64_t h
   }
 }
 
-// One row's attention in one block: queries/keys/values in `qkv` [(H + 2·Hkv)·hd], the cache's
-// keys and values of this block for this row (strided views), the output [H·hd] in `out`.
-void attend_row(const Shapes& s, float* qkv, const torch::Tensor& keys,
-                const torch::Tensor& values, int64_t layer, int64_t row, int64_t position,
-                const float* cos, const float* sin, int64_t rot, const torch::Tensor& bias,
-                const LayerSignal& signal, float* scores, float* own_bias, float* out) {
-  const int64_t hd = s.head_dim, group = s.heads / s.kv_heads;
-  float* queries = qkv;
-  float* new_keys = qkv + s.heads * hd;
+// One row's new key and value in one block: its queries and keys in `qkv` [(H + 2·Hkv)·hd]
+// rotated in place, then its key and value written into the cache's slot `position` (keys and
+// values: this block's [layers, rows, Hkv, length, hd], hd contiguous).
+void store_row(const Shapes& s, float* qkv, const torch::Tensor& keys,
+               const torch::Tensor& values, int64_t layer, int64_t row, int64_t position,
+               const float* cos, const float* sin, int64_t rot) {
+  const int64_t hd = s.head_dim;
+  const float* new_keys = qkv + s.heads * hd;
   const float* new_values = qkv + (s.heads + s.kv_heads) * hd;
   if (rot) {
     for (int64_t h = 0; h < s.heads + s.kv_heads; ++h) rotate(qkv + h * hd, cos, sin, rot);
   }
-  // keys/values: [layers, rows, Hkv, length, hd] with hd contiguous.
   const auto ks = keys.strides(), vs = values.strides();
   float* key_base = keys.data_ptr<float>() + layer * ks[0] + row * ks[1];
   float* value_base = values.data_ptr<float>() + layer * vs[0] + row * vs[1];
@@ -260,29 +258,36 @@ void attend_row(const Shapes& s, float* qkv, const torch::Tensor& keys,
     std::copy_n(new_keys + g * hd, hd, key_base + g * ks[2] + position * ks[3]);
     std::copy_n(new_values + g * hd, hd, value_base + g * vs[2] + position * vs[3]);
   }
+}
+
+// Head h's attention for one row in one block, after store_row: its query in `qkv`, over the
+// row's cache slots 0..position, into out [hd]. scores: room for position + 1 floats; own_bias:
+// room for fox's or cope's bias.
+void attend_head(const Shapes& s, const float* qkv, const torch::Tensor& keys,
+                 const torch::Tensor& values, int64_t layer, int64_t row, int64_t position,
+                 int64_t h, const torch::Tensor& bias, const LayerSignal& signal, float* scores,
+                 float* own_bias, float* out) {
+  const int64_t hd = s.head_dim, group = s.heads / s.kv_heads, g = h / group;
+  const auto ks = keys.strides(), vs = values.strides();
+  const float* key_base = keys.data_ptr<float>() + layer * ks[0] + row * ks[1];
+  const float* head_keys = key_base + g * ks[2];
+  const float* head_values = values.data_ptr<float>() + layer * vs[0] + row * vs[1] + g * vs[2];
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
-  const float* bias_base = bias.numel() ? bias.data_ptr<float>() + row * bias.stride(0) : nullptr;
-  const auto attention = head_attention_for(hd);
-  for (int64_t h = 0; h < s.heads; ++h) {
-    const int64_t g = h / group;
-    const float* head_keys = key_base + g * ks[2];
-    const float* head_values = value_base + g * vs[2];
-    const float* head_bias = bias_base ? bias_base + h * bias.stride(1) : nullptr;
-    int64_t bias_stride = bias_base ? bias.stride(2) : 0;
-    const float* q = queries + h * hd;
-    float* o = out + h * hd;
-    const int64_t n = position + 1;
-    if (signal.scheme != kPlain) {
-      layer_bias(signal, layer, row, h, q, head_keys, ks[3], n, hd, scale, own_bias);
-      head_bias = own_bias;
-      bias_stride = 1;
-    }
-    const int64_t next_group = (h + 1) / group;  // the next head's keys, if they are others
-    const float* next_keys =
-        h + 1 < s.heads && next_group != g ? key_base + next_group * ks[2] : nullptr;
-    attention(q, head_keys, ks[3], head_values, vs[3], n, hd, scale, head_bias, bias_stride,
-              next_keys, scores, o);
+  const float* head_bias =
+      bias.numel() ? bias.data_ptr<float>() + row * bias.stride(0) + h * bias.stride(1) : nullptr;
+  int64_t bias_stride = head_bias ? bias.stride(2) : 0;
+  const float* q = qkv + h * hd;
+  const int64_t n = position + 1;
+  if (signal.scheme != kPlain) {
+    layer_bias(signal, layer, row, h, q, head_keys, ks[3], n, hd, scale, own_bias);
+    head_bias = own_bias;
+    bias_stride = 1;
   }
+  const int64_t next_group = (h + 1) / group;  // the next head's keys, if they are others
+  const float* next_keys =
+      h + 1 < s.heads && next_group != g ? key_base + next_group * ks[2] : nullptr;
+  head_attention_for(hd)(q, head_keys, ks[3], head_values, vs[3], n, hd, scale, head_bias,
+                         bias_stride, next_keys, scores, out);
 }
 
 }  // namespace
@@ -380,16 +385,23 @@ torch::Tensor decode_step(const torch::Tensor& tokens, const torch::Tensor& embe
         for (int64_t r = 0; r < n; ++r)
           store_log_gates(signal, b, first + r, position[first + r], normed.data() + r * d,
                           heads, d);
-      at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t r = 0; r < n; ++r) {
+        const int64_t row = first + r;
+        const float* row_cos = rot ? cos.data_ptr<float>() + row * cos.stride(0) : nullptr;
+        const float* row_sin = rot ? sin.data_ptr<float>() + row * sin.stride(0) : nullptr;
+        store_row(s, qkv.data() + r * qkv_width, keys, values, b, row, position[row], row_cos,
+                  row_sin, rot);
+      }
+      // Every (row, head) pair on its own: a batch of one row still has its heads to split
+      // across threads, and its attention reads that row's whole cache.
+      at::parallel_for(0, n * heads, 1, [&](int64_t begin, int64_t end) {
         const int64_t table_rows = scheme == kContextual ? table.size(1) : 0;
         std::vector<float> scores(longest), own_bias(longest + table_rows);
-        for (int64_t r = begin; r < end; ++r) {
-          const int64_t row = first + r;
-          const float* row_cos = rot ? cos.data_ptr<float>() + row * cos.stride(0) : nullptr;
-          const float* row_sin = rot ? sin.data_ptr<float>() + row * sin.stride(0) : nullptr;
-          attend_row(s, qkv.data() + r * qkv_width, keys, values, b, row, position[row], row_cos,
-                     row_sin, rot, bias, signal, scores.data(), own_bias.data(),
-                     attended.data() + r * heads * hd);
+        for (int64_t i = begin; i < end; ++i) {
+          const int64_t r = i / heads, h = i % heads, row = first + r;
+          attend_head(s, qkv.data() + r * qkv_width, keys, values, b, row, position[row], h,
+                      bias, signal, scores.data(), own_bias.data(),
+                      attended.data() + r * heads * hd + h * hd);
         }
       });
       linear_core::project(attended.data(), t[4], data_or_null(t[5]), projected.data(), n,
