@@ -154,8 +154,9 @@ def test_bfloat16_valued_weights_read_narrow_decode_the_same_bits(scheme: str) -
     results = []
     packed = decode_step.packed
     for narrow in (True, False):
-        if not narrow:  # the same packed copy, widened to float32
+        if not narrow:  # the same packed copy, widened to float32, gathered anew
             decode_step.packed = lambda weight: packed(weight).float()  # type: ignore[assignment]
+            del model.__dict__["_ordinal_step_tensors"]
         try:
             read = decode_step.step_tensors(model)[0][2]  # the first block's QKV weight
             assert (read.dtype is torch.bfloat16) == narrow
@@ -179,3 +180,36 @@ def test_a_token_outside_the_vocabulary_is_an_index_error_as_in_torch() -> None:
         with pytest.raises(IndexError, match="outside the embedding"):
             model(outside, cache, last_only=True)
         assert int(cache.lengths[0]) == 0  # nothing was stored
+
+
+def test_the_kept_step_tensors_follow_every_change_to_the_weights() -> None:
+    """The kernel's tensors are kept on the model between steps and gathered again after an
+    in-place change to a projection weight, new data under it, or a parameter assigned anew
+    (a norm's): each time the kernel's step still equals the torch blocks'."""
+    model = random_model("rope", seed=9)
+    tokens = random_tokens(2, 5, seed=4)
+
+    def kernel_and_torch_agree() -> None:
+        caches = [KVCache(model.config, rows=2, max_length=8) for _ in range(2)]
+        with torch.inference_mode():
+            for cache in caches:
+                model(tokens[:, :-1], cache)
+            ours = model(tokens[:, -1:], caches[0], last_only=True)
+            theirs = torch_blocks(model, tokens[:, -1:], caches[1])
+        torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0)
+
+    kernel_and_torch_agree()
+    blocks, _ = decode_step.step_tensors(model)
+    kept, _ = decode_step.step_tensors(model)  # kept while nothing changes
+    assert all(a is b for a, b in zip(kept, blocks, strict=True))
+    block = model.blocks[0]
+    with torch.no_grad():
+        block.attention.qkv.weight.mul_(1.5)  # in place
+    kernel_and_torch_agree()
+    with torch.no_grad():
+        block.mlp.up.weight.data = block.mlp.up.weight.data * 0.5  # new data
+    kernel_and_torch_agree()
+    norm = block.attention_norm
+    norm.weight = torch.nn.Parameter(torch.full_like(norm.weight, 2.0))  # assigned anew
+    kernel_and_torch_agree()
+    assert decode_step.step_tensors(model)[0][0] is norm.weight
