@@ -4,13 +4,14 @@
 // The torch forward (model/transformer.py) is the definition; this is the same arithmetic
 // without the ~40 tensor operations a block costs there, each a few microseconds of dispatch
 // for a few hundred floats of work. The token's embedding plus the scheme's position vector;
-// then per block: norm, fused QKV projection, rotation of queries
-// and keys, the new key and value written into the cache at the row's position, attention over
-// the row's slots 0..position (plus the scheme's score bias), output projection, residual, norm,
-// MLP, residual; then the final norm and the logits. The bias is the scheme's (alibi, t5, fire: computed once per pass, FIRE's by
-// fire_bias below) or, for fox and cope, computed here per layer and head from the same tensors
-// as their torch code. The projections are linear_core.h's, so a row's numbers are the same
-// alone and in any batch: everything else here is computed row by row, in a fixed order.
+// then per block: norm, fused QKV projection, rotation of queries and keys, the new key and
+// value written into the cache at the row's position, attention over the row's slots
+// 0..position (plus the scheme's score bias), output projection, residual, norm, MLP, residual;
+// then the final norm and the logits. The bias is the scheme's (alibi, t5, fire: computed once
+// per pass, FIRE's by fire_bias below) or, for fox and cope, computed here per layer and head
+// from the same tensors as their torch code. The projections are linear_core.h's, so a row's
+// numbers are the same alone and in any batch: everything else here is computed row by row, in
+// a fixed order.
 #include <torch/extension.h>
 
 #include <atomic>
@@ -25,7 +26,7 @@ namespace {
 
 enum Norm : int64_t { kLayerNorm = 0, kRMSNorm = 1 };
 enum Mlp : int64_t { kGelu = 0, kGeluTanh = 1, kRelu2 = 2, kSwiGLU = 3 };
-constexpr int kTensorsPerBlock = 12;  // see decode_step.py's block_tensors()
+constexpr int kTensorsPerBlock = 12;  // see decode_step.py's step_tensors()
 // Fewer activations than this stay on one thread: a parallel region costs a few microseconds.
 constexpr int64_t kSerialActivations = 16384;
 // From this many rows, on several threads, each thread takes its share of the rows through all
@@ -300,8 +301,8 @@ constexpr bool kVectorised = true;
 // and the logits projection's packed weight and bias, 4 tensors; vocab: its outputs.
 // cache_keys/cache_values: the cache's [layers, cache rows, Hkv, length, hd], of which these
 // rows are first_row.. ; positions [rows, 1] int64, where each row's token goes and the last
-// slot it sees; cos/sin [rows, rot] (empty: no
-// rotation); bias [rows, H, length] (empty: none). → logits [rows, vocab].
+// slot it sees; cos/sin [rows, rot] (empty: no rotation); bias [rows, H, length] (empty: none).
+// → logits [rows, vocab].
 torch::Tensor decode_step(const torch::Tensor& tokens, const torch::Tensor& embedding,
                           const torch::Tensor& position_vectors,
                           const std::vector<torch::Tensor>& blocks,
@@ -310,9 +311,9 @@ torch::Tensor decode_step(const torch::Tensor& tokens, const torch::Tensor& embe
                           int64_t first_row, const torch::Tensor& positions,
                           const torch::Tensor& cos, const torch::Tensor& sin,
                           const torch::Tensor& bias, int64_t heads, int64_t kv_heads,
-                          int64_t norm, double eps, int64_t mlp, int64_t scheme, const torch::Tensor& gate_weight,
-                          const torch::Tensor& gate_bias, const torch::Tensor& states,
-                          const torch::Tensor& table) {
+                          int64_t norm, double eps, int64_t mlp, int64_t scheme,
+                          const torch::Tensor& gate_weight, const torch::Tensor& gate_bias,
+                          const torch::Tensor& states, const torch::Tensor& table) {
   TORCH_CHECK(tokens.dim() == 2 && tokens.size(1) == 1 && tokens.scalar_type() == at::kLong,
               "tokens must be an int64 [rows, 1] matrix");
   TORCH_CHECK(positions.dim() == 2 && positions.size(0) == tokens.size(0) &&
@@ -320,7 +321,8 @@ torch::Tensor decode_step(const torch::Tensor& tokens, const torch::Tensor& embe
               "positions must be an int64 [rows, 1] matrix");
   TORCH_CHECK(embedding.dim() == 2 && embedding.scalar_type() == at::kFloat,
               "the embedding must be a float32 [vocab, d] matrix");
-  TORCH_CHECK(head.size() == 4, "head: the final norm's weight and bias, the logits' weight and bias");
+  TORCH_CHECK(head.size() == 4,
+              "head: the final norm's weight and bias, the logits' weight and bias");
   TORCH_CHECK(blocks.size() % kTensorsPerBlock == 0, "blocks: 12 tensors per block");
   TORCH_CHECK(cache_keys.dim() == 5 && cache_keys.stride(4) == 1 && cache_values.stride(4) == 1,
               "the cache's keys and values must be [layers, rows, Hkv, length, hd], hd contiguous");

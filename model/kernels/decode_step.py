@@ -28,7 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from model.kernels import decoding_on_cpu, load, vectorised
-from model.kernels.linear import packed
+from model.kernels.linear import packed, version_of
 
 if TYPE_CHECKING:
     from model.cache import CacheWrite, KVCache
@@ -168,7 +168,7 @@ def own_bias_tensors(
 # Bumped whenever any module anywhere registers a parameter or a submodule (an assignment such as
 # ``linear.weight = Parameter(...)``, ``load_state_dict(assign=True)``, a replaced layer): a
 # model's kept step tensors are then gathered again. In-place changes and new data under a
-# parameter are caught by the projection weights' versions and addresses (see step_tensors).
+# parameter are caught by the projection weights' version_of (see step_tensors).
 _structure = [0]
 
 
@@ -189,14 +189,14 @@ def step_tensors(model: Transformer) -> tuple[list[Tensor], list[Tensor]]:
 
     Kept on the model between steps (gathering them was ~30 µs of a batch-1 step, 5% at
     4L-256d) and gathered again when a parameter or module was assigned anywhere (the hooks
-    above) or a projection weight changed in place or got new data (its version and address:
-    the packed copy must follow). A norm's parameters and the biases are passed as themselves,
+    above) or a projection weight's :func:`~model.kernels.linear.version_of` changed (the
+    packed copy must follow). A norm's parameters and the biases are passed as themselves,
     so their changes need no check."""
     kept: _StepTensors | None = model.__dict__.get("_ordinal_step_tensors")
     if (
         kept is not None
         and kept.structure == _structure[0]
-        and kept.versions == [(weight._version, weight.data_ptr()) for weight in kept.weights]
+        and kept.versions == [version_of(weight) for weight in kept.weights]
     ):
         return kept.blocks, kept.head
     kept = _gather(model)
@@ -208,7 +208,7 @@ def step_tensors(model: Transformer) -> tuple[list[Tensor], list[Tensor]]:
 class _StepTensors:
     structure: int  # _structure when gathered
     weights: list[Tensor]  # the projection weights, as parameters
-    versions: list[tuple[int, int]]  # each one's version and address when gathered
+    versions: list[tuple[int, int, tuple[int, ...]]]  # each one's version_of when gathered
     blocks: list[Tensor]
     head: list[Tensor]
 
@@ -237,5 +237,5 @@ def _gather(model: Transformer) -> _StepTensors:
         ):
             blocks += pair(module)
     head = pair(model.final_norm) + pair(model.lm_head)
-    versions = [(weight._version, weight.data_ptr()) for weight in weights]
+    versions = [version_of(weight) for weight in weights]
     return _StepTensors(structure, weights, versions, blocks, head)

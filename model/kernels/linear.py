@@ -44,6 +44,13 @@ def applies(x: Tensor, weight: Tensor) -> bool:
 COLUMNS = 64  # outputs per packed block: linear_core.h's kColumns
 
 
+def version_of(weight: Tensor) -> tuple[int, int, tuple[int, ...]]:
+    """What a copy kept from ``weight`` must match to still hold its values: the version
+    counter (any in-place change, loading included), the address (new data under the
+    parameter) and the strides."""
+    return weight._version, weight.data_ptr(), weight.stride()
+
+
 def packed(weight: Tensor) -> Tensor:
     """What the kernels read for ``weight`` [out, in]: a copy packed into blocks of 64 outputs,
     [ceil(out / 64), in, 64] (the last block zero-padded), so that each block's weights are one
@@ -53,10 +60,9 @@ def packed(weight: Tensor) -> Tensor:
     The shipped checkpoints store bfloat16 weights, which a float32 model holds exactly; the
     kernels widen each bfloat16 back to that float32 in registers, so a product is the same bits
     from half the bytes — and a batch-1 step is mostly the reading of its weights. The copy is
-    made once per version of the weight: loading or any in-place change (the version counter),
-    or new data put under the parameter (its address), makes a new one. It costs 2 bytes per
-    weight in bfloat16, 4 in float32 (beside the model's own float32 weight)."""
-    key = (weight._version, weight.data_ptr(), weight.stride())
+    made again whenever :func:`version_of` the weight changes. It costs 2 bytes per weight in
+    bfloat16, 4 in float32 (beside the model's own float32 weight)."""
+    key = version_of(weight)
     kept: tuple[object, Tensor] | None = getattr(weight, "_ordinal_packed", None)
     if kept is None or kept[0] != key:
         out, inputs = weight.shape
