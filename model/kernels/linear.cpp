@@ -23,6 +23,14 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed,
   return y;
 }
 
+bool tiles() {
+#if defined(LINEAR_CORE_TILES)
+  return linear_core::tiles::permitted();
+#else
+  return false;
+#endif
+}
+
 #else  // no AVX-512: linear.py never calls in (vectorised() is false), F.linear runs instead
 
 constexpr bool kVectorised = false;
@@ -32,9 +40,12 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed,
   TORCH_CHECK(false, "the linear kernel needs AVX-512");
 }
 
+bool tiles() { return false; }
+
 #endif
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &linear, "x [M, K] · weight [out, K]ᵀ + bias (weight packed), for a few rows");
   m.def("vectorised", [] { return kVectorised; }, "whether this build has the AVX-512 kernel");
+  m.def("tiles", &tiles, "whether this build has the AMX path and this process may use it");
 }

@@ -12,9 +12,16 @@ whatever the number of rows, so a row's projections are the same bits alone and 
 ops are row by row too (tests/model/kernels/test_linear.py). Training (gradients), other dtypes
 and devices, prompts of more than :data:`MAX_ROWS` tokens and CPUs without AVX-512 keep
 ``F.linear``.
+
+On a CPU with AMX, a weight of bfloat16 values (the shipped checkpoints') multiplies on the tile
+unit, each float32 input split exactly into three bfloat16 parts (linear_core.h's ``tiles``):
+float32's products, half the time of the AVX-512 path at 32 rows.
 """
 
 from __future__ import annotations
+
+import functools
+import os
 
 import torch
 from torch import Tensor
@@ -42,6 +49,20 @@ def applies(x: Tensor, weight: Tensor) -> bool:
 
 
 COLUMNS = 64  # outputs per packed block: linear_core.h's kColumns
+TILE_OUTPUTS, TILE_INPUTS = 16, 32  # a tile multiply's outputs and inputs: linear_core.h's tiles
+
+
+@functools.cache
+def tiles_ready() -> bool:
+    """Whether the kernel has its AMX path on this CPU and this process may use the tiles:
+    a bfloat16 weight then multiplies on the tile unit (linear_core.h's ``tiles``). Set
+    ``ORDINAL_TILES=0`` to keep every weight on the AVX-512 path."""
+    extension = load("linear")
+    return (
+        os.environ.get("ORDINAL_TILES", "1") != "0"
+        and extension is not None
+        and bool(extension.tiles())
+    )
 
 
 def version_of(weight: Tensor) -> tuple[int, int, tuple[int, ...]]:
@@ -52,28 +73,54 @@ def version_of(weight: Tensor) -> tuple[int, int, tuple[int, ...]]:
 
 
 def packed(weight: Tensor) -> Tensor:
-    """What the kernels read for ``weight`` [out, in]: a copy packed into blocks of 64 outputs,
-    [ceil(out / 64), in, 64] (the last block zero-padded), so that each block's weights are one
-    contiguous run read front to back (linear_core.h says why) — in bfloat16 when every value of
-    ``weight`` is a bfloat16 value, else float32.
+    """What the kernels read for ``weight`` [out, in]: a copy laid out for how they multiply.
+
+    - When every value of ``weight`` is a bfloat16 value, ``in`` is a multiple of 32 and
+      :func:`tiles_ready`: bfloat16 in the tile unit's pair layout, [ceil(out / 16), in / 32,
+      16, 32] (:func:`tile_packed`).
+    - Otherwise blocks of 64 outputs, [ceil(out / 64), in, 64] (the last block zero-padded), so
+      that each block's weights are one contiguous run read front to back (linear_core.h says
+      why) — bfloat16 when every value is one, else float32.
 
     The shipped checkpoints store bfloat16 weights, which a float32 model holds exactly; the
-    kernels widen each bfloat16 back to that float32 in registers, so a product is the same bits
-    from half the bytes — and a batch-1 step is mostly the reading of its weights. The copy is
-    made again whenever :func:`version_of` the weight changes. It costs 2 bytes per weight in
+    kernels widen each bfloat16 back to that float32, so a product is the same as float32's from
+    half the bytes — and a batch-1 step is mostly the reading of its weights. The copy is made
+    again whenever :func:`version_of` the weight changes. It costs 2 bytes per weight in
     bfloat16, 4 in float32 (beside the model's own float32 weight)."""
-    key = version_of(weight)
+    key = (version_of(weight), tiles_ready())
     kept: tuple[object, Tensor] | None = getattr(weight, "_ordinal_packed", None)
     if kept is None or kept[0] != key:
-        out, inputs = weight.shape
-        blocks = -(-out // COLUMNS)
-        padded = weight.detach().new_zeros(blocks * COLUMNS, inputs)
-        padded[:out] = weight.detach()
-        copy = padded.view(blocks, COLUMNS, inputs).transpose(1, 2).contiguous()
-        narrow = copy.to(torch.bfloat16)
-        kept = (key, narrow if torch.equal(narrow.float(), copy) else copy)
+        narrow = weight.detach().to(torch.bfloat16)
+        exact = torch.equal(narrow.float(), weight.detach())
+        if exact and key[1] and weight.shape[1] % TILE_INPUTS == 0:
+            copy = tile_packed(narrow)
+        else:
+            copy = blocked(narrow if exact else weight.detach())
+        kept = (key, copy)
         weight._ordinal_packed = kept  # type: ignore[attr-defined]
     return kept[1]
+
+
+def blocked(weight: Tensor) -> Tensor:
+    """``weight`` [out, in] as blocks of 64 outputs, [ceil(out / 64), in, 64], zero-padded."""
+    out, inputs = weight.shape
+    blocks = -(-out // COLUMNS)
+    padded = weight.new_zeros(blocks * COLUMNS, inputs)
+    padded[:out] = weight
+    return padded.view(blocks, COLUMNS, inputs).transpose(1, 2).contiguous()
+
+
+def tile_packed(weight: Tensor) -> Tensor:
+    """``weight`` [out, in] (bfloat16, ``in`` a multiple of 32) in the tile unit's pair layout,
+    [ceil(out / 16), in / 32, 16, 32]: for 16 outputs and 32 inputs, row r holds each output's
+    weights for inputs 2r and 2r + 1, side by side (outputs zero-padded)."""
+    out, inputs = weight.shape
+    tiles = -(-out // TILE_OUTPUTS)
+    padded = weight.new_zeros(tiles * TILE_OUTPUTS, inputs)
+    padded[:out] = weight
+    # [tile, output, chunk, pair, 2] → [tile, chunk, pair, output, 2]
+    pairs = padded.view(tiles, TILE_OUTPUTS, inputs // TILE_INPUTS, TILE_INPUTS // 2, 2)
+    return pairs.permute(0, 2, 3, 1, 4).reshape(tiles, inputs // TILE_INPUTS, 16, TILE_INPUTS)
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:

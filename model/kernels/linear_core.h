@@ -20,6 +20,12 @@
 // A weight is float32, or bfloat16 (its bits as uint16_t) when every value of the float32 weight
 // is a bfloat16 value (the shipped checkpoints are stored so): each is widened to its float32 in
 // registers, exactly (a shift), so the products are the same bits from half the bytes read.
+//
+// On a CPU with AMX (Sapphire Rapids and later), a bfloat16 weight multiplies on the tile unit
+// instead (`tiles` below): the same float32 products, summed in another order, so other bits
+// than this path's, but the same bits for a row alone and in any batch. Under load it pays
+// (32 rows: the 17 products of a shipped step 0.29 against 0.58 ms); one row it costs a little
+// (docs/performance.md, tenth round).
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -34,6 +40,14 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #define LINEAR_CORE_VECTORISED 1
 #include <immintrin.h>
+// AMX's bfloat16 tile multiply (Sapphire Rapids and later): the tile path below.
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define LINEAR_CORE_TILES 1
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <vector>
+#endif
 
 namespace linear_core {
 
@@ -144,11 +158,220 @@ inline void project(const float* x, const W* packed, const float* bias, float* y
   });
 }
 
-// The same for a packed weight tensor [ceil(N / 64), K, 64], float32 or bfloat16: the one place
-// that reads a weight's layout and dtype.
+#if defined(LINEAR_CORE_TILES)
+// With AMX: y = x · Wᵀ + b for a bfloat16 W on the tile unit, exactly as float32 would multiply
+// it. Each float32 input is split into three bfloat16 values whose sum it is exactly, x = hi +
+// mid + lo (each part the top 8 significant bits of what the previous left), so every product
+// with a bfloat16 weight is exact in float32, and the tile unit's float32 sums are the only
+// rounding, as in a float32 product. A row's three parts are rows 3i, 3i + 1, 3i + 2 of a tile
+// (5 rows of x a tile, its 16th row zero); y = hi·W + (mid·W + lo·W) + b. A row's result
+// depends on its own inputs alone, so it is the same bits alone and in any batch.
+//
+// The weight is packed in the tile unit's pair layout, [ceil(N / 16), K / 32, 16, 32]: for 16
+// outputs and 32 inputs, row r holds, for each output c, its weights for inputs 2r and 2r + 1
+// (model.kernels.linear.packed makes it; K a multiple of 32, outputs zero-padded).
+namespace tiles {
+
+constexpr int64_t kOutputs = 16;  // a tile's columns: outputs
+constexpr int64_t kInputs = 32;   // inputs a tile multiply takes (16 pairs)
+constexpr int64_t kRowsPerTile = 5;  // rows of x a tile holds, three parts each
+
+// Linux hands a process the tile state only when it asks (arch_prctl): once, the answer kept.
+inline bool permitted() {
+  static const bool granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
+                                      18 /* XFEATURE_XTILEDATA */) == 0;
+  return granted;
+}
+
+// The tile configuration every thread loads before it multiplies: 8 tiles of 16 rows × 64 bytes
+// (an accumulator: 16 × 16 float32; x's parts: 16 rows × 32 bfloat16; W: 16 pairs × 16 outputs).
+struct alignas(64) Configuration {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t bytes_per_row[16] = {64, 64, 64, 64, 64, 64, 64, 64};
+  uint8_t rows[16] = {16, 16, 16, 16, 16, 16, 16, 16};
+};
+
+// The compiler may not regroup a sum across this point (-ffast-math lets it reassociate, and it
+// did so for some rows and not others: a row's bits then depended on its place in the batch).
+inline void settle(__m512& value) { asm volatile("" : "+v"(value)); }
+
+// x [M, K] float32 → its parts [ceil(M / 5) · 16, K] as bfloat16 bits, tile rows as above.
+inline std::vector<uint16_t> split(const float* x, int64_t M, int64_t K) {
+  const int64_t tiles = (M + kRowsPerTile - 1) / kRowsPerTile;
+  std::vector<uint16_t> parts(tiles * 16 * K, 0);
+  const __m512i top = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int64_t m = 0; m < M; ++m) {
+    uint16_t* hi = parts.data() + ((m / kRowsPerTile) * 16 + (m % kRowsPerTile) * 3) * K;
+    uint16_t *mid = hi + K, *lo = mid + K;
+    for (int64_t k = 0; k < K; k += 16) {  // K is a multiple of 32
+      const __m512i value = _mm512_castps_si512(_mm512_loadu_ps(x + m * K + k));
+      const __m512i high = _mm512_and_si512(value, top);
+      const __m512i rest = _mm512_castps_si512(
+          _mm512_sub_ps(_mm512_castsi512_ps(value), _mm512_castsi512_ps(high)));
+      const __m512i middle = _mm512_and_si512(rest, top);
+      const __m512i low = _mm512_castps_si512(
+          _mm512_sub_ps(_mm512_castsi512_ps(rest), _mm512_castsi512_ps(middle)));
+      // The exact values' top halves: their bfloat16 bits.
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi + k),
+                          _mm512_cvtepi32_epi16(_mm512_srli_epi32(high, 16)));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(mid + k),
+                          _mm512_cvtepi32_epi16(_mm512_srli_epi32(middle, 16)));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo + k),
+                          _mm512_cvtepi32_epi16(_mm512_srli_epi32(low, 16)));
+    }
+  }
+  return parts;
+}
+
+// Rows of the R row tiles from `tile` by the C column tiles from output `column`, into y: every
+// input chunk multiplied into accumulator tiles 0..R·C-1, then each row's three sums added. One
+// row tile (a batch of up to 5) takes 4 column tiles at once, so that four multiplies are in
+// flight rather than two (each waits for the last into its accumulator); two row tiles take 2.
+// Registers: accumulators 0-3; x's parts 4 (and 5); weights 5-7 for one row tile (the 4th
+// column reuses 5), 6-7 for two.
+template <int R, int C>
+inline void multiply(const uint16_t* parts, const uint16_t* packed, const float* bias, float* y,
+                     int64_t M, int64_t K, int64_t N, int64_t tile, int64_t column) {
+  static_assert((R == 1 && C <= 4) || (R == 2 && C <= 2));
+  const int64_t chunks = K / kInputs, stride = K * 2;  // bytes between a part's rows
+  const uint16_t* rows = parts + tile * 16 * K;
+  const uint16_t* weights = packed + (column / kOutputs) * chunks * 16 * kInputs;
+  const auto weight = [&](int64_t c, int64_t chunk) {
+    return weights + (c * chunks + chunk) * 16 * kInputs;
+  };
+  _tile_zero(0);
+  if constexpr (R * C > 1) _tile_zero(1);
+  if constexpr (R * C > 2) _tile_zero(2);
+  if constexpr (R * C > 3) _tile_zero(3);
+  for (int64_t chunk = 0; chunk < chunks; ++chunk) {
+    const int64_t k = chunk * kInputs;
+    _tile_loadd(4, rows + k, stride);
+    if constexpr (R == 1) {
+      _tile_loadd(5, weight(0, chunk), 64);
+      if constexpr (C > 1) _tile_loadd(6, weight(1, chunk), 64);
+      if constexpr (C > 2) _tile_loadd(7, weight(2, chunk), 64);
+      _tile_dpbf16ps(0, 4, 5);
+      if constexpr (C > 1) _tile_dpbf16ps(1, 4, 6);
+      if constexpr (C > 2) _tile_dpbf16ps(2, 4, 7);
+      if constexpr (C > 3) {
+        _tile_loadd(5, weight(3, chunk), 64);
+        _tile_dpbf16ps(3, 4, 5);
+      }
+    } else {
+      _tile_loadd(5, rows + 16 * K + k, stride);
+      _tile_loadd(6, weight(0, chunk), 64);
+      if constexpr (C > 1) _tile_loadd(7, weight(1, chunk), 64);
+      _tile_dpbf16ps(0, 4, 6);
+      if constexpr (C > 1) _tile_dpbf16ps(1, 4, 7);
+      if constexpr (C > 1) _tile_dpbf16ps(2, 5, 6);  // accumulator (1, 0): r·C + c
+      else _tile_dpbf16ps(1, 5, 6);
+      if constexpr (C > 1) _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  alignas(64) float sums[4][16][kOutputs];  // accumulator r·C + c
+  _tile_stored(0, sums[0], 64);
+  if constexpr (R * C > 1) _tile_stored(1, sums[1], 64);
+  if constexpr (R * C > 2) _tile_stored(2, sums[2], 64);
+  if constexpr (R * C > 3) _tile_stored(3, sums[3], 64);
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) {
+      const float(*sum)[kOutputs] = sums[r * C + c];
+      const int64_t first = column + c * kOutputs;
+      const auto lanes = static_cast<unsigned>(std::min<int64_t>(kOutputs, N - first));
+      const __mmask16 mask = static_cast<__mmask16>((1u << lanes) - 1u);
+      const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + first) : _mm512_setzero_ps();
+      for (int64_t i = 0; i < kRowsPerTile; ++i) {
+        const int64_t m = (tile + r) * kRowsPerTile + i;
+        if (m >= M) break;
+        __m512 out =
+            _mm512_add_ps(_mm512_load_ps(sum[3 * i + 1]), _mm512_load_ps(sum[3 * i + 2]));
+        settle(out);
+        out = _mm512_add_ps(_mm512_load_ps(sum[3 * i]), out);
+        settle(out);
+        if (bias) out = _mm512_add_ps(out, b);
+        _mm512_mask_storeu_ps(y + m * N + first, mask, out);
+      }
+    }
+}
+
+// C (a run-time count, 1 to 4) column tiles of one row tile.
+inline void one_row_tile(const uint16_t* parts, const uint16_t* packed, const float* bias,
+                         float* y, int64_t M, int64_t K, int64_t N, int64_t column, int64_t C) {
+  switch (C) {
+    case 4: multiply<1, 4>(parts, packed, bias, y, M, K, N, 0, column); break;
+    case 3: multiply<1, 3>(parts, packed, bias, y, M, K, N, 0, column); break;
+    case 2: multiply<1, 2>(parts, packed, bias, y, M, K, N, 0, column); break;
+    default: multiply<1, 1>(parts, packed, bias, y, M, K, N, 0, column);
+  }
+}
+
+// y [M, N] = x [M, K] · Wᵀ + bias (may be null), W packed as above; groups of 64 outputs in
+// parallel. A group's weights (K · 128 bytes) are read from memory once and stay in L1/L2 while
+// every pair of row tiles passes over them. Every output is the same computation whichever
+// tiles it shares a multiply with.
+inline void project(const float* x, const uint16_t* packed, const float* bias, float* y,
+                    int64_t M, int64_t K, int64_t N) {
+  const std::vector<uint16_t> parts = split(x, M, K);
+  const uint16_t* p = parts.data();
+  const int64_t row_tiles = (M + kRowsPerTile - 1) / kRowsPerTile;
+  const int64_t column_tiles = (N + kOutputs - 1) / kOutputs;
+  at::parallel_for(0, (column_tiles + 3) / 4, 1, [&](int64_t begin, int64_t end) {
+    const Configuration configuration;
+    _tile_loadconfig(&configuration);  // per thread, and anything else may have changed it
+    for (int64_t group = begin; group < end; ++group) {
+      const int64_t column = group * 4 * kOutputs;
+      const int64_t columns = std::min<int64_t>(4, column_tiles - group * 4);
+      if (row_tiles == 1) {
+        one_row_tile(p, packed, bias, y, M, K, N, column, columns);
+        continue;
+      }
+      for (int64_t pair = 0; pair < columns; pair += 2) {
+        const int64_t first = column + pair * kOutputs;
+        const bool two = pair + 1 < columns;
+        for (int64_t tile = 0; tile < row_tiles; tile += 2) {
+          const bool both = tile + 1 < row_tiles;
+          if (both && two) multiply<2, 2>(p, packed, bias, y, M, K, N, tile, first);
+          else if (both) multiply<2, 1>(p, packed, bias, y, M, K, N, tile, first);
+          else if (two) multiply<1, 2>(p, packed, bias, y, M, K, N, tile, first);
+          else multiply<1, 1>(p, packed, bias, y, M, K, N, tile, first);
+        }
+      }
+    }
+    _tile_release();
+  });
+}
+
+}  // namespace tiles
+#endif
+
+// The inputs K of a weight packed either way (below).
+inline int64_t inputs_of(const at::Tensor& packed) {
+  return packed.dim() == 4 ? packed.size(1) * packed.size(3) : packed.size(1);
+}
+
+// The same for a packed weight tensor, float32 or bfloat16 [ceil(N / 64), K, 64], or bfloat16
+// in the tile layout [ceil(N / 16), K / 32, 16, 32]: the one place that reads a weight's layout
+// and dtype.
 inline void project(const float* x, const at::Tensor& packed, const float* bias, float* y,
                     int64_t M, int64_t K, int64_t N) {
   const bool narrow = packed.scalar_type() == at::kBFloat16;
+  if (packed.dim() == 4) {
+#if defined(LINEAR_CORE_TILES)
+    TORCH_CHECK(narrow && K % tiles::kInputs == 0 &&
+                    packed.size(0) == (N + tiles::kOutputs - 1) / tiles::kOutputs &&
+                    packed.size(1) == K / tiles::kInputs && packed.size(2) == 16 &&
+                    packed.size(3) == tiles::kInputs && packed.is_contiguous(),
+                "a projection's tile-packed weight must be bfloat16 [ceil(out / 16), in / 32, "
+                "16, 32]");
+    TORCH_CHECK(tiles::permitted(), "this process may not use the CPU's tiles (AMX)");
+    tiles::project(x, reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), bias, y,
+                   M, K, N);
+    return;
+#else
+    TORCH_CHECK(false, "a tile-packed weight needs a build with AMX");
+#endif
+  }
   TORCH_CHECK(packed.dim() == 3 && packed.size(0) == (N + kColumns - 1) / kColumns &&
                   packed.size(1) == K && packed.size(2) == kColumns && packed.is_contiguous(),
               "a projection's weight must be packed as [ceil(out / 64), in, 64]");

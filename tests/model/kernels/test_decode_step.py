@@ -12,6 +12,7 @@ import torch
 
 from model.cache import KVCache
 from model.kernels import decode_step
+from model.kernels import linear as linear_kernel
 from model.transformer import Transformer
 from tests.model.conftest import ALL_SCHEMES, random_model, random_tokens
 
@@ -82,11 +83,39 @@ def test_every_architecture_decodes_as_the_torch_blocks(architecture: dict[str, 
     decode_both_ways(random_model("rope", seed=5, **architecture), steps=12)
 
 
+def narrowed(model: Transformer) -> Transformer:
+    """``model`` with every parameter rounded to a bfloat16 value, as the shipped checkpoints
+    are: its projections then multiply on the tile unit, where the CPU has one."""
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.copy_(parameter.bfloat16().float())
+    return model
+
+
+# Float32 weights, and bfloat16 values (the shipped checkpoints': the tile path where there is one).
+WEIGHTS = pytest.mark.parametrize("narrow", [False, True], ids=["float32", "bfloat16"])
+
+
+@pytest.mark.parametrize("scheme", ["rope", "alibi", "learned", "fox", "cope"])
+def test_bfloat16_valued_weights_decode_as_the_torch_blocks(scheme: str) -> None:
+    """The shipped checkpoints' case: weights that are bfloat16 values (on the tile unit where
+    the CPU has one) decode as the torch blocks do, within 1e-5."""
+    decode_both_ways(narrowed(random_model(scheme, seed=4)), steps=12)
+
+
+def test_a_bfloat16_valued_architecture_decodes_as_the_torch_blocks() -> None:
+    model = random_model("rope", seed=5, norm="rmsnorm", mlp="swiglu", n_kv_heads=2)
+    decode_both_ways(narrowed(model), steps=12)
+
+
 @pytest.mark.parametrize("scheme", ["rope", "alibi", "t5", "learned", "none"])
-def test_a_rows_logits_are_the_same_bits_alone_and_in_a_batch(scheme: str) -> None:
+@WEIGHTS
+def test_a_rows_logits_are_the_same_bits_alone_and_in_a_batch(scheme: str, narrow: bool) -> None:
     """A prompt and one cached step: the projections (linear_core.h) and everything else are
     row by row, so a row's step is the same bits alone and in a batch of five."""
     model = random_model(scheme, seed=2)
+    if narrow:
+        narrowed(model)
     prompts = random_tokens(5, 9, seed=3)
     with torch.inference_mode():
         cache = KVCache(model.config, rows=5, max_length=16)
@@ -100,10 +129,13 @@ def test_a_rows_logits_are_the_same_bits_alone_and_in_a_batch(scheme: str) -> No
 
 
 @pytest.mark.parametrize("scheme", ["rope", "alibi", "fox", "cope"])
-def test_rows_split_across_threads_keep_their_bits(scheme: str) -> None:
+@WEIGHTS
+def test_rows_split_across_threads_keep_their_bits(scheme: str, narrow: bool) -> None:
     """From eight rows on two threads, each thread takes its share of the rows through every
     block: the step's logits and the cache it writes are the same bits as on one thread."""
     model = random_model(scheme, seed=6)
+    if narrow:
+        narrowed(model)
     lengths = (5, 9, 3, 7, 8, 2, 6, 9, 4, 5, 3, 8)  # twelve rows at ragged lengths
     prompts = [random_tokens(1, n, seed=n + row)[0] for row, n in enumerate(lengths)]
     with torch.inference_mode():
@@ -142,14 +174,14 @@ def test_it_applies_only_to_one_token_per_row_without_gradients_in_float32() -> 
 
 
 @pytest.mark.parametrize("scheme", ["rope", "t5"])
-def test_bfloat16_valued_weights_read_narrow_decode_the_same_bits(scheme: str) -> None:
-    """A model whose weights are bfloat16 values (the shipped checkpoints') decodes through
-    bfloat16 copies of its projections (half the bytes a step reads): the same logits and
-    cache, bit for bit, as from its float32 weights."""
-    model = random_model(scheme, seed=8)
-    with torch.no_grad():
-        for parameter in model.parameters():
-            parameter.copy_(parameter.bfloat16().float())
+def test_bfloat16_valued_weights_read_narrow_decode_the_same_bits(
+    scheme: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Off the tile path, a model whose weights are bfloat16 values (the shipped checkpoints')
+    decodes through bfloat16 copies of its projections (half the bytes a step reads): the same
+    logits and cache, bit for bit, as from its float32 weights."""
+    monkeypatch.setattr(linear_kernel, "tiles_ready", lambda: False)
+    model = narrowed(random_model(scheme, seed=8))
     tokens = random_tokens(4, 6, seed=1)
     results = []
     packed = decode_step.packed

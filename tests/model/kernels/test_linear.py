@@ -16,11 +16,23 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def column_major_linear(inputs: int, outputs: int, bias: bool, seed: int) -> Linear:
+def column_major_linear(
+    inputs: int, outputs: int, bias: bool, seed: int, narrow: bool = False
+) -> Linear:
+    """A decode-layout Linear with random weights; ``narrow``: weights that are bfloat16 values
+    (as the shipped checkpoints'), which the kernel reads as bfloat16 — on the tile unit where
+    the CPU has one and ``inputs`` is a multiple of 32."""
     torch.manual_seed(seed)
     linear = Linear(inputs, outputs, bias=bias)
     _store_column_major(linear)
+    if narrow:
+        with torch.no_grad():
+            linear.weight.copy_(linear.weight.bfloat16().float())
     return linear
+
+
+# Both ways the kernel multiplies: float32 weights, and bfloat16 values (the tile path).
+WEIGHTS = pytest.mark.parametrize("narrow", [False, True], ids=["float32", "bfloat16"])
 
 
 # Outputs: whole blocks of 64, a ragged last block, fewer than one vector, and the shipped
@@ -29,9 +41,12 @@ def column_major_linear(inputs: int, outputs: int, bias: bool, seed: int) -> Lin
     ("inputs", "outputs", "bias"),
     [(128, 384, False), (256, 768, True), (300, 77, True), (7, 5, True), (128, 2048, False)],
 )
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 17, 64])
-def test_the_kernel_computes_f_linear(inputs: int, outputs: int, bias: bool, rows: int) -> None:
-    linear = column_major_linear(inputs, outputs, bias, seed=rows)
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 6, 17, 64])
+@WEIGHTS
+def test_the_kernel_computes_f_linear(
+    inputs: int, outputs: int, bias: bool, rows: int, narrow: bool
+) -> None:
+    linear = column_major_linear(inputs, outputs, bias, seed=rows, narrow=narrow)
     x = torch.randn(1, rows, inputs)
     with torch.no_grad():
         assert linear_kernel.applies(x, linear.weight)
@@ -42,9 +57,12 @@ def test_the_kernel_computes_f_linear(inputs: int, outputs: int, bias: bool, row
     torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize(("inputs", "outputs"), [(256, 768), (300, 77)])
-def test_a_rows_output_is_the_same_bits_alone_and_in_any_batch(inputs: int, outputs: int) -> None:
-    linear = column_major_linear(inputs, outputs, bias=True, seed=0)
+@pytest.mark.parametrize(("inputs", "outputs"), [(256, 768), (300, 77), (64, 77)])
+@WEIGHTS
+def test_a_rows_output_is_the_same_bits_alone_and_in_any_batch(
+    inputs: int, outputs: int, narrow: bool
+) -> None:
+    linear = column_major_linear(inputs, outputs, bias=True, seed=0, narrow=narrow)
     batch = torch.randn(37, inputs)
     with torch.no_grad():
         together = linear(batch)
@@ -101,10 +119,13 @@ def test_the_packed_copy_holds_the_weight_in_blocks_of_64_outputs(outputs: int) 
     assert not unpack(packed, blocks * 64)[outputs:].any()  # the last block's padding: zeros
 
 
-def test_weights_that_are_bfloat16_values_are_read_as_bfloat16_for_the_same_bits() -> None:
-    """``packed``: a bfloat16 copy exactly when every value of the weight is a bfloat16 value,
-    made again after the weight changes; the kernel gives the same bits from it as from a float32
-    copy (and for a ragged last block)."""
+def test_weights_that_are_bfloat16_values_are_read_as_bfloat16_for_the_same_bits(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Without the tile path, ``packed``: a bfloat16 copy in blocks of 64 exactly when every
+    value of the weight is a bfloat16 value, made again after the weight changes; the kernel
+    gives the same bits from it as from a float32 copy (and for a ragged last block)."""
+    monkeypatch.setattr(linear_kernel, "tiles_ready", lambda: False)
     extension = linear_kernel.load("linear")
     for outputs in (384, 77):
         linear = column_major_linear(128, outputs, bias=True, seed=outputs)
@@ -125,3 +146,60 @@ def test_weights_that_are_bfloat16_values_are_read_as_bfloat16_for_the_same_bits
             replaced = column_major_linear(128, outputs, bias=True, seed=1).weight.bfloat16()
             linear.weight.data = replaced.float()  # new data under the same parameter
             assert torch.equal(unpack(linear_kernel.packed(linear.weight), outputs), replaced)
+
+
+tiles = pytest.mark.skipif(
+    not linear_kernel.tiles_ready(), reason="the tile path needs a CPU with AMX (and Linux's leave)"
+)
+
+
+def untile(packed: torch.Tensor, outputs: int) -> torch.Tensor:
+    """The weight [out, in] back from its tile-packed copy [tiles, in / 32, 16, 32]."""
+    tiles_, chunks = packed.shape[:2]
+    pairs = packed.view(tiles_, chunks, 16, 16, 2).permute(0, 3, 1, 2, 4)
+    return pairs.reshape(tiles_ * 16, chunks * 32)[:outputs]
+
+
+@tiles
+@pytest.mark.parametrize("outputs", [384, 77, 5])
+def test_bfloat16_weights_are_packed_for_the_tile_unit(outputs: int) -> None:
+    """A weight of bfloat16 values with inputs a multiple of 32 is packed in the tile unit's
+    pair layout (outputs zero-padded to 16); inputs that are not stay in blocks of 64."""
+    linear = column_major_linear(96, outputs, bias=False, seed=outputs, narrow=True)
+    with torch.no_grad():
+        packed = linear_kernel.packed(linear.weight)
+        assert packed.shape == (-(-outputs // 16), 3, 16, 32) and packed.is_contiguous()
+        assert packed.dtype is torch.bfloat16
+        assert torch.equal(untile(packed, outputs).float(), linear.weight)
+        assert not untile(packed, -(-outputs // 16) * 16)[outputs:].any()
+        ragged = column_major_linear(100, outputs, bias=False, seed=outputs, narrow=True)
+        assert linear_kernel.packed(ragged.weight).dim() == 3
+
+
+@tiles
+def test_the_tile_path_keeps_every_bit_of_the_float32_input() -> None:
+    """Each float32 input is multiplied as the exact sum of three bfloat16 parts: the result is
+    as close to float64's as a float32 product is. With the last part dropped, errors would be
+    ~2^-17 of each input (here ~1e-4), not ~1e-6."""
+    linear = column_major_linear(512, 256, bias=False, seed=4, narrow=True)
+    x = torch.randn(7, 512) * 3
+    with torch.no_grad():
+        got = linear(x).double()
+        expected = x.double() @ linear.weight.double().T
+        float32 = (x @ linear.weight.T).double()
+    assert (got - expected).abs().max() <= 2 * (float32 - expected).abs().max() + 1e-6
+
+
+@tiles
+def test_tiles_can_be_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``ORDINAL_TILES=0`` keeps every weight in blocks of 64 for the AVX-512 path."""
+    linear = column_major_linear(128, 64, bias=False, seed=2, narrow=True)
+    with torch.no_grad():
+        assert linear_kernel.packed(linear.weight).dim() == 4
+        monkeypatch.setenv("ORDINAL_TILES", "0")
+        linear_kernel.tiles_ready.cache_clear()
+        try:
+            assert linear_kernel.packed(linear.weight).dim() == 3  # made again for the switch
+        finally:
+            monkeypatch.delenv("ORDINAL_TILES")
+            linear_kernel.tiles_ready.cache_clear()
