@@ -45,6 +45,7 @@ import torch
 from torch import Tensor
 
 from model.kernels import argmax as argmax_kernel
+from model.kernels import draw as draw_kernel
 from model.sampling_params import MIN_TEMPERATURE, FailureReason, SamplingParams
 
 _DEFAULTS = SamplingParams()  # the value of each column a request leaves out
@@ -446,6 +447,8 @@ def _draw_tempered(meta: SamplingMetadata, logits: Tensor, uniforms: Tensor | No
     meta: b rows; logits [b, V]; uniforms [b]. Returns [b] long.
     """
     assert uniforms is not None
+    if draw_kernel.applies(logits):  # the same draw in one pass a row (model/kernels/draw.py)
+        return draw_kernel.tempered(logits, meta.temperature, uniforms)
     return _draw_inverse_cdf(_unsorted_stages(logits, meta, min_p=False)[-1].probs, None, uniforms)
 
 

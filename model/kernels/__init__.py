@@ -28,7 +28,7 @@ HERE = Path(__file__).parent
 _CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 
 
-KERNELS = ("linear", "cope", "fox", "decode_step", "argmax")  # every .cpp here
+KERNELS = ("linear", "cope", "fox", "decode_step", "argmax", "draw")  # every .cpp here
 
 
 def decoding_on_cpu(x: Tensor) -> bool:
