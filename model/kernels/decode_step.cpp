@@ -263,11 +263,12 @@ void store_row(const Shapes& s, float* qkv, const torch::Tensor& keys,
 
 // Head h's attention for one row in one block, after store_row: its query in `qkv`, over the
 // row's cache slots 0..position, into out [hd]. scores: room for position + 1 floats; own_bias:
-// room for fox's or cope's bias.
+// room for fox's or cope's bias. then_next_row: the next row's first head attends right after
+// this row's last (its keys are fetched meanwhile).
 void attend_head(const Shapes& s, const float* qkv, const torch::Tensor& keys,
                  const torch::Tensor& values, int64_t layer, int64_t row, int64_t position,
                  int64_t h, const torch::Tensor& bias, const LayerSignal& signal, float* scores,
-                 float* own_bias, float* out) {
+                 float* own_bias, float* out, bool then_next_row) {
   const int64_t hd = s.head_dim, group = s.heads / s.kv_heads, g = h / group;
   const auto ks = keys.strides(), vs = values.strides();
   const float* key_base = keys.data_ptr<float>() + layer * ks[0] + row * ks[1];
@@ -287,6 +288,7 @@ void attend_head(const Shapes& s, const float* qkv, const torch::Tensor& keys,
   const int64_t next_group = (h + 1) / group;  // the next head's keys, if they are others
   const float* next_keys =
       h + 1 < s.heads && next_group != g ? key_base + next_group * ks[2] : nullptr;
+  if (h + 1 == s.heads && then_next_row) next_keys = key_base + ks[1];
   head_attention_for(hd)(q, head_keys, ks[3], head_values, vs[3], n, hd, scale, head_bias,
                          bias_stride, next_keys, scores, out);
 }
@@ -403,7 +405,7 @@ torch::Tensor decode_step(const torch::Tensor& tokens, const torch::Tensor& embe
           const int64_t r = i / heads, h = i % heads, row = first + r;
           attend_head(s, qkv.data() + r * qkv_width, keys, values, b, row, position[row], h,
                       bias, signal, scores.data(), own_bias.data(),
-                      attended.data() + r * heads * hd + h * hd);
+                      attended.data() + r * heads * hd + h * hd, i + 1 < end);
         }
       });
       linear_core::project(attended.data(), t[4], data_or_null(t[5]), projected.data(), n,
