@@ -187,7 +187,9 @@ def transformers_section(results: Results) -> str:
 
 def http_section(results: Results, in_process: float | None, one_thread: float | None) -> str:
     single = results["single_stream"]
-    share = divide(single["tokens_per_s"], in_process)
+    # The target is against one thread, as the server runs; the two-thread figure is shown
+    # beside it without one.
+    share = divide(single["tokens_per_s"], one_thread)
     header = ["in-process rope, batch 1", "HTTP, 1 client", "ratio", "HTTP decode only"]
     header += ["TTFT p50", "in-process, one thread (the server's default)", "ratio"]
     singles = table(
@@ -196,11 +198,11 @@ def http_section(results: Results, in_process: float | None, one_thread: float |
             [
                 rate(in_process),
                 rate(single["tokens_per_s"]),
-                target(share, 0.8, f"{ratio(share)} (≥ 0.8×)"),
+                ratio(divide(single["tokens_per_s"], in_process)),
                 rate(single["decode_tokens_per_s"]),
                 f"{single['ttft_ms_p50']:.1f} ms",
                 rate(one_thread),
-                ratio(divide(single["tokens_per_s"], one_thread)),
+                target(share, 0.9, f"{ratio(share)} (≥ 0.9×)"),
             ]
         ],
     )
