@@ -379,7 +379,8 @@ torch::Tensor decode_step(const torch::Tensor& tokens, const torch::Tensor& embe
     for (int64_t b = 0; b < n_blocks; ++b) {
       const torch::Tensor* t = blocks.data() + b * kTensorsPerBlock;
       // The up projection's outputs, from the down projection's inputs (packing pads outputs).
-      const int64_t inner = linear_core::inputs_of(t[10]), expanded = mlp == kSwiGLU ? 2 * inner : inner;
+      const int64_t inner = linear_core::inputs_of(t[10]);
+      const int64_t expanded = mlp == kSwiGLU ? 2 * inner : inner;
       hidden.resize(n * expanded);
       for (int64_t r = 0; r < n; ++r)
         normalise(stream + r * d, normed.data() + r * d, d, t[0].data_ptr<float>(),

@@ -17,15 +17,16 @@ namespace {
 
 constexpr int64_t kBlock = 16;  // tokens summed together: one AVX-512 register
 
-// One row: logits [V], its temperature and uniform; weights: room for V floats. → the token,
-// or V when u × total is past the row's whole mass (a uniform outside [0, 1)).
+// One row: logits [V], its temperature and uniform; weights: room for V floats, block_sums for
+// ceil(V / 16). → the token, or V when u × total is past the row's whole mass (a uniform
+// outside [0, 1)).
 //
 // The weights exp(z - max) need not be normalised: the target is u × their total, which is
 // what the cumulative sum reaches at the end. The total is the sum of the 16-token blocks'
 // sums, in order, and the walk adds the same block sums, so a target at most the total is
 // always found; inside the block that crosses it, tokens are added one by one.
 int64_t draw_row(const float* logits, int64_t V, float temperature, float uniform,
-                 float* weights) {
+                 float* weights, float* block_sums) {
   float largest = -INFINITY;
   for (int64_t i = 0; i < V; ++i) {
     weights[i] = logits[i] / temperature;
@@ -34,7 +35,6 @@ int64_t draw_row(const float* logits, int64_t V, float temperature, float unifor
 #pragma omp simd
   for (int64_t i = 0; i < V; ++i) weights[i] = std::exp(weights[i] - largest);
   const int64_t blocks = (V + kBlock - 1) / kBlock;
-  std::vector<float> block_sums(blocks);
   for (int64_t b = 0; b < blocks; ++b) {
     const int64_t lanes = std::min(kBlock, V - b * kBlock);
     const __mmask16 mask = static_cast<__mmask16>((1u << lanes) - 1u);
@@ -42,7 +42,8 @@ int64_t draw_row(const float* logits, int64_t V, float temperature, float unifor
   }
   float total = 0.0f;
   for (int64_t b = 0; b < blocks; ++b) total += block_sums[b];
-  // Above 0, so the token found has mass: one without has the cumulative sum of the one before.
+  // Above 0 and above what the blocks before reached, so the token that reaches it added mass:
+  // one without has the cumulative sum of the one before.
   const float target = std::max(uniform * total, FLT_MIN);
   float reached = 0.0f;
   for (int64_t b = 0; b < blocks; ++b) {
@@ -55,7 +56,7 @@ int64_t draw_row(const float* logits, int64_t V, float temperature, float unifor
     for (int64_t i = first; i < last; ++i) {
       if (weights[i] > 0.0f) with_mass = i;
       reached += weights[i];
-      if (reached >= target && weights[i] > 0.0f) return i;
+      if (reached >= target) return i;
     }
     return with_mass;  // added one by one the block fell short by a rounding: its last with mass
   }
@@ -78,11 +79,11 @@ torch::Tensor tempered(const torch::Tensor& logits, const torch::Tensor& tempera
               "temperature and uniforms must be float32 [rows] vectors");
   const auto t = temperature.contiguous(), u = uniforms.contiguous();
   auto out = torch::empty({rows}, logits.options().dtype(at::kLong));
-  std::vector<float> weights(V);
+  std::vector<float> weights(V), block_sums((V + kBlock - 1) / kBlock);
   for (int64_t r = 0; r < rows; ++r)
     out.data_ptr<int64_t>()[r] = draw_row(logits.data_ptr<float>() + r * V, V,
                                           t.data_ptr<float>()[r], u.data_ptr<float>()[r],
-                                          weights.data());
+                                          weights.data(), block_sums.data());
   return out;
 }
 

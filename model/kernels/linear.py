@@ -101,26 +101,28 @@ def packed(weight: Tensor) -> Tensor:
     return kept[1]
 
 
+def _padded(weight: Tensor, multiple: int) -> Tensor:
+    """``weight`` [out, in] with zero rows added up to a multiple of ``multiple`` outputs."""
+    out, inputs = weight.shape
+    padded = weight.new_zeros(-(-out // multiple) * multiple, inputs)
+    padded[:out] = weight
+    return padded
+
+
 def blocked(weight: Tensor) -> Tensor:
     """``weight`` [out, in] as blocks of 64 outputs, [ceil(out / 64), in, 64], zero-padded."""
-    out, inputs = weight.shape
-    blocks = -(-out // COLUMNS)
-    padded = weight.new_zeros(blocks * COLUMNS, inputs)
-    padded[:out] = weight
-    return padded.view(blocks, COLUMNS, inputs).transpose(1, 2).contiguous()
+    padded = _padded(weight, COLUMNS)
+    return padded.view(-1, COLUMNS, weight.shape[1]).transpose(1, 2).contiguous()
 
 
 def tile_packed(weight: Tensor) -> Tensor:
     """``weight`` [out, in] (bfloat16, ``in`` a multiple of 32) in the tile unit's pair layout,
     [ceil(out / 16), in / 32, 16, 32]: for 16 outputs and 32 inputs, row r holds each output's
     weights for inputs 2r and 2r + 1, side by side (outputs zero-padded)."""
-    out, inputs = weight.shape
-    tiles = -(-out // TILE_OUTPUTS)
-    padded = weight.new_zeros(tiles * TILE_OUTPUTS, inputs)
-    padded[:out] = weight
+    chunks = weight.shape[1] // TILE_INPUTS
     # [tile, output, chunk, pair, 2] → [tile, chunk, pair, output, 2]
-    pairs = padded.view(tiles, TILE_OUTPUTS, inputs // TILE_INPUTS, TILE_INPUTS // 2, 2)
-    return pairs.permute(0, 2, 3, 1, 4).reshape(tiles, inputs // TILE_INPUTS, 16, TILE_INPUTS)
+    pairs = _padded(weight, TILE_OUTPUTS).view(-1, TILE_OUTPUTS, chunks, TILE_INPUTS // 2, 2)
+    return pairs.permute(0, 2, 3, 1, 4).reshape(-1, chunks, 16, TILE_INPUTS)
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:

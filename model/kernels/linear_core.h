@@ -198,10 +198,12 @@ struct alignas(64) Configuration {
 // did so for some rows and not others: a row's bits then depended on its place in the batch).
 inline void settle(__m512& value) { asm volatile("" : "+v"(value)); }
 
-// x [M, K] float32 → its parts [ceil(M / 5) · 16, K] as bfloat16 bits, tile rows as above.
-inline std::vector<uint16_t> split(const float* x, int64_t M, int64_t K) {
+// x [M, K] float32 → its parts [ceil(M / 5) · 16, K] as bfloat16 bits, tile rows as above, in
+// this thread's buffer (kept across calls: every projection of every step splits its input).
+inline const uint16_t* split(const float* x, int64_t M, int64_t K) {
   const int64_t tiles = (M + kRowsPerTile - 1) / kRowsPerTile;
-  std::vector<uint16_t> parts(tiles * 16 * K, 0);
+  thread_local std::vector<uint16_t> parts;
+  parts.assign(tiles * 16 * K, 0);  // the padding rows are zero
   const __m512i top = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
   for (int64_t m = 0; m < M; ++m) {
     uint16_t* hi = parts.data() + ((m / kRowsPerTile) * 16 + (m % kRowsPerTile) * 3) * K;
@@ -223,25 +225,19 @@ inline std::vector<uint16_t> split(const float* x, int64_t M, int64_t K) {
                           _mm512_cvtepi32_epi16(_mm512_srli_epi32(low, 16)));
     }
   }
-  return parts;
+  return parts.data();
 }
 
-// Rows of the R row tiles from `tile` by the C column tiles from output `column`, into y: every
-// input chunk multiplied into accumulator tiles 0..R·C-1, then each row's three sums added. One
-// row tile (a batch of up to 5) takes 4 column tiles at once, so that four multiplies are in
-// flight rather than two (each waits for the last into its accumulator); two row tiles take 2.
-// Registers: accumulators 0-3; x's parts 4 (and 5); weights 5-7 for one row tile (the 4th
-// column reuses 5), 6-7 for two.
+// Rows of the R row tiles from `tile` by the C column tiles from output `column` (R, C ≤ 2),
+// into y: every input chunk multiplied into accumulator tiles 0..R·C-1, then each row's three
+// sums added. Registers: accumulators 0-3 (r·C + c), x's parts 4-5, weights 6-7.
 template <int R, int C>
 inline void multiply(const uint16_t* parts, const uint16_t* packed, const float* bias, float* y,
                      int64_t M, int64_t K, int64_t N, int64_t tile, int64_t column) {
-  static_assert((R == 1 && C <= 4) || (R == 2 && C <= 2));
+  static_assert(R >= 1 && R <= 2 && C >= 1 && C <= 2);
   const int64_t chunks = K / kInputs, stride = K * 2;  // bytes between a part's rows
   const uint16_t* rows = parts + tile * 16 * K;
   const uint16_t* weights = packed + (column / kOutputs) * chunks * 16 * kInputs;
-  const auto weight = [&](int64_t c, int64_t chunk) {
-    return weights + (c * chunks + chunk) * 16 * kInputs;
-  };
   _tile_zero(0);
   if constexpr (R * C > 1) _tile_zero(1);
   if constexpr (R * C > 2) _tile_zero(2);
@@ -249,26 +245,16 @@ inline void multiply(const uint16_t* parts, const uint16_t* packed, const float*
   for (int64_t chunk = 0; chunk < chunks; ++chunk) {
     const int64_t k = chunk * kInputs;
     _tile_loadd(4, rows + k, stride);
-    if constexpr (R == 1) {
-      _tile_loadd(5, weight(0, chunk), 64);
-      if constexpr (C > 1) _tile_loadd(6, weight(1, chunk), 64);
-      if constexpr (C > 2) _tile_loadd(7, weight(2, chunk), 64);
-      _tile_dpbf16ps(0, 4, 5);
-      if constexpr (C > 1) _tile_dpbf16ps(1, 4, 6);
-      if constexpr (C > 2) _tile_dpbf16ps(2, 4, 7);
-      if constexpr (C > 3) {
-        _tile_loadd(5, weight(3, chunk), 64);
-        _tile_dpbf16ps(3, 4, 5);
-      }
-    } else {
-      _tile_loadd(5, rows + 16 * K + k, stride);
-      _tile_loadd(6, weight(0, chunk), 64);
-      if constexpr (C > 1) _tile_loadd(7, weight(1, chunk), 64);
-      _tile_dpbf16ps(0, 4, 6);
-      if constexpr (C > 1) _tile_dpbf16ps(1, 4, 7);
-      if constexpr (C > 1) _tile_dpbf16ps(2, 5, 6);  // accumulator (1, 0): r·C + c
-      else _tile_dpbf16ps(1, 5, 6);
-      if constexpr (C > 1) _tile_dpbf16ps(3, 5, 7);
+    if constexpr (R > 1) _tile_loadd(5, rows + 16 * K + k, stride);
+    _tile_loadd(6, weights + chunk * 16 * kInputs, 64);
+    if constexpr (C > 1) _tile_loadd(7, weights + (chunks + chunk) * 16 * kInputs, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (C > 1) _tile_dpbf16ps(1, 4, 7);
+    if constexpr (R > 1 && C > 1) {
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    } else if constexpr (R > 1) {
+      _tile_dpbf16ps(1, 5, 6);
     }
   }
   alignas(64) float sums[4][16][kOutputs];  // accumulator r·C + c
@@ -297,47 +283,28 @@ inline void multiply(const uint16_t* parts, const uint16_t* packed, const float*
     }
 }
 
-// C (a run-time count, 1 to 4) column tiles of one row tile.
-inline void one_row_tile(const uint16_t* parts, const uint16_t* packed, const float* bias,
-                         float* y, int64_t M, int64_t K, int64_t N, int64_t column, int64_t C) {
-  switch (C) {
-    case 4: multiply<1, 4>(parts, packed, bias, y, M, K, N, 0, column); break;
-    case 3: multiply<1, 3>(parts, packed, bias, y, M, K, N, 0, column); break;
-    case 2: multiply<1, 2>(parts, packed, bias, y, M, K, N, 0, column); break;
-    default: multiply<1, 1>(parts, packed, bias, y, M, K, N, 0, column);
-  }
-}
-
-// y [M, N] = x [M, K] · Wᵀ + bias (may be null), W packed as above; groups of 64 outputs in
-// parallel. A group's weights (K · 128 bytes) are read from memory once and stay in L1/L2 while
-// every pair of row tiles passes over them. Every output is the same computation whichever
-// tiles it shares a multiply with.
+// y [M, N] = x [M, K] · Wᵀ + bias (may be null), W packed as above; pairs of column tiles in
+// parallel, each over every pair of row tiles: a pair's weights (K · 64 bytes) are read from
+// memory once and stay in L1 while the rows pass over them. Every output is the same
+// computation whichever tiles it shares a multiply with. (Four column tiles at once for a
+// batch of one row timed the same: docs/performance.md, tenth round.)
 inline void project(const float* x, const uint16_t* packed, const float* bias, float* y,
                     int64_t M, int64_t K, int64_t N) {
-  const std::vector<uint16_t> parts = split(x, M, K);
-  const uint16_t* p = parts.data();
+  const uint16_t* p = split(x, M, K);
   const int64_t row_tiles = (M + kRowsPerTile - 1) / kRowsPerTile;
   const int64_t column_tiles = (N + kOutputs - 1) / kOutputs;
-  at::parallel_for(0, (column_tiles + 3) / 4, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, (column_tiles + 1) / 2, 1, [&](int64_t begin, int64_t end) {
     const Configuration configuration;
     _tile_loadconfig(&configuration);  // per thread, and anything else may have changed it
-    for (int64_t group = begin; group < end; ++group) {
-      const int64_t column = group * 4 * kOutputs;
-      const int64_t columns = std::min<int64_t>(4, column_tiles - group * 4);
-      if (row_tiles == 1) {
-        one_row_tile(p, packed, bias, y, M, K, N, column, columns);
-        continue;
-      }
-      for (int64_t pair = 0; pair < columns; pair += 2) {
-        const int64_t first = column + pair * kOutputs;
-        const bool two = pair + 1 < columns;
-        for (int64_t tile = 0; tile < row_tiles; tile += 2) {
-          const bool both = tile + 1 < row_tiles;
-          if (both && two) multiply<2, 2>(p, packed, bias, y, M, K, N, tile, first);
-          else if (both) multiply<2, 1>(p, packed, bias, y, M, K, N, tile, first);
-          else if (two) multiply<1, 2>(p, packed, bias, y, M, K, N, tile, first);
-          else multiply<1, 1>(p, packed, bias, y, M, K, N, tile, first);
-        }
+    for (int64_t pair = begin; pair < end; ++pair) {
+      const int64_t column = pair * 2 * kOutputs;
+      const bool two = column + kOutputs < N;
+      for (int64_t tile = 0; tile < row_tiles; tile += 2) {
+        const bool both = tile + 1 < row_tiles;
+        if (both && two) multiply<2, 2>(p, packed, bias, y, M, K, N, tile, column);
+        else if (both) multiply<2, 1>(p, packed, bias, y, M, K, N, tile, column);
+        else if (two) multiply<1, 2>(p, packed, bias, y, M, K, N, tile, column);
+        else multiply<1, 1>(p, packed, bias, y, M, K, N, tile, column);
       }
     }
     _tile_release();
