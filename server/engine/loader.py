@@ -148,10 +148,12 @@ def warm_up(model: Transformer) -> None:
     tokens = torch.zeros(1, 2, dtype=torch.long, device=weights.device)
     cache = KVCache(model.config, 1, 3, weights.device, weights.dtype)
     greedy = SamplingBatch([RowSampler(SamplingParams(temperature=0.0))], weights.device)
+    tempered = SamplingBatch([RowSampler(SamplingParams(temperature=1.0, seed=0))], weights.device)
     with torch.inference_mode():
         model(tokens, cache)  # a prompt: the projection kernel
         logits = model(tokens[:, :1], cache, last_only=True)  # a cached step: the decode step's
         greedy.sample(logits)  # a greedy draw: the argmax kernel
+        tempered.sample(logits)  # a draw at a temperature alone: the draw kernel
 
 
 def variant_of(base: LoadedModel, variant: str, max_context: int | None) -> LoadedModel:

@@ -10,6 +10,7 @@ import torch
 
 from model.kernels import argmax as argmax_kernel
 from model.kernels import decode_step
+from model.kernels import draw as draw_kernel
 from server.engine.loader import LoadedModel, context_limit, load_all, warm_up
 from server.messages import EngineConfig, ModelFailed
 from tests.model.conftest import random_model
@@ -91,6 +92,22 @@ def test_the_warm_up_draws_greedily(monkeypatch: pytest.MonkeyPatch) -> None:
         return applies(x)
 
     monkeypatch.setattr(argmax_kernel, "applies", spy)
+    model = random_model("rope")
+    warm_up(model)
+    assert asked == [(1, model.config.vocab_size)]
+
+
+def test_the_warm_up_draws_at_a_temperature(monkeypatch: pytest.MonkeyPatch) -> None:
+    """So is the draw kernel: built in the first sampled request's step, it held the engine
+    past its watchdog, which killed it mid-build and left the build's lock to the next one."""
+    asked: list[tuple[int, ...]] = []
+    applies = draw_kernel.applies
+
+    def spy(x: torch.Tensor) -> bool:
+        asked.append(tuple(x.shape))
+        return applies(x)
+
+    monkeypatch.setattr(draw_kernel, "applies", spy)
     model = random_model("rope")
     warm_up(model)
     assert asked == [(1, model.config.vocab_size)]
