@@ -68,6 +68,7 @@ class EngineConfig(msgspec.Struct, tag=True):
     rope_variants: list[str]  # "yarn4": parse_rope_variant
     prefix_cache_tokens: int = 0  # per model; 0: no prefix cache
     cuda_graphs: bool = True  # on a GPU, decode steps replayed from CUDA graphs
+    attention_helper: bool = False  # on a CPU, large steps share their attention with a thread
 
 
 class Submit(msgspec.Struct, tag=True, array_like=True):

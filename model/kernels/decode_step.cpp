@@ -15,8 +15,15 @@
 #include <torch/extension.h>
 
 #include <atomic>
+#include <chrono>
 #include <cmath>
+#include <condition_variable>
+#include <memory>
+#include <mutex>
+#include <thread>
 #include <vector>
+
+#include <sched.h>
 
 #include "linear_core.h"
 
@@ -293,6 +300,284 @@ void attend_head(const Shapes& s, const float* qkv, const torch::Tensor& keys,
                          bias_stride, next_keys, scores, out);
 }
 
+// A large step's attention shared with a helper thread.
+//
+// One engine thread decodes; on a two-core machine the other core runs the HTTP side and the
+// clients, and has time to spare. torch's threads split work statically and wait for the
+// slowest, so a thread that has lost its core to another process holds up the whole step (the
+// server got nothing from `--threads 2`: docs/performance.md, seventh round). The helper is one
+// thread that takes rows of each block's attention from the same counter as the decode thread,
+// which never waits for it: a row the helper has taken and not finished when the decode thread
+// runs out of rows, the decode thread computes itself. The same code on the same inputs gives
+// the same bits on either thread, so no number depends on who computed it.
+//
+// Only the attention: at 32 rows it streams each row's whole cache from L3 (21 MB a step at the
+// bench's lengths), and one core draws ~26 GB/s from there, two ~50. The projections multiply on
+// the tile unit, which the two cores of this project's host do not run any faster together
+// (a bfloat16 GEMM: 1.2 TFLOP/s on one thread and on two); shared, they gained nothing.
+//
+// A piece of work owns (or holds a reference to) everything the helper reads, so a helper still
+// busy with a piece of finished work reads live memory; its result is dropped.
+class SharedWork {
+ public:
+  enum State : int { kOpen = 0, kHelperDone = 1, kTaken = 2 };
+  // How the two threads meet: freely (serving), or, for the tests, in an order that takes one
+  // path for sure — the helper takes the first piece and finishes it while the decode thread
+  // waits, or takes it and stalls 5 ms while the decode thread computes it itself.
+  enum Order : int { kFree = 0, kHelperFinishes = 1, kHelperStalls = 2 };
+  struct Outcome {
+    int64_t helped = 0;  // pieces the helper's results supplied
+    int64_t taken = 0;   // pieces the helper took and the decode thread computed
+  };
+
+  virtual ~SharedWork() = default;
+  int64_t pieces() const { return pieces_; }
+
+  // Ready for `pieces` pieces (work objects are reused, step after step).
+  void reset(int64_t pieces) {
+    pieces_ = pieces;
+    next_.store(0, std::memory_order_relaxed);
+    if (static_cast<int64_t>(states_.size()) < pieces) states_ = std::vector<Slot>(pieces);
+    for (int64_t i = 0; i < pieces; ++i) states_[i].state.store(kOpen, std::memory_order_relaxed);
+  }
+
+  // The helper's turn: pieces into its own buffer until none is left.
+  void help(Order order) {
+    prepare_helper();
+    for (int64_t i; (i = next_.fetch_add(1)) < pieces_;) {
+      if (order == kHelperStalls) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      try {
+        compute(i, true);
+      } catch (...) {  // the piece stays open: the decode thread computes it, and raises there
+        return;
+      }
+      int open = kOpen;
+      states_[i].state.compare_exchange_strong(open, kHelperDone, std::memory_order_release,
+                                               std::memory_order_relaxed);
+    }
+  }
+
+  // The decode thread's turn: pieces into place until none is left; then each piece the helper
+  // took, its result copied into place if it is done, else computed here.
+  Outcome run(Order order) {
+    if (order != kFree) wait_for([this] { return next_.load() > 0; });  // the helper's first
+    mine_.assign(pieces_, 0);
+    for (int64_t i; (i = next_.fetch_add(1)) < pieces_;) {
+      compute(i, false);
+      mine_[i] = 1;
+    }
+    Outcome outcome;
+    for (int64_t i = 0; i < pieces_; ++i) {
+      if (mine_[i]) continue;
+      if (order == kHelperFinishes) wait_for([&] { return states_[i].state.load() != kOpen; });
+      int open = kOpen;
+      if (states_[i].state.compare_exchange_strong(open, kTaken, std::memory_order_acquire)) {
+        compute(i, false);  // the helper has not finished it, and will not be asked for it
+        ++outcome.taken;
+      } else {
+        publish(i);  // kHelperDone: its buffer holds the piece
+        ++outcome.helped;
+      }
+    }
+    return outcome;
+  }
+
+ protected:
+  // Piece i into its place (by_helper false) or into the helper's own buffer.
+  virtual void compute(int64_t i, bool by_helper) = 0;
+  // The helper's result for piece i copied into place.
+  virtual void publish(int64_t i) = 0;
+  // Called on the helper before its first piece of this work.
+  virtual void prepare_helper() {}
+
+  // The tests' orders: spin until `done` (at most a second: a helper that never comes must not
+  // hang them; they then fail on the outcome).
+  template <typename Done>
+  static void wait_for(Done done) {
+    const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(1);
+    while (!done() && std::chrono::steady_clock::now() < give_up) _mm_pause();
+  }
+
+ private:
+  struct alignas(64) Slot {  // one cache line each: the two threads write neighbours
+    std::atomic<int> state{kOpen};
+  };
+  int64_t pieces_ = 0;
+  std::atomic<int64_t> next_{0};
+  std::vector<Slot> states_;
+  std::vector<char> mine_;
+};
+
+// One block's attention for every row: a piece is a row's heads.
+class SharedAttention : public SharedWork {
+ public:
+  void prepare(const Shapes& s, int64_t layer, int64_t first, int64_t rows, int64_t longest,
+               const float* qkv, int64_t qkv_width, const int64_t* positions,
+               const torch::Tensor& keys, const torch::Tensor& values, const torch::Tensor& bias,
+               const LayerSignal& signal, float* out) {
+    s_ = s;
+    layer_ = layer;
+    first_ = first;
+    longest_ = longest;
+    const int64_t width = s.heads * s.head_dim;
+    queries_.resize(rows * width);  // a copy: the decode thread rewrites qkv next block
+    for (int64_t r = 0; r < rows; ++r)
+      std::copy_n(qkv + r * qkv_width, width, queries_.data() + r * width);
+    positions_.assign(positions, positions + rows);
+    keys_ = keys;
+    values_ = values;
+    bias_ = bias;
+    signal_ = signal;
+    out_ = out;
+    helper_out_.resize(rows * width);
+    const int64_t table_rows = signal.scheme == kContextual ? signal.table.size(1) : 0;
+    scores_.resize(longest);
+    own_bias_.resize(longest + table_rows);
+    reset(rows);
+  }
+
+ protected:
+  void prepare_helper() override {
+    const int64_t table_rows = signal_.scheme == kContextual ? signal_.table.size(1) : 0;
+    helper_scores_.resize(longest_);
+    helper_own_bias_.resize(longest_ + table_rows);
+  }
+
+  void compute(int64_t r, bool by_helper) override {
+    const int64_t width = s_.heads * s_.head_dim;
+    float* out = (by_helper ? helper_out_.data() : out_) + r * width;
+    auto& scores = by_helper ? helper_scores_ : scores_;
+    auto& own_bias = by_helper ? helper_own_bias_ : own_bias_;
+    for (int64_t h = 0; h < s_.heads; ++h)
+      attend_head(s_, queries_.data() + r * width, keys_, values_, layer_, first_ + r,
+                  positions_[r], h, bias_, signal_, scores.data(), own_bias.data(),
+                  out + h * s_.head_dim, r + 1 < pieces());
+  }
+
+  void publish(int64_t r) override {
+    const int64_t width = s_.heads * s_.head_dim;
+    std::copy_n(helper_out_.data() + r * width, width, out_ + r * width);
+  }
+
+ private:
+  Shapes s_{};
+  int64_t layer_ = 0, first_ = 0, longest_ = 0;
+  std::vector<float> queries_;  // [rows, H·hd]: attend_head reads head h's at h·hd
+  std::vector<int64_t> positions_;
+  torch::Tensor keys_, values_, bias_;
+  LayerSignal signal_;
+  float* out_ = nullptr;  // [rows, H·hd], the decode thread's
+  std::vector<float> helper_out_, scores_, own_bias_, helper_scores_, helper_own_bias_;
+};
+
+// The helper thread: it sleeps until a step with shared work begins, then waits awake (a wake-up
+// takes ~60 µs on this project's host, a block's attention at 32 rows ~200) for each piece of
+// work the step posts, until the step ends.
+class Helper {
+ public:
+  static Helper& instance() {
+    static Helper* helper = new Helper();  // never destroyed: its thread sleeps until the
+    return *helper;                        // process ends
+  }
+
+  void begin_step() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      awake_.store(true, std::memory_order_relaxed);
+    }
+    wake_.notify_one();
+  }
+
+  void end_step() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    awake_.store(false, std::memory_order_relaxed);
+  }
+
+  // `work` runs on the calling thread and, from now until it returns, on the helper too.
+  SharedWork::Outcome share(const std::shared_ptr<SharedWork>& work, SharedWork::Order order) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      work_ = work;
+      order_ = order;
+      posted_.fetch_add(1, std::memory_order_release);
+    }
+    const SharedWork::Outcome outcome = work->run(order);
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (work_ == work) work_.reset();
+    return outcome;
+  }
+
+ private:
+  Helper() { std::thread([this] { serve(); }).detach(); }
+
+  void serve() {
+    int64_t seen = 0;
+    for (;;) {
+      {
+        std::unique_lock<std::mutex> lock(mutex_);
+        wake_.wait(lock, [this] { return awake_.load(std::memory_order_relaxed); });
+      }
+      for (int spins = 0;; ++spins) {
+        std::shared_ptr<SharedWork> work;  // holds the work's memory while it runs here
+        SharedWork::Order order = SharedWork::kFree;
+        if (posted_.load(std::memory_order_acquire) != seen) {
+          std::lock_guard<std::mutex> lock(mutex_);
+          seen = posted_.load(std::memory_order_relaxed);
+          work = work_;
+          order = order_;
+        }
+        if (work) {
+          work->help(order);
+          spins = 0;
+          continue;
+        }
+        if (!awake_.load(std::memory_order_relaxed)) break;
+        // Now and then the core to any other thread that wants it (never holding the lock:
+        // the decode thread would wait for it).
+        if (spins % 64 == 63) sched_yield();
+        _mm_pause();
+      }
+    }
+  }
+
+  std::mutex mutex_;
+  std::condition_variable wake_;
+  std::shared_ptr<SharedWork> work_;
+  SharedWork::Order order_ = SharedWork::kFree;
+  std::atomic<int64_t> posted_{0};
+  std::atomic<bool> awake_{false};
+};
+
+// The helper awake for this object's lifetime, when `wanted` (a step that throws ends too).
+class Awake {
+ public:
+  explicit Awake(bool wanted) : wanted_(wanted) {
+    if (wanted_) Helper::instance().begin_step();
+  }
+  ~Awake() {
+    if (wanted_) Helper::instance().end_step();
+  }
+  Awake(const Awake&) = delete;
+  Awake& operator=(const Awake&) = delete;
+
+ private:
+  bool wanted_;
+};
+
+// Work objects for the calling thread, each reused once the helper holds no reference to it.
+template <typename Work>
+std::shared_ptr<Work> idle_work() {
+  thread_local std::vector<std::shared_ptr<Work>> pool;
+  for (const auto& work : pool)
+    if (work.use_count() == 1) return work;
+  pool.push_back(std::make_shared<Work>());
+  return pool.back();
+}
+
+std::atomic<bool> g_sharing{false};  // whether large steps share their attention
+std::atomic<int> g_order{SharedWork::kFree};
+std::atomic<int64_t> g_helped{0}, g_taken{0};  // SharedWork::Outcome's, summed over the process
+
 }  // namespace
 
 constexpr bool kVectorised = true;
@@ -368,6 +653,12 @@ torch::Tensor decode_step(const torch::Tensor& tokens, const torch::Tensor& embe
       for (int64_t i = 0; i < d; ++i) to[i] += vector[i];
     }
   }
+  // A large step on one torch thread shares its attention with the helper (SharedWork).
+  const bool shared = g_sharing.load(std::memory_order_relaxed) && rows >= kSplitRows &&
+                      at::get_num_threads() == 1;
+  const auto order = static_cast<SharedWork::Order>(g_order.load(std::memory_order_relaxed));
+  SharedWork::Outcome outcome;
+  const Awake awake(shared);  // from here: it takes ~60 µs to wake, the first attention is later
   // Rows [first, last) through every block; buffers hold those rows only, while the cache,
   // positions and tables are indexed by the row's place in the batch.
   const auto through_blocks = [&](int64_t first, int64_t last) {
@@ -397,18 +688,27 @@ torch::Tensor decode_step(const torch::Tensor& tokens, const torch::Tensor& embe
         store_row(s, qkv.data() + r * qkv_width, keys, values, b, row, position[row], row_cos,
                   row_sin, rot);
       }
-      // Every (row, head) pair on its own: a batch of one row still has its heads to split
-      // across threads, and its attention reads that row's whole cache.
-      at::parallel_for(0, n * heads, 1, [&](int64_t begin, int64_t end) {
-        const int64_t table_rows = scheme == kContextual ? table.size(1) : 0;
-        std::vector<float> scores(longest), own_bias(longest + table_rows);
-        for (int64_t i = begin; i < end; ++i) {
-          const int64_t r = i / heads, h = i % heads, row = first + r;
-          attend_head(s, qkv.data() + r * qkv_width, keys, values, b, row, position[row], h,
-                      bias, signal, scores.data(), own_bias.data(),
-                      attended.data() + r * heads * hd + h * hd, i + 1 < end);
-        }
-      });
+      if (shared) {  // a row's heads a piece
+        const auto work = idle_work<SharedAttention>();
+        work->prepare(s, b, first, n, longest, qkv.data(), qkv_width, position.data() + first,
+                      keys, values, bias, signal, attended.data());
+        const SharedWork::Outcome block = Helper::instance().share(work, order);
+        outcome.helped += block.helped;
+        outcome.taken += block.taken;
+      } else {
+        // Every (row, head) pair on its own: a batch of one row still has its heads to split
+        // across threads, and its attention reads that row's whole cache.
+        at::parallel_for(0, n * heads, 1, [&](int64_t begin, int64_t end) {
+          const int64_t table_rows = scheme == kContextual ? table.size(1) : 0;
+          std::vector<float> scores(longest), own_bias(longest + table_rows);
+          for (int64_t i = begin; i < end; ++i) {
+            const int64_t r = i / heads, h = i % heads, row = first + r;
+            attend_head(s, qkv.data() + r * qkv_width, keys, values, b, row, position[row], h,
+                        bias, signal, scores.data(), own_bias.data(),
+                        attended.data() + r * heads * hd + h * hd, i + 1 < end);
+          }
+        });
+      }
       linear_core::project(attended.data(), t[4], data_or_null(t[5]), projected.data(), n,
                            heads * hd, d);
       for (int64_t i = 0; i < n * d; ++i) stream[i] += projected[i];
@@ -452,6 +752,8 @@ torch::Tensor decode_step(const torch::Tensor& tokens, const torch::Tensor& embe
   auto logits = torch::empty({rows, vocab}, x.options());
   linear_core::project(normed.data(), head[2], data_or_null(head[3]), logits.data_ptr<float>(),
                        rows, d, vocab);
+  g_helped.fetch_add(outcome.helped, std::memory_order_relaxed);
+  g_taken.fetch_add(outcome.taken, std::memory_order_relaxed);
   return logits;
 }
 
@@ -519,6 +821,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_step", &decode_step, "a one-token-per-row decode step: token ids to logits");
 #if defined(LINEAR_CORE_VECTORISED)
   m.def("fire_bias", &fire_bias, "FIRE's score bias for one token per row");
+  m.def(
+      "share_large_steps",
+      [](bool on, int64_t order) {
+        TORCH_CHECK(order >= SharedWork::kFree && order <= SharedWork::kHelperStalls,
+                    "order must be 0 (free), 1 (the helper finishes) or 2 (the helper stalls)");
+        g_order.store(static_cast<int>(order));
+        g_sharing.store(on);
+      },
+      "whether a step of 8 rows or more on one torch thread shares its attention with a helper "
+      "thread, and in which order the threads meet (0: freely; 1, 2: the tests')");
+  m.def("shares_large_steps", [] { return g_sharing.load(); },
+        "whether large steps share their attention now");
+  m.def("shared_rows", [] { return std::vector<int64_t>{g_helped.load(), g_taken.load()}; },
+        "rows of shared attention so far: supplied by the helper, taken back from it");
 #endif
   m.def("vectorised", [] { return kVectorised; }, "whether this build has the AVX-512 kernel");
   m.def("parallel_threads", &parallel_threads, "threads of this library's loops in this thread");

@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from model.transformer import Block, Transformer
 
 MAX_ROWS = 64  # as the projection kernel's: past it MKL's GEMM is as fast
+SHARED_ROWS = 8  # decode_step.cpp's kSplitRows: from this many rows a step may share its work
 NORMS = {"layernorm": 0, "rmsnorm": 1}
 MLPS = {"gelu": 0, "gelu_tanh": 1, "relu2": 2, "swiglu": 3}
 OWN_BIAS = {"fox": 1, "cope": 2}  # the data-dependent schemes the kernel computes itself
@@ -52,6 +53,41 @@ def parallel_threads() -> int:
     ``server.engine.core.pin_threads``."""
     extension = load("decode_step")
     return 1 if extension is None else int(extension.parallel_threads())
+
+
+ORDERS = {"free": 0, "helper_finishes": 1, "helper_stalls": 2}
+
+
+def share_large_steps(on: bool, order: str = "free") -> None:
+    """Whether a step of :data:`SHARED_ROWS` rows or more, run on one torch thread, shares its
+    attention with the kernel's helper thread (``decode_step.cpp``'s ``SharedWork``): the
+    server's default (``--attention-helper``). The helper takes rows while it has a core, the
+    step never waits for it, and a row's numbers are the same bits whichever thread attends it.
+    Off until asked for; a no-op without the kernel.
+
+    ``order``: "free" (serving), or for the tests one of the two paths for sure: the helper
+    takes the first row and the decode thread waits for its result ("helper_finishes"), or the
+    helper takes it and stalls while the decode thread computes it itself ("helper_stalls")."""
+    if ready():
+        extension = load("decode_step")
+        assert extension is not None
+        extension.share_large_steps(on, ORDERS[order])
+
+
+def shares_large_steps() -> bool:
+    """Whether large steps share their attention now (:func:`share_large_steps`)."""
+    extension = load("decode_step") if ready() else None
+    return extension is not None and bool(extension.shares_large_steps())
+
+
+def shared_rows() -> tuple[int, int]:
+    """Rows of shared attention in this process so far: (whose result the helper supplied,
+    which the helper took and the decode thread computed instead); (0, 0) without the kernel."""
+    extension = load("decode_step") if ready() else None
+    if extension is None:
+        return 0, 0
+    helped, taken = extension.shared_rows()
+    return int(helped), int(taken)
 
 
 def applies(model: Transformer, tokens: Tensor) -> bool:

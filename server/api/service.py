@@ -199,6 +199,7 @@ class Service:
             rope_variants=settings.rope_variants,
             prefix_cache_tokens=settings.prefix_cache_tokens,
             cuda_graphs=settings.cuda_graphs,
+            attention_helper=settings.attention_helper,
         )
         capacity = settings.max_batch_size + settings.max_queue
         self.engine = EngineClient(

@@ -89,6 +89,14 @@ class Settings(BaseSettings):
             "cache length (3.5-7.8x faster on an H200; no effect on a CPU)"
         ),
     )
+    attention_helper: bool = Field(
+        True,
+        description=(
+            "on a CPU, a second thread takes rows of each large decode step's attention (8 rows "
+            "or more on one engine thread) while a core is free; the step never waits for it, "
+            "and no number changes"
+        ),
+    )
     max_queue: int = Field(
         64, ge=0, description="requests that may wait for a free batch row, per model"
     )

@@ -35,6 +35,7 @@ from collections.abc import Callable
 import msgspec
 import torch
 
+from model.kernels import decode_step
 from server.engine.calls import run_call
 from server.engine.engine import ModelEngine, Outbox
 from server.engine.loader import LoadedModel, load_all
@@ -112,6 +113,10 @@ class EngineCore:
 
     def _load(self) -> None:
         pin_threads(1)  # the decode loop's thread count is its own
+        # A helper thread needs a core of its own: on one, it would take the decode loop's.
+        decode_step.share_large_steps(
+            self.config.attention_helper and len(os.sched_getaffinity(0)) > 1
+        )
         for result in load_all(
             self.config, announce=lambda name: self.channel.send(ModelLoading(name))
         ):

@@ -205,6 +205,17 @@ class Controller(threading.Thread):
     def threads_seen(self, name: str) -> list[int]:
         return self.threads_seen_by[name]
 
+    def share_attention(self, on: bool, order: str) -> None:
+        """Large steps share their attention with the kernel's helper thread, the two threads
+        meeting in ``order`` (``decode_step.share_large_steps``)."""
+        decode_step.share_large_steps(on, order)
+
+    def shared_rows(self) -> tuple[int, int]:
+        return decode_step.shared_rows()
+
+    def shares_large_steps(self) -> bool:
+        return decode_step.shares_large_steps()
+
     def idle_shrink(self, seconds: float) -> None:
         """Models' caches shrink after ``seconds`` idle (``server.engine.engine.IDLE_SHRINK``)."""
         server.engine.engine.IDLE_SHRINK = seconds

@@ -14,6 +14,7 @@ import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from model.kernels import decode_step
 from model.tokenizer import load_tokenizer, token_bytes
 from tests.server.conftest import (
     TEXT,
@@ -101,19 +102,21 @@ def concurrent_bodies(count: int) -> list[dict[str, Any]]:
     return bodies
 
 
+async def all_at_once(server: Running, bodies: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """Every body streamed at once; each stream's chunks."""
+    results: list[list[dict[str, Any]]] = [[] for _ in bodies]
+    async with httpx.AsyncClient(base_url=server.url, timeout=60) as async_client:
+        await asyncio.gather(
+            *(stream_async(async_client, b, r) for b, r in zip(bodies, results, strict=True))
+        )
+    return results
+
+
 def test_concurrent_streams_equal_their_solo_results(server: Running, client: httpx.Client) -> None:
     bodies = concurrent_bodies(16)  # twice the batch size: half of them wait in the queue
     alone = [complete(client, **body)["choices"][0] for body in bodies]
-
-    async def all_at_once() -> list[list[dict[str, Any]]]:
-        results: list[list[dict[str, Any]]] = [[] for _ in bodies]
-        async with httpx.AsyncClient(base_url=server.url, timeout=60) as async_client:
-            await asyncio.gather(
-                *(stream_async(async_client, b, r) for b, r in zip(bodies, results, strict=True))
-            )
-        return results
-
-    for body, solo, chunks in zip(bodies, alone, asyncio.run(all_at_once()), strict=True):
+    together = asyncio.run(all_at_once(server, bodies))
+    for body, solo, chunks in zip(bodies, alone, together, strict=True):
         assert chunks_text(chunks) == solo["text"], body
         assert chunks[-1]["choices"][0]["finish_reason"] == solo["finish_reason"]
         if "logprobs" in body:
@@ -121,6 +124,27 @@ def test_concurrent_streams_equal_their_solo_results(server: Running, client: ht
             values = [v for c in chunks for v in c["choices"][0]["logprobs"]["token_logprobs"]]
             assert tokens == solo["logprobs"]["tokens"]
             assert values == pytest.approx(solo["logprobs"]["token_logprobs"], abs=1e-4)
+
+
+@pytest.mark.skipif(not decode_step.ready(), reason="the decode-step kernel needs AVX-512")
+def test_streams_whose_steps_share_their_attention_equal_their_solo_results(
+    server: Running, client: httpx.Client
+) -> None:
+    """The server's steps of eight rows share their attention with the kernel's helper thread
+    (``--attention-helper``, on by default); here the helper takes every block's first row and
+    the decode thread waits for it, so its results are in every step's logits for sure."""
+    # all eight decoding together for most of their tokens, however their arrivals spread
+    bodies = [{**body, "max_tokens": 64, "ignore_eos": True} for body in concurrent_bodies(8)]
+    alone = [complete(client, **body)["choices"][0] for body in bodies]
+    before = server.control.call("shared_rows")
+    server.control.call("share_attention", True, "helper_finishes")
+    try:
+        together = asyncio.run(all_at_once(server, bodies))
+    finally:
+        server.control.call("share_attention", True, "free")
+    assert server.control.call("shared_rows")[0] > before[0]  # rows the helper attended
+    for body, solo, chunks in zip(bodies, alone, together, strict=True):
+        assert chunks_text(chunks) == solo["text"], body
 
 
 def test_a_client_that_leaves_frees_its_row_within_one_step(

@@ -160,6 +160,76 @@ def test_rows_split_across_threads_keep_their_bits(scheme: str, narrow: bool) ->
         assert torch.equal(one_thread, two_threads)
 
 
+def ragged_batch(model: Transformer) -> tuple[KVCache, torch.Tensor]:
+    """Twelve rows prefilled at ragged lengths, and each row's last token to feed next."""
+    lengths = (5, 9, 3, 7, 8, 2, 6, 9, 4, 5, 3, 8)
+    prompts = [random_tokens(1, n, seed=n + row)[0] for row, n in enumerate(lengths)]
+    cache = KVCache(model.config, rows=len(lengths), max_length=16)
+    with torch.inference_mode():
+        for row, prompt in enumerate(prompts):
+            model(prompt[None], cache, rows=slice(row, row + 1))
+    return cache, torch.stack([prompt[-1:] for prompt in prompts])
+
+
+@pytest.mark.parametrize("scheme", ["rope", "alibi", "fox", "cope"])
+@pytest.mark.parametrize("order", ["helper_finishes", "helper_stalls", "free"])
+@WEIGHTS
+def test_attention_shared_with_the_helper_keeps_every_bit(
+    scheme: str, order: str, narrow: bool
+) -> None:
+    """From eight rows on one torch thread, a step may share its attention with the kernel's
+    helper thread. Three steps give the same logits and cache, to the bit, as unshared, whether
+    the helper's results are used ("helper_finishes": every block's first row), computed again
+    by the decode thread when the helper stalls ("helper_stalls": every block's first row), or
+    either, as the threads meet ("free")."""
+    model = random_model(scheme, seed=6)
+    if narrow:
+        narrowed(model)
+    prefilled, tokens = ragged_batch(model)
+    runs = []
+    for shared in (False, True):
+        cache = copy.deepcopy(prefilled)
+        decode_step.share_large_steps(shared, order)
+        before = decode_step.shared_rows()
+        try:
+            with torch.inference_mode():
+                logits = [model(tokens, cache, last_only=True) for _ in range(3)]
+        finally:
+            decode_step.share_large_steps(False)
+        after = decode_step.shared_rows()
+        helped, taken = after[0] - before[0], after[1] - before[1]
+        runs.append((logits, cache.keys, cache.values, cache.states))
+    blocks = 3 * model.config.n_layers
+    if order == "helper_finishes":
+        assert helped >= blocks and taken == 0
+    elif order == "helper_stalls":
+        assert taken >= blocks and helped == 0
+    for unshared, shared_run in zip(*runs, strict=True):
+        if isinstance(unshared, list):
+            assert all(torch.equal(a, b) for a, b in zip(unshared, shared_run, strict=True))
+        else:
+            assert torch.equal(unshared, shared_run)
+
+
+def test_a_small_step_or_several_torch_threads_do_not_share() -> None:
+    """Below eight rows, or with torch's own threads to split the rows, nothing is shared."""
+    model = random_model("rope", seed=6)
+    prefilled, tokens = ragged_batch(model)
+    decode_step.share_large_steps(True, "helper_finishes")
+    before = decode_step.shared_rows()
+    try:
+        with torch.inference_mode():
+            model(tokens[:7], copy.deepcopy(prefilled), rows=slice(0, 7), last_only=True)
+            torch.set_num_threads(2)
+            try:
+                model(tokens, copy.deepcopy(prefilled), last_only=True)
+            finally:
+                torch.set_num_threads(1)
+    finally:
+        decode_step.share_large_steps(False)
+    assert decode_step.shared_rows() == before
+
+
 def test_it_applies_only_to_one_token_per_row_without_gradients_in_float32() -> None:
     model = random_model("rope")
     one_token = torch.zeros(3, 1, dtype=torch.long)

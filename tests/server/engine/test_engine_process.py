@@ -20,6 +20,7 @@ from model.kernels import decode_step
 from model.sampling import SamplingParams
 from server.api.job import Failure, Job
 from server.api.service import Service
+from server.api.settings import Settings
 from server.messages import Token
 from tests.server.conftest import (
     Running,
@@ -139,6 +140,20 @@ def test_an_idle_models_cache_stays_grown_for_the_next_request_then_shrinks(
 
 
 @pytest.mark.skipif(not decode_step.ready(), reason="the decode-step kernel needs AVX-512")
+@pytest.mark.parametrize("helper", [True, False])
+def test_large_steps_share_their_attention_as_the_settings_say(
+    checkpoints: Path, helper: bool
+) -> None:
+    """``--attention-helper`` (on by default) reaches the engine process's decode kernel; on a
+    machine with one core it stays off there (a helper would take the decode loop's core)."""
+    assert Settings.model_fields["attention_helper"].default is True
+    settings = test_settings(checkpoints, models=[MODEL], attention_helper=helper)
+    with running_server(settings) as running:
+        shared = running.control.call("shares_large_steps")
+    expected = helper and decode_step.ready() and len(os.sched_getaffinity(0)) > 1
+    assert shared == expected
+
+
 def test_the_decode_loop_runs_on_the_threads_asked_for(checkpoints: Path) -> None:
     """``--threads 2``: the decode kernel's loops run on two threads in the decode loop, though
     the loader thread set torch's count to 1 for itself (each kernel library copies that shared
