@@ -14,6 +14,7 @@
 // a fixed order.
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -21,6 +22,8 @@
 #include <memory>
 #include <mutex>
 #include <thread>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include <sched.h>
@@ -39,6 +42,8 @@ constexpr int64_t kSerialActivations = 16384;
 // From this many rows, on several threads, each thread takes its share of the rows through all
 // the blocks (decode_step).
 constexpr int64_t kSplitRows = 8;
+// From this many rows a step shared with the helper goes in two groups (through_blocks_shared).
+constexpr int64_t kTwoGroups = 16;
 
 const float* data_or_null(const torch::Tensor& t) {
   return t.numel() ? t.data_ptr<float>() : nullptr;
@@ -314,7 +319,11 @@ void attend_head(const Shapes& s, const float* qkv, const torch::Tensor& keys,
 // Only the attention: at 32 rows it streams each row's whole cache from L3 (21 MB a step at the
 // bench's lengths), and one core draws ~26 GB/s from there, two ~50. The projections multiply on
 // the tile unit, which the two cores of this project's host do not run any faster together
-// (a bfloat16 GEMM: 1.2 TFLOP/s on one thread and on two); shared, they gained nothing.
+// (torch's bfloat16 GEMM: 1.2 TFLOP/s on one thread and on two); shared in a trial, they gained
+// nothing. So from 16 rows the batch goes in two groups, and the helper attends one group while
+// this thread projects the other (decode_step's through_blocks_shared). Shipped rope, 32 rows,
+// one torch thread: the step's C++ took 1.37-1.40 ms alone, 1.03-1.06 sharing the attention of
+// one group, 0.95-0.98 of two (docs/performance.md, eleventh round).
 //
 // A piece of work owns (or holds a reference to) everything the helper reads, so a helper still
 // busy with a piece of finished work reads live memory; its result is dropped.
@@ -332,6 +341,7 @@ class SharedWork {
 
   virtual ~SharedWork() = default;
   int64_t pieces() const { return pieces_; }
+  bool exhausted() const { return next_.load(std::memory_order_relaxed) >= pieces_; }
 
   // Ready for `pieces` pieces (work objects are reused, step after step).
   void reset(int64_t pieces) {
@@ -491,24 +501,38 @@ class Helper {
   void end_step() {
     std::lock_guard<std::mutex> lock(mutex_);
     awake_.store(false, std::memory_order_relaxed);
+    posted_work_.clear();  // anything a step that raised did not take back
   }
 
-  // `work` runs on the calling thread and, from now until it returns, on the helper too.
-  SharedWork::Outcome share(const std::shared_ptr<SharedWork>& work, SharedWork::Order order) {
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      work_ = work;
-      order_ = order;
-      posted_.fetch_add(1, std::memory_order_release);
-    }
+  // `work` may run on the helper from now until take_back; works are helped in posting order.
+  void post(const std::shared_ptr<SharedWork>& work, SharedWork::Order order) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    posted_work_.push_back(work);
+    order_ = order;
+    posted_.fetch_add(1, std::memory_order_release);
+  }
+
+  // `work` run to its end on the calling thread (with the helper until it runs out of pieces),
+  // then out of the helper's reach.
+  SharedWork::Outcome take_back(const std::shared_ptr<SharedWork>& work,
+                                SharedWork::Order order) {
     const SharedWork::Outcome outcome = work->run(order);
     std::lock_guard<std::mutex> lock(mutex_);
-    if (work_ == work) work_.reset();
+    posted_work_.erase(std::remove(posted_work_.begin(), posted_work_.end(), work),
+                       posted_work_.end());
     return outcome;
   }
 
  private:
   Helper() { std::thread([this] { serve(); }).detach(); }
+
+  // The first posted work with pieces left (null: none), and the order the threads meet in.
+  std::pair<std::shared_ptr<SharedWork>, SharedWork::Order> next_work() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (const auto& work : posted_work_)
+      if (!work->exhausted()) return {work, order_};
+    return {nullptr, order_};
+  }
 
   void serve() {
     int64_t seen = 0;
@@ -518,16 +542,12 @@ class Helper {
         wake_.wait(lock, [this] { return awake_.load(std::memory_order_relaxed); });
       }
       for (int spins = 0;; ++spins) {
-        std::shared_ptr<SharedWork> work;  // holds the work's memory while it runs here
-        SharedWork::Order order = SharedWork::kFree;
         if (posted_.load(std::memory_order_acquire) != seen) {
-          std::lock_guard<std::mutex> lock(mutex_);
           seen = posted_.load(std::memory_order_relaxed);
-          work = work_;
-          order = order_;
-        }
-        if (work) {
-          work->help(order);
+          // Every posted work with pieces left, in order (a reference holds each one's memory
+          // while it runs here).
+          for (auto [work, order] = next_work(); work; std::tie(work, order) = next_work())
+            work->help(order);
           spins = 0;
           continue;
         }
@@ -542,7 +562,7 @@ class Helper {
 
   std::mutex mutex_;
   std::condition_variable wake_;
-  std::shared_ptr<SharedWork> work_;
+  std::vector<std::shared_ptr<SharedWork>> posted_work_;  // posted, not yet taken back
   SharedWork::Order order_ = SharedWork::kFree;
   std::atomic<int64_t> posted_{0};
   std::atomic<bool> awake_{false};
@@ -659,87 +679,132 @@ torch::Tensor decode_step(const torch::Tensor& tokens, const torch::Tensor& embe
   const auto order = static_cast<SharedWork::Order>(g_order.load(std::memory_order_relaxed));
   SharedWork::Outcome outcome;
   const Awake awake(shared);  // from here: it takes ~60 µs to wake, the first attention is later
-  // Rows [first, last) through every block; buffers hold those rows only, while the cache,
-  // positions and tables are indexed by the row's place in the batch.
-  const auto through_blocks = [&](int64_t first, int64_t last) {
+  // A group of rows [first, first + n) and its buffers (the cache, positions and tables are
+  // indexed by the row's place in the batch).
+  struct Rows {
+    int64_t first, n;
+    float* stream;  // its rows of x
+    std::vector<float> normed, qkv, attended, projected, hidden;
+    std::shared_ptr<SharedAttention> work;  // its attention, while shared
+  };
+  const auto rows_of = [&](int64_t first, int64_t last) {
     const int64_t n = last - first;
-    std::vector<float> normed(n * d), qkv(n * qkv_width), attended(n * heads * hd),
-        projected(n * d);
-    std::vector<float> hidden;
-    float* stream = x.data_ptr<float>() + first * d;
+    return Rows{first, n, x.data_ptr<float>() + first * d, std::vector<float>(n * d),
+                std::vector<float>(n * qkv_width), std::vector<float>(n * heads * hd),
+                std::vector<float>(n * d), {}, nullptr};
+  };
+  // Block b up to its attention: norm, QKV projection, rotation, the new keys and values stored.
+  const auto before_attention = [&](Rows& g, int64_t b) {
+    const torch::Tensor* t = blocks.data() + b * kTensorsPerBlock;
+    for (int64_t r = 0; r < g.n; ++r)
+      normalise(g.stream + r * d, g.normed.data() + r * d, d, t[0].data_ptr<float>(),
+                data_or_null(t[1]), norm, static_cast<float>(eps));
+    linear_core::project(g.normed.data(), t[2], data_or_null(t[3]), g.qkv.data(), g.n, d,
+                         qkv_width);
+    if (scheme == kForgetting)
+      for (int64_t r = 0; r < g.n; ++r)
+        store_log_gates(signal, b, g.first + r, position[g.first + r], g.normed.data() + r * d,
+                        heads, d);
+    for (int64_t r = 0; r < g.n; ++r) {
+      const int64_t row = g.first + r;
+      const float* row_cos = rot ? cos.data_ptr<float>() + row * cos.stride(0) : nullptr;
+      const float* row_sin = rot ? sin.data_ptr<float>() + row * sin.stride(0) : nullptr;
+      store_row(s, g.qkv.data() + r * qkv_width, keys, values, b, row, position[row], row_cos,
+                row_sin, rot);
+    }
+  };
+  // Block b's attention on torch's threads: every (row, head) pair on its own (a batch of one
+  // row still has its heads to split across threads, and its attention reads that row's cache).
+  const auto attend = [&](Rows& g, int64_t b) {
+    at::parallel_for(0, g.n * heads, 1, [&](int64_t begin, int64_t end) {
+      const int64_t table_rows = scheme == kContextual ? table.size(1) : 0;
+      std::vector<float> scores(longest), own_bias(longest + table_rows);
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t r = i / heads, h = i % heads, row = g.first + r;
+        attend_head(s, g.qkv.data() + r * qkv_width, keys, values, b, row, position[row], h,
+                    bias, signal, scores.data(), own_bias.data(),
+                    g.attended.data() + r * heads * hd + h * hd, i + 1 < end);
+      }
+    });
+  };
+  // Block b after its attention: output projection, residual, norm, MLP, residual.
+  const auto after_attention = [&](Rows& g, int64_t b) {
+    const torch::Tensor* t = blocks.data() + b * kTensorsPerBlock;
+    // The up projection's outputs, from the down projection's inputs (packing pads outputs).
+    const int64_t inner = linear_core::inputs_of(t[10]);
+    const int64_t expanded = mlp == kSwiGLU ? 2 * inner : inner;
+    g.hidden.resize(g.n * expanded);
+    linear_core::project(g.attended.data(), t[4], data_or_null(t[5]), g.projected.data(), g.n,
+                         heads * hd, d);
+    for (int64_t i = 0; i < g.n * d; ++i) g.stream[i] += g.projected[i];
+    for (int64_t r = 0; r < g.n; ++r)
+      normalise(g.stream + r * d, g.normed.data() + r * d, d, t[6].data_ptr<float>(),
+                data_or_null(t[7]), norm, static_cast<float>(eps));
+    linear_core::project(g.normed.data(), t[8], data_or_null(t[9]), g.hidden.data(), g.n, d,
+                         expanded);
+    float* hidden = g.hidden.data();
+    if (mlp == kSwiGLU) {
+      for (int64_t r = 0; r < g.n; ++r) {  // gate, then value (FeedForward's chunk(2))
+        float* h = hidden + r * expanded;
+        for (int64_t i = 0; i < inner; ++i) h[i] = h[i] / (1.0f + std::exp(-h[i])) * h[inner + i];
+        if (r) std::copy_n(h, inner, hidden + r * inner);  // rows packed to [n, inner]
+      }
+    } else {  // row by row: a row's floats take the same vector lanes alone and in a batch
+      const int64_t grain = std::max<int64_t>(1, kSerialActivations / expanded);
+      at::parallel_for(0, g.n, grain, [&](int64_t begin, int64_t end) {
+        for (int64_t r = begin; r < end; ++r) activate(hidden + r * expanded, expanded, mlp);
+      });
+    }
+    linear_core::project(hidden, t[10], data_or_null(t[11]), g.projected.data(), g.n, inner, d);
+    for (int64_t i = 0; i < g.n * d; ++i) g.stream[i] += g.projected[i];
+  };
+  // Rows [first, last) through every block.
+  const auto through_blocks = [&](int64_t first, int64_t last) {
+    Rows g = rows_of(first, last);
     for (int64_t b = 0; b < n_blocks; ++b) {
-      const torch::Tensor* t = blocks.data() + b * kTensorsPerBlock;
-      // The up projection's outputs, from the down projection's inputs (packing pads outputs).
-      const int64_t inner = linear_core::inputs_of(t[10]);
-      const int64_t expanded = mlp == kSwiGLU ? 2 * inner : inner;
-      hidden.resize(n * expanded);
-      for (int64_t r = 0; r < n; ++r)
-        normalise(stream + r * d, normed.data() + r * d, d, t[0].data_ptr<float>(),
-                  data_or_null(t[1]), norm, static_cast<float>(eps));
-      linear_core::project(normed.data(), t[2], data_or_null(t[3]), qkv.data(), n, d, qkv_width);
-      if (scheme == kForgetting)
-        for (int64_t r = 0; r < n; ++r)
-          store_log_gates(signal, b, first + r, position[first + r], normed.data() + r * d,
-                          heads, d);
-      for (int64_t r = 0; r < n; ++r) {
-        const int64_t row = first + r;
-        const float* row_cos = rot ? cos.data_ptr<float>() + row * cos.stride(0) : nullptr;
-        const float* row_sin = rot ? sin.data_ptr<float>() + row * sin.stride(0) : nullptr;
-        store_row(s, qkv.data() + r * qkv_width, keys, values, b, row, position[row], row_cos,
-                  row_sin, rot);
+      before_attention(g, b);
+      attend(g, b);
+      after_attention(g, b);
+    }
+  };
+  // Shared with the helper: from 16 rows, two groups, so that the helper attends one group's
+  // rows while this thread projects the other's (the tile unit's products are this thread's
+  // alone: they do not go faster on two cores). Each block posts both groups' attention, then
+  // takes each back in turn (SharedWork::run: what is left of it, on both threads) and carries
+  // that group on through the block.
+  const auto through_blocks_shared = [&]() {
+    std::vector<Rows> groups;
+    if (rows >= kTwoGroups) {
+      groups.push_back(rows_of(0, rows / 2));
+      groups.push_back(rows_of(rows / 2, rows));
+    } else {
+      groups.push_back(rows_of(0, rows));
+    }
+    for (int64_t b = 0; b < n_blocks; ++b) {
+      for (Rows& g : groups) {
+        before_attention(g, b);
+        g.work = idle_work<SharedAttention>();
+        g.work->prepare(s, b, g.first, g.n, longest, g.qkv.data(), qkv_width,
+                        position.data() + g.first, keys, values, bias, signal,
+                        g.attended.data());
+        Helper::instance().post(g.work, order);
       }
-      if (shared) {  // a row's heads a piece
-        const auto work = idle_work<SharedAttention>();
-        work->prepare(s, b, first, n, longest, qkv.data(), qkv_width, position.data() + first,
-                      keys, values, bias, signal, attended.data());
-        const SharedWork::Outcome block = Helper::instance().share(work, order);
-        outcome.helped += block.helped;
-        outcome.taken += block.taken;
-      } else {
-        // Every (row, head) pair on its own: a batch of one row still has its heads to split
-        // across threads, and its attention reads that row's whole cache.
-        at::parallel_for(0, n * heads, 1, [&](int64_t begin, int64_t end) {
-          const int64_t table_rows = scheme == kContextual ? table.size(1) : 0;
-          std::vector<float> scores(longest), own_bias(longest + table_rows);
-          for (int64_t i = begin; i < end; ++i) {
-            const int64_t r = i / heads, h = i % heads, row = first + r;
-            attend_head(s, qkv.data() + r * qkv_width, keys, values, b, row, position[row], h,
-                        bias, signal, scores.data(), own_bias.data(),
-                        attended.data() + r * heads * hd + h * hd, i + 1 < end);
-          }
-        });
+      for (Rows& g : groups) {
+        const SharedWork::Outcome done = Helper::instance().take_back(g.work, order);
+        g.work.reset();
+        outcome.helped += done.helped;
+        outcome.taken += done.taken;
+        after_attention(g, b);
       }
-      linear_core::project(attended.data(), t[4], data_or_null(t[5]), projected.data(), n,
-                           heads * hd, d);
-      for (int64_t i = 0; i < n * d; ++i) stream[i] += projected[i];
-      for (int64_t r = 0; r < n; ++r)
-        normalise(stream + r * d, normed.data() + r * d, d, t[6].data_ptr<float>(),
-                  data_or_null(t[7]), norm, static_cast<float>(eps));
-      linear_core::project(normed.data(), t[8], data_or_null(t[9]), hidden.data(), n, d,
-                           expanded);
-      if (mlp == kSwiGLU) {
-        for (int64_t r = 0; r < n; ++r) {  // gate, then value (FeedForward's chunk(2))
-          float* h = hidden.data() + r * expanded;
-          for (int64_t i = 0; i < inner; ++i) h[i] = h[i] / (1.0f + std::exp(-h[i])) * h[inner + i];
-          if (r) std::copy_n(h, inner, hidden.data() + r * inner);  // rows packed to [n, inner]
-        }
-      } else {  // row by row: a row's floats take the same vector lanes alone and in a batch
-        const int64_t grain = std::max<int64_t>(1, kSerialActivations / expanded);
-        at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
-          for (int64_t r = begin; r < end; ++r)
-            activate(hidden.data() + r * expanded, expanded, mlp);
-        });
-      }
-      linear_core::project(hidden.data(), t[10], data_or_null(t[11]), projected.data(), n, inner,
-                           d);
-      for (int64_t i = 0; i < n * d; ++i) stream[i] += projected[i];
     }
   };
   // A large batch on several threads: each thread takes its rows through every block, one
   // parallel region a step instead of one per product and attention (each a wait for the
   // slowest thread, which on a busy machine may be waiting for a core). Inside, the loops above
   // run serially. A row's numbers are the same either way: everything is computed row by row.
-  if (rows >= kSplitRows && at::get_num_threads() > 1)
+  if (shared)
+    through_blocks_shared();
+  else if (rows >= kSplitRows && at::get_num_threads() > 1)
     at::parallel_for(0, rows, kSplitRows / 2, through_blocks);
   else
     through_blocks(0, rows);
