@@ -769,9 +769,10 @@ torch::Tensor decode_step(const torch::Tensor& tokens, const torch::Tensor& embe
   };
   // Shared with the helper: from 16 rows, two groups, so that the helper attends one group's
   // rows while this thread projects the other's (the tile unit's products are this thread's
-  // alone: they do not go faster on two cores). Each block posts both groups' attention, then
-  // takes each back in turn (SharedWork::run: what is left of it, on both threads) and carries
-  // that group on through the block.
+  // alone: they do not go faster on two cores). The groups go through the blocks staggered:
+  // each takes its attention back (SharedWork::run: what is left of it, on both threads),
+  // finishes the block and posts the next block's attention, while the helper attends the
+  // other group's.
   const auto through_blocks_shared = [&]() {
     std::vector<Rows> groups;
     if (rows >= kTwoGroups) {
@@ -780,21 +781,25 @@ torch::Tensor decode_step(const torch::Tensor& tokens, const torch::Tensor& embe
     } else {
       groups.push_back(rows_of(0, rows));
     }
+    // Group g up to block b's attention, which it posts to the helper.
+    const auto post = [&](Rows& g, int64_t b) {
+      before_attention(g, b);
+      g.work = idle_work<SharedAttention>();
+      g.work->prepare(s, b, g.first, g.n, longest, g.qkv.data(), qkv_width,
+                      position.data() + g.first, keys, values, bias, signal, g.attended.data());
+      Helper::instance().post(g.work, order);
+    };
+    for (Rows& g : groups) post(g, 0);
+    // Each group takes its attention back, finishes the block and posts the next block's: the
+    // helper attends the other group meanwhile.
     for (int64_t b = 0; b < n_blocks; ++b) {
-      for (Rows& g : groups) {
-        before_attention(g, b);
-        g.work = idle_work<SharedAttention>();
-        g.work->prepare(s, b, g.first, g.n, longest, g.qkv.data(), qkv_width,
-                        position.data() + g.first, keys, values, bias, signal,
-                        g.attended.data());
-        Helper::instance().post(g.work, order);
-      }
       for (Rows& g : groups) {
         const SharedWork::Outcome done = Helper::instance().take_back(g.work, order);
         g.work.reset();
         outcome.helped += done.helped;
         outcome.taken += done.taken;
         after_attention(g, b);
+        if (b + 1 < n_blocks) post(g, b + 1);
       }
     }
   };
