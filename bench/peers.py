@@ -305,8 +305,15 @@ def measure_load(args: argparse.Namespace, engines: list[str]) -> dict[str, Any]
         tempfile.TemporaryDirectory() as work,
         every_server(checkpoint, engines, args, Path(work)) as urls,
     ):
-        for name, url in urls.items():  # warm-up: connections, allocators, kernels
-            asyncio.run(burst(url, 2, request_body(name, 8, no_end)))
+        # Warm-up, unrecorded: every load once against every server (connections, allocators,
+        # kernels, caches grown to each load's rows). With two short streams only, ordinal's
+        # first one or two 32-stream rounds ran at half its speed (8,890 and 11,386 tokens/s,
+        # then 15,579-19,948), and the median took one of them.
+        for label, streams, tokens in loads:
+            for name, url in urls.items():
+                if streams > 1 or name != ORDINAL_STREAMING:
+                    time.sleep(IDLE_GAP)
+                    asyncio.run(burst(url, streams, request_body(name, tokens, no_end)))
         for round_index in range(args.rounds):
             for label, streams, tokens in loads:
                 names = list(urls) if streams > 1 else [n for n in urls if n != ORDINAL_STREAMING]

@@ -320,10 +320,11 @@ void attend_head(const Shapes& s, const float* qkv, const torch::Tensor& keys,
 // bench's lengths), and one core draws ~26 GB/s from there, two ~50. The projections multiply on
 // the tile unit, which the two cores of this project's host do not run any faster together
 // (torch's bfloat16 GEMM: 1.2 TFLOP/s on one thread and on two); shared in a trial, they gained
-// nothing. So from 16 rows the batch goes in two groups, and the helper attends one group while
-// this thread projects the other (decode_step's through_blocks_shared). Shipped rope, 32 rows,
-// one torch thread: the step's C++ took 1.37-1.40 ms alone, 1.03-1.06 sharing the attention of
-// one group, 0.95-0.98 of two (docs/performance.md, eleventh round).
+// nothing. So from 16 rows the batch goes in two groups, staggered through the blocks, and the
+// helper attends one group while this thread projects the other (decode_step's
+// through_blocks_shared). Shipped rope, 32 rows, one torch thread: the step's C++ took
+// 1.37-1.47 ms alone, 1.03-1.06 sharing one group's attention, 0.95-0.98 two groups', and
+// 0.875-0.891 staggered (docs/performance.md, eleventh round).
 //
 // A piece of work owns (or holds a reference to) everything the helper reads, so a helper still
 // busy with a piece of finished work reads live memory; its result is dropped.
