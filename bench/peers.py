@@ -306,10 +306,10 @@ def measure_load(args: argparse.Namespace, engines: list[str]) -> dict[str, Any]
         every_server(checkpoint, engines, args, Path(work)) as urls,
     ):
         # Warm-up, unrecorded: every load once against every server (connections, allocators,
-        # kernels, caches grown to each load's rows). With two short streams only, ordinal's
-        # first one or two 32-stream rounds ran at half its speed (8,890 and 11,386 tokens/s,
-        # then 15,579-19,948), and the median took one of them.
-        for label, streams, tokens in loads:
+        # kernels, caches grown to each load's rows). After two short streams only, ordinal's
+        # 32-stream rounds sped up round by round (8,890, 11,386, 15,579, then ~19,500
+        # tokens/s), and the median of five took the third.
+        for _, streams, tokens in loads:
             for name, url in urls.items():
                 if streams > 1 or name != ORDINAL_STREAMING:
                     time.sleep(IDLE_GAP)
