@@ -4,6 +4,7 @@ fails on its own, rope variants share their base's weights, and each model's con
 from __future__ import annotations
 
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
@@ -81,33 +82,21 @@ def test_the_warm_up_runs_a_cached_one_token_step(monkeypatch: pytest.MonkeyPatc
     assert (1, 1) in asked  # one row, one token: the decode step's shape
 
 
-def test_the_warm_up_draws_greedily(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The argmax kernel too is built before the model serves (the first greedy request's
-    step would otherwise build it)."""
+@pytest.mark.parametrize("kernel", [argmax_kernel, draw_kernel], ids=["greedy", "tempered"])
+def test_the_warm_up_draws_with_each_draw_kernel(
+    monkeypatch: pytest.MonkeyPatch, kernel: ModuleType
+) -> None:
+    """The argmax and the draw kernels too are built before the model serves: built in the
+    first greedy or sampled request's step (23 s for the draw kernel), one held the engine past
+    its watchdog, which killed it mid-build and left the build's lock to the next one."""
     asked: list[tuple[int, ...]] = []
-    applies = argmax_kernel.applies
+    applies = kernel.applies
 
     def spy(x: torch.Tensor) -> bool:
         asked.append(tuple(x.shape))
         return applies(x)
 
-    monkeypatch.setattr(argmax_kernel, "applies", spy)
-    model = random_model("rope")
-    warm_up(model)
-    assert asked == [(1, model.config.vocab_size)]
-
-
-def test_the_warm_up_draws_at_a_temperature(monkeypatch: pytest.MonkeyPatch) -> None:
-    """So is the draw kernel: built in the first sampled request's step, it held the engine
-    past its watchdog, which killed it mid-build and left the build's lock to the next one."""
-    asked: list[tuple[int, ...]] = []
-    applies = draw_kernel.applies
-
-    def spy(x: torch.Tensor) -> bool:
-        asked.append(tuple(x.shape))
-        return applies(x)
-
-    monkeypatch.setattr(draw_kernel, "applies", spy)
+    monkeypatch.setattr(kernel, "applies", spy)
     model = random_model("rope")
     warm_up(model)
     assert asked == [(1, model.config.vocab_size)]
