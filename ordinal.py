@@ -107,7 +107,8 @@ def serve_options(parser: argparse.ArgumentParser) -> None:
             dest=name,
             default=argparse.SUPPRESS,
             metavar="{" + ",".join(choices) + "}" if choices else name.upper(),
-            help=f"{field.description} [env ORDINAL_{name.upper()}{shown}]",
+            # argparse formats help with %: a description's own % would break --help
+            help=f"{field.description} [env ORDINAL_{name.upper()}{shown}]".replace("%", "%%"),
         )
 
 

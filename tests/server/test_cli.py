@@ -195,3 +195,15 @@ def test_geometry_takes_checkpoints_either_way() -> None:
 
 def test_the_dispatcher_lives_outside_the_packages() -> None:
     assert Path(ordinal.__file__).parent == Path(model.__file__).parent.parent
+
+
+def test_a_setting_described_with_a_percent_sign_still_has_help(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """argparse formats help text with %: a description's own % (a measured gain, say) once made
+    `ordinal serve --help` raise."""
+    field = Settings.model_fields["attention_helper"]
+    monkeypatch.setattr(field, "description", f"{field.description} (+9% here)")
+    parser = argparse.ArgumentParser()
+    ordinal.serve_options(parser)
+    assert "(+9% here)" in parser.format_help()

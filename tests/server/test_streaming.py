@@ -137,11 +137,12 @@ def test_streams_whose_steps_share_their_attention_equal_their_solo_results(
     bodies = [{**body, "max_tokens": 64, "ignore_eos": True} for body in concurrent_bodies(8)]
     alone = [complete(client, **body)["choices"][0] for body in bodies]
     before = server.control.call("shared_rows")
+    shared = server.control.call("shares_large_steps")  # as the settings left it
     server.control.call("share_attention", True, "helper_finishes")
     try:
         together = asyncio.run(all_at_once(server, bodies))
     finally:
-        server.control.call("share_attention", True, "free")
+        server.control.call("share_attention", shared, "free")
     assert server.control.call("shared_rows")[0] > before[0]  # rows the helper attended
     for body, solo, chunks in zip(bodies, alone, together, strict=True):
         assert chunks_text(chunks) == solo["text"], body
