@@ -470,6 +470,14 @@ class SharedAttention : public SharedWork {
     std::copy_n(helper_out_.data() + r * width, width, out_ + r * width);
   }
 
+ public:
+  // The step's tensors let go (the work is idle: no thread reads them).
+  void release() {
+    keys_ = values_ = bias_ = torch::Tensor();
+    signal_ = LayerSignal{};
+    out_ = nullptr;
+  }
+
  private:
   Shapes s_{};
   int64_t layer_ = 0, first_ = 0, longest_ = 0;
@@ -480,6 +488,38 @@ class SharedAttention : public SharedWork {
   float* out_ = nullptr;  // [rows, H·hd], the decode thread's
   std::vector<float> helper_out_, scores_, own_bias_, helper_scores_, helper_own_bias_;
 };
+
+// The work objects of every step, each reused once no thread holds it but the pool. Idle work
+// lets go of the tensors it read (release_idle): the cache above all, which the engine shrinks
+// or drops when idle (a 64-row cache is ~130 MB), and a work kept whole would keep it alive.
+// Only a thread holding the GIL may let go of them (a tensor made in Python drops its Python
+// object with it): the decode thread releases as each step starts and as a shared step ends,
+// skipping a work the helper has not yet put down, and never the helper (it deadlocked).
+class WorkPool {
+ public:
+  std::shared_ptr<SharedAttention> idle() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (const auto& work : works_)
+      if (work.use_count() == 1) return work;
+    works_.push_back(std::make_shared<SharedAttention>());
+    return works_.back();
+  }
+
+  void release_idle() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (const auto& work : works_)
+      if (work.use_count() == 1) work->release();
+  }
+
+ private:
+  std::mutex mutex_;  // use counts change only under it, but for a holder letting go
+  std::vector<std::shared_ptr<SharedAttention>> works_;
+};
+
+WorkPool& work_pool() {
+  static WorkPool* pool = new WorkPool();  // never destroyed, as the helper
+  return *pool;
+}
 
 // The helper thread: it sleeps until a step with shared work begins, then waits awake (a wake-up
 // takes ~60 µs on this project's host, a block's attention at 32 rows ~200) for each piece of
@@ -585,16 +625,6 @@ class Awake {
   bool wanted_;
 };
 
-// Work objects for the calling thread, each reused once the helper holds no reference to it.
-template <typename Work>
-std::shared_ptr<Work> idle_work() {
-  thread_local std::vector<std::shared_ptr<Work>> pool;
-  for (const auto& work : pool)
-    if (work.use_count() == 1) return work;
-  pool.push_back(std::make_shared<Work>());
-  return pool.back();
-}
-
 std::atomic<bool> g_sharing{false};  // whether large steps share their attention
 std::atomic<int> g_order{SharedWork::kFree};
 std::atomic<int64_t> g_helped{0}, g_taken{0};  // SharedWork::Outcome's, summed over the process
@@ -646,6 +676,7 @@ torch::Tensor decode_step(const torch::Tensor& tokens, const torch::Tensor& embe
                    position_vectors.scalar_type() == at::kFloat),
               "position_vectors must be a contiguous float32 [rows, d] matrix");
   const Shapes s{rows, d, heads, kv_heads, hd};
+  work_pool().release_idle();  // what the last shared step's helper still held as it ended
   const int64_t qkv_width = (heads + 2 * kv_heads) * hd;
   const int64_t rot = cos.numel() ? cos.size(1) : 0;
   const auto row_positions = positions.accessor<int64_t, 2>();
@@ -785,7 +816,7 @@ torch::Tensor decode_step(const torch::Tensor& tokens, const torch::Tensor& embe
     // Group g up to block b's attention, which it posts to the helper.
     const auto post = [&](Rows& g, int64_t b) {
       before_attention(g, b);
-      g.work = idle_work<SharedAttention>();
+      g.work = work_pool().idle();
       g.work->prepare(s, b, g.first, g.n, longest, g.qkv.data(), qkv_width,
                       position.data() + g.first, keys, values, bias, signal, g.attended.data());
       Helper::instance().post(g.work, order);
@@ -808,9 +839,10 @@ torch::Tensor decode_step(const torch::Tensor& tokens, const torch::Tensor& embe
   // parallel region a step instead of one per product and attention (each a wait for the
   // slowest thread, which on a busy machine may be waiting for a core). Inside, the loops above
   // run serially. A row's numbers are the same either way: everything is computed row by row.
-  if (shared)
+  if (shared) {
     through_blocks_shared();
-  else if (rows >= kSplitRows && at::get_num_threads() > 1)
+    work_pool().release_idle();
+  } else if (rows >= kSplitRows && at::get_num_threads() > 1)
     at::parallel_for(0, rows, kSplitRows / 2, through_blocks);
   else
     through_blocks(0, rows);

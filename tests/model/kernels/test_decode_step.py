@@ -5,6 +5,7 @@ it takes, gives a row the same bits alone and in any batch, and applies only whe
 from __future__ import annotations
 
 import copy
+import time
 from typing import Any
 
 import pytest
@@ -211,6 +212,37 @@ def test_attention_shared_with_the_helper_keeps_every_bit(
             assert all(torch.equal(a, b) for a, b in zip(unshared, shared_run, strict=True))
         else:
             assert torch.equal(unshared, shared_run)
+
+
+def test_a_shared_step_lets_go_of_the_cache() -> None:
+    """The helper's work holds the cache's tensors while a step runs, and lets go after (as that
+    step ends, or as the next starts): the engine shrinks or drops an idle model's cache (~130 MB
+    at 64 rows), which a hold would keep in memory."""
+    model = random_model("rope", seed=6)
+    cache, tokens = ragged_batch(model, 20)
+
+    def holds() -> tuple[int, int]:
+        return tuple(  # type: ignore[return-value]
+            torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+            for t in (cache.keys, cache.values)
+        )
+
+    before = holds()
+    decode_step.share_large_steps(True, "helper_finishes")
+    try:
+        with torch.inference_mode():
+            model(tokens, cache, last_only=True)
+    finally:
+        decode_step.share_large_steps(False)
+    assert decode_step.shared_rows()[0] > 0
+    # Let go as the step ends, or, what the helper still held then, as the next step starts.
+    other, other_tokens = ragged_batch(model, 1)
+    deadline = time.monotonic() + 2
+    while holds() != before and time.monotonic() < deadline:
+        time.sleep(0.01)
+        with torch.inference_mode():
+            model(other_tokens, copy.deepcopy(other), last_only=True)
+    assert holds() == before
 
 
 def test_a_small_step_or_several_torch_threads_do_not_share() -> None:
