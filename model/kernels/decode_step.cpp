@@ -273,6 +273,12 @@ void store_row(const Shapes& s, float* qkv, const torch::Tensor& keys,
   }
 }
 
+// The floats attend_head's own_bias needs for `longest` keys: fox's bias, or cope's and its
+// q·e products, one per table row.
+int64_t own_bias_room(const LayerSignal& signal, int64_t longest) {
+  return longest + (signal.scheme == kContextual ? signal.table.size(1) : 0);
+}
+
 // Head h's attention for one row in one block, after store_row: its query in `qkv`, over the
 // row's cache slots 0..position, into out [hd]. scores: room for position + 1 floats; own_bias:
 // room for fox's or cope's bias. then_next_row: the next row's first head attends right after
@@ -441,17 +447,15 @@ class SharedAttention : public SharedWork {
     signal_ = signal;
     out_ = out;
     helper_out_.resize(rows * width);
-    const int64_t table_rows = signal.scheme == kContextual ? signal.table.size(1) : 0;
     scores_.resize(longest);
-    own_bias_.resize(longest + table_rows);
+    own_bias_.resize(own_bias_room(signal, longest));
     reset(rows);
   }
 
  protected:
   void prepare_helper() override {
-    const int64_t table_rows = signal_.scheme == kContextual ? signal_.table.size(1) : 0;
     helper_scores_.resize(longest_);
-    helper_own_bias_.resize(longest_ + table_rows);
+    helper_own_bias_.resize(own_bias_room(signal_, longest_));
   }
 
   void compute(int64_t r, bool by_helper) override {
@@ -749,8 +753,7 @@ torch::Tensor decode_step(const torch::Tensor& tokens, const torch::Tensor& embe
   // row still has its heads to split across threads, and its attention reads that row's cache).
   const auto attend = [&](Rows& g, int64_t b) {
     at::parallel_for(0, g.n * heads, 1, [&](int64_t begin, int64_t end) {
-      const int64_t table_rows = scheme == kContextual ? table.size(1) : 0;
-      std::vector<float> scores(longest), own_bias(longest + table_rows);
+      std::vector<float> scores(longest), own_bias(own_bias_room(signal, longest));
       for (int64_t i = begin; i < end; ++i) {
         const int64_t r = i / heads, h = i % heads, row = g.first + r;
         attend_head(s, g.qkv.data() + r * qkv_width, keys, values, b, row, position[row], h,

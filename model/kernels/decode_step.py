@@ -22,6 +22,7 @@ torch blocks. Tests hold the two equal for every scheme and architecture
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import ModuleType
 from typing import TYPE_CHECKING, cast
 
 import torch
@@ -68,26 +69,29 @@ def share_large_steps(on: bool, order: str = "free") -> None:
     ``order``: "free" (serving), or for the tests one of the two paths for sure: the helper
     takes the first row and the decode thread waits for its result ("helper_finishes"), or the
     helper takes it and stalls while the decode thread computes it itself ("helper_stalls")."""
-    if ready():
-        extension = load("decode_step")
-        assert extension is not None
+    if (extension := _vectorised()) is not None:
         extension.share_large_steps(on, ORDERS[order])
 
 
 def shares_large_steps() -> bool:
     """Whether large steps share their attention now (:func:`share_large_steps`)."""
-    extension = load("decode_step") if ready() else None
+    extension = _vectorised()
     return extension is not None and bool(extension.shares_large_steps())
 
 
 def shared_rows() -> tuple[int, int]:
     """Rows of shared attention in this process so far: (whose result the helper supplied,
     which the helper took and the decode thread computed instead); (0, 0) without the kernel."""
-    extension = load("decode_step") if ready() else None
-    if extension is None:
+    if (extension := _vectorised()) is None:
         return 0, 0
     helped, taken = extension.shared_rows()
     return int(helped), int(taken)
+
+
+def _vectorised() -> ModuleType | None:
+    """The built extension if it has its AVX-512 code (the helper's functions are there), else
+    None."""
+    return load("decode_step") if ready() else None
 
 
 def applies(model: Transformer, tokens: Tensor) -> bool:
