@@ -34,6 +34,8 @@ class StopMatcher:
 
     def push(self, text: str) -> tuple[str, bool]:
         """Add ``text``; return (text safe to emit now, whether a stop string was reached)."""
+        if not self.stops:  # nothing to hold back (the engine's commonest case, once a token)
+            return text, False
         self.pending += text
         hits = [index for stop in self.stops if (index := self.pending.find(stop)) >= 0]
         if hits:

@@ -110,6 +110,11 @@ class Outbox:
         self.events.append(event)
         self.urgent |= urgent
 
+    def extend(self, events: list[Token], urgent: bool) -> None:
+        """A step's tokens, in row order: ``urgent`` when one is a first or last token."""
+        self.events += events
+        self.urgent |= urgent
+
     def stats_of(self, model: str, running: int, waiting: int) -> ModelStats:
         """``model``'s stats for the next frame, its gauges set to ``running``, ``waiting``."""
         stats = self.stats.get(model)
@@ -318,13 +323,16 @@ class ModelEngine:
 
     def _advance(self, sampled: Sampled, now: float, stats: ModelStats) -> list[Request]:
         """Hand each row's token to its job; fail the rows that could not be sampled; return
-        the rows that leave (finished or failed)."""
+        the rows that leave (finished or failed). Once a row per step at 32 rows and more: the
+        loop keeps to what each row needs (~2 µs of the decode thread's time a row)."""
         events: list[Token | None] = []
         leaving: list[Request] = []
         urgent = False
+        failures = sampled.failures
         for position, (row, token) in enumerate(zip(sampled.rows, sampled.tokens, strict=True)):
-            assert row.state is not None  # rows that only score never sample
-            if position in sampled.failures:
+            state = row.state
+            assert state is not None  # rows that only score never sample
+            if failures and position in failures:
                 events.append(None)
                 leaving.append(row)
                 continue
@@ -333,19 +341,19 @@ class ModelEngine:
                 row.first_token_at, urgent, cached = now, True, row.cached_tokens
                 ttft = now - row.submit.submitted_at
                 stats.first_tokens.append((ttft, now - row.admitted_at))
-            text = row.state.append(token, row.sampler.complete)
-            events.append(Token(row.id, token, text, row.state.finish_reason, cached_tokens=cached))
-            if row.state.finish_reason is not None:
+            text = state.append(token, row.sampler.complete)
+            reason = state.finish_reason
+            events.append(Token(row.submit.id, token, text, reason, cached_tokens=cached))
+            if reason is not None:
+                urgent = True
                 leaving.append(row)
                 e2e, decode = now - row.submit.submitted_at, now - row.first_token_at
-                generated = len(row.state.generated_ids)
-                stats.finished.append(Finish(row.state.finish_reason, e2e, decode, generated))
+                stats.finished.append(Finish(reason, e2e, decode, len(state.generated_ids)))
         self._add_logprobs(sampled, events)
-        for event in events:
-            if event is not None:
-                self.outbox.add(event, urgent or event.finish_reason is not None)
-                stats.generation_tokens += 1
-        for position, reason in sampled.failures.items():
+        tokens = [event for event in events if event is not None]
+        self.outbox.extend(tokens, urgent)
+        stats.generation_tokens += len(tokens)
+        for position, reason in failures.items():
             row = sampled.rows[position]
             logger.error("model '%s': request failed alone: %s", self.name, reason)
             stats.failures[reason] = stats.failures.get(reason, 0) + 1
