@@ -17,28 +17,56 @@ namespace {
 
 constexpr int64_t kBlock = 16;  // tokens summed together: one AVX-512 register
 
+// exp(x) in each lane, for x ≤ 0 (a weight, (logit − largest) / T): 0 below −104, where float32
+// ends (and for −inf, a forbidden token). exp(x) = 2^n · exp(r) with n = round(x / ln 2) and
+// |r| ≤ ln 2 / 2, exp(r) by its Taylor polynomial to r⁶ (error below 2e-7 of the value), 2^n
+// applied by scalef, which underflows as float32 does. glibc's vector expf, which -ffast-math
+// called here before, took 0.7 ns a token, most of a 32-row draw's 48 µs.
+inline __m512 exp_nonpositive(__m512 x) {
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);  // ln 2 in two parts:
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);       // r exact to float32
+  __m512 p = _mm512_set1_ps(1.0f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  const __mmask16 in_range = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-104.0f), _CMP_GE_OQ);
+  return _mm512_maskz_mov_ps(in_range, _mm512_scalef_ps(p, n));
+}
+
 // One row: logits [V], its temperature and uniform; weights: room for V floats, block_sums for
 // ceil(V / 16). → the token, or V when u × total is past the row's whole mass (a uniform
 // outside [0, 1)).
 //
-// The weights exp(z - max) need not be normalised: the target is u × their total, which is
-// what the cumulative sum reaches at the end. The total is the sum of the 16-token blocks'
+// The weights exp((z − max) / T) need not be normalised: the target is u × their total, which
+// is what the cumulative sum reaches at the end. The total is the sum of the 16-token blocks'
 // sums, in order, and the walk adds the same block sums, so a target at most the total is
-// always found; inside the block that crosses it, tokens are added one by one.
+// always found; inside the block that crosses it, tokens are added one by one. Two passes over
+// the logits, 16 tokens at a time: their largest, then each block's weights and sum.
 int64_t draw_row(const float* logits, int64_t V, float temperature, float uniform,
                  float* weights, float* block_sums) {
-  float largest = -INFINITY;
-  for (int64_t i = 0; i < V; ++i) {
-    weights[i] = logits[i] / temperature;
-    largest = std::max(largest, weights[i]);
-  }
-#pragma omp simd
-  for (int64_t i = 0; i < V; ++i) weights[i] = std::exp(weights[i] - largest);
   const int64_t blocks = (V + kBlock - 1) / kBlock;
-  for (int64_t b = 0; b < blocks; ++b) {
+  auto tail = [&](int64_t b) {  // the block's lanes inside the vocabulary
     const int64_t lanes = std::min(kBlock, V - b * kBlock);
-    const __mmask16 mask = static_cast<__mmask16>((1u << lanes) - 1u);
-    block_sums[b] = _mm512_reduce_add_ps(_mm512_maskz_loadu_ps(mask, weights + b * kBlock));
+    return static_cast<__mmask16>((1u << lanes) - 1u);
+  };
+  const __m512 nothing = _mm512_set1_ps(-INFINITY);
+  __m512 largest_lanes = nothing;
+  for (int64_t b = 0; b < blocks; ++b)
+    largest_lanes = _mm512_max_ps(largest_lanes,
+                                  _mm512_mask_loadu_ps(nothing, tail(b), logits + b * kBlock));
+  const __m512 largest = _mm512_set1_ps(_mm512_reduce_max_ps(largest_lanes));
+  const __m512 inverse_temperature = _mm512_set1_ps(1.0f / temperature);
+  for (int64_t b = 0; b < blocks; ++b) {
+    const __m512 z = _mm512_mask_loadu_ps(nothing, tail(b), logits + b * kBlock);
+    const __m512 scaled = _mm512_mul_ps(_mm512_sub_ps(z, largest), inverse_temperature);
+    const __m512 w = exp_nonpositive(scaled);
+    _mm512_mask_storeu_ps(weights + b * kBlock, tail(b), w);
+    block_sums[b] = _mm512_reduce_add_ps(w);
   }
   float total = 0.0f;
   for (int64_t b = 0; b < blocks; ++b) total += block_sums[b];
@@ -98,6 +126,7 @@ torch::Tensor tempered(const torch::Tensor&, const torch::Tensor&, const torch::
 #endif
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("tempered", &tempered, "each row's inverse-CDF draw from softmax(logits / temperature)");
+  m.def("tempered", &tempered, "each row's inverse-CDF draw from softmax(logits / temperature)",
+        py::call_guard<py::gil_scoped_release>());  // as decode_step: another thread may run
   m.def("vectorised", [] { return kVectorised; }, "whether this build has the AVX-512 kernel");
 }

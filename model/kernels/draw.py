@@ -3,10 +3,12 @@
 In torch the draw is six ops over [rows, vocabulary] — divide, softmax, cumulative sum, scale,
 clamp, search — each a pass and a dispatch: 17 µs at [1, 2048] and 102 µs at [32, 2048] on one
 thread of this project's CPU, more inside a decode step, whose weights have just pushed them
-out of the caches. ``draw.cpp`` does it in one pass per row: the same inverse-CDF draw (the
+out of the caches. ``draw.cpp`` does it in two passes per row, 16 tokens at a time, with an
+exp of its own (29 µs at [32, 2048]; 55 µs with glibc's): the same inverse-CDF draw (the
 first token whose cumulative mass reaches the row's uniform × the total, never one without
 mass, one past the vocabulary for a uniform outside [0, 1)), with float32 sums in another
-order — so a uniform within a rounding of a boundary may land on the other side of it.
+order and exps within 2e-7 — so a uniform within a rounding of a boundary may land on the
+other side of it. It lets the GIL go while it draws.
 Gradients, other dtypes and devices, and CPUs without AVX-512 keep the torch ops.
 """
 

@@ -17,12 +17,15 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-@pytest.mark.parametrize(("rows", "vocab"), [(1, 2048), (5, 7), (32, 16), (3, 33)])
-def test_it_draws_the_token_the_torch_ops_draw(rows: int, vocab: int) -> None:
+@pytest.mark.parametrize(
+    ("rows", "vocab", "spread"), [(1, 2048, 3), (5, 7, 3), (32, 16, 3), (3, 33, 3), (4, 2048, 40)]
+)
+def test_it_draws_the_token_the_torch_ops_draw(rows: int, vocab: int, spread: float) -> None:
     """Every uniform not within a rounding of a boundary of the float64 CDF draws the torch
-    path's token (softmax of logits / T, cumulative sum, search)."""
+    path's token (softmax of logits / T, cumulative sum, search). A spread of 40 puts most
+    scaled logits past where float32's exp ends (its weights are 0, as torch's)."""
     generator = torch.Generator().manual_seed(rows * vocab)
-    logits = torch.randn(rows, vocab, generator=generator) * 3
+    logits = torch.randn(rows, vocab, generator=generator) * spread
     temperature = torch.rand(rows, generator=generator) + 0.2
     cdf = (logits.double() / temperature.double()[:, None]).softmax(-1).cumsum(-1)
     checked = 0
