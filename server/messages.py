@@ -19,7 +19,6 @@ torch-free ``model.sampling_params``.
 
 from __future__ import annotations
 
-import queue
 import re
 import select
 import socket
@@ -242,10 +241,8 @@ def frame(message: msgspec.Struct) -> bytes:
 
 
 class Channel:
-    """The engine process's end of the socket: polled receives, and sends (whole frames, from
-    any thread, in the order made) that a sender thread encodes and writes. So the decode loop
-    never waits on the socket, and while a step runs in a kernel without the GIL, the sender
-    writes the step before's tokens on the other core."""
+    """The engine process's end of the socket: blocking sends (whole frames, from any thread),
+    polled receives."""
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
@@ -253,26 +250,12 @@ class Channel:
         self._buffer = bytearray()
         self._decoder = msgspec.msgpack.Decoder(ToEngine)
         self.closed = False  # the other end has gone
-        self._outgoing: queue.SimpleQueue[msgspec.Struct | None] = queue.SimpleQueue()
-        self._sender = threading.Thread(target=self._write, name="engine-sender", daemon=True)
-        self._sender.start()
+        self._sending = threading.Lock()
 
     def send(self, message: msgspec.Struct) -> None:
-        """Queue ``message`` for the sender (dropped once the other end has gone)."""
-        self._outgoing.put(message)
-
-    def finish(self) -> None:
-        """Write everything queued, then stop sending (what is sent later is dropped)."""
-        self._outgoing.put(None)
-        self._sender.join()
-
-    def _write(self) -> None:
-        while (message := self._outgoing.get()) is not None:
-            try:
-                self.sock.sendall(frame(message))
-            except OSError:  # reset or broken pipe: the API process has gone
-                self.closed = True
-                return
+        data = frame(message)
+        with self._sending:
+            self.sock.sendall(data)
 
     def config(self) -> EngineConfig:
         """The first message: what to load."""

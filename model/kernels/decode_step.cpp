@@ -924,9 +924,7 @@ int64_t parallel_threads() {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  // Without the GIL: the engine's other Python thread sends the last step's tokens meanwhile.
-  m.def("decode_step", &decode_step, "a one-token-per-row decode step: token ids to logits",
-        py::call_guard<py::gil_scoped_release>());
+  m.def("decode_step", &decode_step, "a one-token-per-row decode step: token ids to logits");
 #if defined(LINEAR_CORE_VECTORISED)
   m.def("fire_bias", &fire_bias, "FIRE's score bias for one token per row");
   m.def(

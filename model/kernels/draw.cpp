@@ -126,7 +126,6 @@ torch::Tensor tempered(const torch::Tensor&, const torch::Tensor&, const torch::
 #endif
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("tempered", &tempered, "each row's inverse-CDF draw from softmax(logits / temperature)",
-        py::call_guard<py::gil_scoped_release>());  // as decode_step: another thread may run
+  m.def("tempered", &tempered, "each row's inverse-CDF draw from softmax(logits / temperature)");
   m.def("vectorised", [] { return kVectorised; }, "whether this build has the AVX-512 kernel");
 }

@@ -8,9 +8,7 @@ The API process (``server.api.client``) starts this process and talks to it over
 3. runs one step of every model that has work (``server.engine.engine.ModelEngine``);
 4. sends the step's events and metric changes in one frame. With ``stream_interval`` > 0 a
    frame of ordinary tokens may wait up to that long to travel with later ones; a job's first
-   and last tokens, failures and answers to cancellations never wait. The channel's sender
-   thread encodes and writes each frame while the loop goes on to the next step (whose
-   kernels run without the GIL).
+   and last tokens, failures and answers to cancellations never wait.
 
 Calls (``server.engine.calls``: ``POST /v1/trace``) run here too, so the weights exist once:
 queued as they arrive, they run one a turn of the loop, after the steps. A trace is one forward
@@ -252,6 +250,7 @@ def serve_engine(sock: socket.socket, setup: Callable[[EngineCore], None] | None
         setup(core)
     try:
         core.run()
+    except (BrokenPipeError, ConnectionResetError):
+        pass  # the API process has gone: nobody is left to answer
     finally:
-        channel.finish()  # what the last steps sent, written before the socket closes
         sock.close()

@@ -4,7 +4,6 @@ bytes arrive, and a wrong field is an error at the boundary rather than later.""
 from __future__ import annotations
 
 import socket
-import threading
 
 import msgspec
 import pytest
@@ -72,54 +71,3 @@ def test_the_channel_reassembles_frames_split_and_joined_anyhow() -> None:
     assert received == [SUBMIT, Cancel(1), Cancel(2)]
     ours.close()
     assert channel.receive(1.0) == [] and channel.closed
-
-
-def read_frames(sock: socket.socket, count: int) -> list[object]:
-    """The next ``count`` engine messages on ``sock`` (the API process's end)."""
-    decoder, data, messages = msgspec.msgpack.Decoder(FromEngine), b"", []
-    while len(messages) < count:
-        chunk = sock.recv(1 << 16)
-        assert chunk, "the engine's end closed early"
-        data += chunk
-        while len(data) >= 4 and len(data) >= 4 + (length := int.from_bytes(data[:4], "big")):
-            messages.append(decoder.decode(data[4 : 4 + length]))
-            data = data[4 + length :]
-    return messages
-
-
-def test_sends_from_several_threads_arrive_whole_and_each_threads_in_order() -> None:
-    """The sender thread writes what any thread sends, whole, in the order each thread sent."""
-    ours, theirs = socket.socketpair()
-    channel = Channel(theirs)
-
-    def send_all(first: int) -> None:
-        for job in range(first, first + 200):
-            channel.send(Outputs([Token(job, job, "x" * (job % 7), None)], []))
-
-    threads = [threading.Thread(target=send_all, args=(first,)) for first in (0, 1000)]
-    for thread in threads:
-        thread.start()
-    ids = [message.events[0].id for message in read_frames(ours, 400)]  # type: ignore[attr-defined]
-    for thread in threads:
-        thread.join()
-    assert [job for job in ids if job < 1000] == list(range(200))
-    assert [job for job in ids if job >= 1000] == list(range(1000, 1200))
-
-
-def test_finish_writes_what_is_queued_and_a_gone_peer_marks_the_channel_closed() -> None:
-    """finish() returns once everything queued is written; a write to an end that has gone
-    marks the channel closed (the decode loop then ends) rather than raising anywhere."""
-    ours, theirs = socket.socketpair()
-    channel = Channel(theirs)
-    for job in range(5):
-        channel.send(Outputs([Token(job, job, "a", None)], []))
-    channel.finish()
-    ours.settimeout(0.0)  # written already: nothing to wait for
-    assert [m.events[0].id for m in read_frames(ours, 5)] == list(range(5))  # type: ignore[attr-defined]
-    assert not channel.closed
-    ours, theirs = socket.socketpair()
-    channel = Channel(theirs)
-    ours.close()
-    channel.send(Outputs([Token(1, 2, "a", None)], []))
-    channel.finish()
-    assert channel.closed
