@@ -8,7 +8,8 @@ exp of its own (29 µs at [32, 2048]; 55 µs with glibc's): the same inverse-CDF
 first token whose cumulative mass reaches the row's uniform × the total, never one without
 mass, one past the vocabulary for a uniform outside [0, 1)), with float32 sums in another
 order and exps within 2e-7 — so a uniform within a rounding of a boundary may land on the
-other side of it. Gradients, other dtypes and devices, and CPUs without AVX-512 keep the torch ops.
+other side of it. Gradients, other dtypes and devices, and CPUs without AVX-512 keep the
+torch ops.
 """
 
 from __future__ import annotations
