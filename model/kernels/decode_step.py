@@ -37,7 +37,6 @@ if TYPE_CHECKING:
     from model.transformer import Block, Transformer
 
 MAX_ROWS = 64  # as the projection kernel's: past it MKL's GEMM is as fast
-SHARED_ROWS = 8  # decode_step.cpp's kSplitRows: from this many rows a step may share its work
 NORMS = {"layernorm": 0, "rmsnorm": 1}
 MLPS = {"gelu": 0, "gelu_tanh": 1, "relu2": 2, "swiglu": 3}
 OWN_BIAS = {"fox": 1, "cope": 2}  # the data-dependent schemes the kernel computes itself
@@ -60,9 +59,9 @@ ORDERS = {"free": 0, "helper_finishes": 1, "helper_stalls": 2}
 
 
 def share_large_steps(on: bool, order: str = "free") -> None:
-    """Whether a step of :data:`SHARED_ROWS` rows or more, run on one torch thread, shares its
-    attention with the kernel's helper thread (``decode_step.cpp``'s ``SharedWork``): the
-    server's default (``--attention-helper``). The helper takes rows while it has a core, the
+    """Whether a step of eight rows or more (decode_step.cpp's ``kSplitRows``), run on one
+    torch thread, shares its attention with the kernel's helper thread (``SharedWork`` there):
+    the server's default (``--attention-helper``). The helper takes rows while it has a core, the
     step never waits for it, and a row's numbers are the same bits whichever thread attends it.
     Off until asked for; a no-op without the kernel.
 

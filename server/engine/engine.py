@@ -323,8 +323,8 @@ class ModelEngine:
 
     def _advance(self, sampled: Sampled, now: float, stats: ModelStats) -> list[Request]:
         """Hand each row's token to its job; fail the rows that could not be sampled; return
-        the rows that leave (finished or failed). Once a row per step at 32 rows and more: the
-        loop keeps to what each row needs (~2 µs of the decode thread's time a row)."""
+        the rows that leave (finished or failed). It runs once a row every step, so the loop keeps
+        to what each row needs: 31 µs at 32 rows, 48 before (one-off, in isolation)."""
         events: list[Token | None] = []
         leaving: list[Request] = []
         urgent = False
@@ -343,7 +343,7 @@ class ModelEngine:
                 stats.first_tokens.append((ttft, now - row.admitted_at))
             text = state.append(token, row.sampler.complete)
             reason = state.finish_reason
-            events.append(Token(row.submit.id, token, text, reason, cached_tokens=cached))
+            events.append(Token(row.id, token, text, reason, cached_tokens=cached))
             if reason is not None:
                 urgent = True
                 leaving.append(row)
