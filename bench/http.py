@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+import aiohttp
 import httpx
 import numpy as np
 import orjson
@@ -169,8 +170,18 @@ def wait_until_healthy(
     raise TimeoutError(f"{name} at {url} was not ready within {timeout:g} s")
 
 
+def session(url: str, connections: int = 100) -> aiohttp.ClientSession:
+    """An aiohttp session for timed streams against ``url`` (at most ``connections`` at once,
+    each kept alive); open it inside the event loop that uses it."""
+    return aiohttp.ClientSession(
+        base_url=url,
+        connector=aiohttp.TCPConnector(limit=connections),
+        timeout=aiohttp.ClientTimeout(total=600),
+    )
+
+
 async def stream_completion(
-    client: httpx.AsyncClient, prompt: list[int], max_tokens: int, seed: int | None
+    client: aiohttp.ClientSession, prompt: list[int], max_tokens: int, seed: int | None
 ) -> Stream:
     """Send one streaming completion of exactly ``max_tokens`` tokens (EOS ignored) and time
     each chunk as it arrives. ``seed`` None: greedy; else sampled at temperature 0.8."""
@@ -187,14 +198,15 @@ async def stream_completion(
     return await stream_body(client, body)
 
 
-async def stream_body(client: httpx.AsyncClient, body: dict[str, Any]) -> Stream:
+async def stream_body(client: aiohttp.ClientSession, body: dict[str, Any]) -> Stream:
     """Send the streaming completion request ``body`` (any OpenAI-compatible server) and time
-    each chunk that carries text as it arrives."""
+    each chunk that carries text as it arrives; aiohttp.ClientResponseError on a non-200."""
     stream = Stream(sent=time.perf_counter())
-    async with client.stream("POST", "/v1/completions", json=body) as response:
+    data, headers = orjson.dumps(body), {"Content-Type": "application/json"}
+    async with client.post("/v1/completions", data=data, headers=headers) as response:
         response.raise_for_status()
-        async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
+        async for line in response.content:  # one line at a time, its b"\n" kept
+            if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
                 continue
             chunk = orjson.loads(line[6:])
             if "error" in chunk:
@@ -261,7 +273,7 @@ async def prompt_ids(client: httpx.AsyncClient) -> list[int]:
     return ids
 
 
-async def single_stream(client: httpx.AsyncClient, prompt: list[int]) -> dict[str, Any]:
+async def single_stream(client: aiohttp.ClientSession, prompt: list[int]) -> dict[str, Any]:
     """The in-process benchmark's request over HTTP, ``SINGLE_REPEATS`` times; the best rate.
 
     The rate counts the whole request, from sending it to its last token (TTFT included).
@@ -306,15 +318,16 @@ async def closed_loops(
     and ``min_seconds`` have passed → (every request's stream, wall seconds). Any error (a
     non-200 or an error event) raises.
 
-    Each client is its own ``httpx.AsyncClient``, as separate users are: with one pool shared by
-    64 closed loops, httpx left some requests waiting seconds for a connection while others sat
-    idle (time to first token p99 2.3-3.9 s at the client, 78 ms by the server's own clock)."""
+    Each client is its own session (:func:`session`), as separate users are: with one pool
+    shared by 64 closed loops, httpx left some requests waiting seconds for a connection while
+    others sat idle (time to first token p99 2.3-3.9 s at the client, 78 ms by the server's own
+    clock)."""
     done: list[Stream] = []
     seeds = itertools.count()
-    clients = [httpx.AsyncClient(base_url=url, timeout=300) for _ in range(streams)]  # ~20 ms each
+    clients = [session(url, connections=1) for _ in range(streams)]
     start = time.perf_counter()
 
-    async def client_loop(client: httpx.AsyncClient) -> None:
+    async def client_loop(client: aiohttp.ClientSession) -> None:
         rounds = 0
         while rounds < min_rounds or time.perf_counter() - start < min_seconds:
             done.append(await stream_completion(client, prompt, tokens, next(seeds)))
@@ -325,7 +338,7 @@ async def closed_loops(
             await asyncio.gather(*(client_loop(client) for client in clients))
             return done, time.perf_counter() - start
     finally:
-        await asyncio.gather(*(client.aclose() for client in clients))
+        await asyncio.gather(*(client.close() for client in clients))
 
 
 async def concurrency_level(
@@ -364,9 +377,9 @@ async def concurrency_level(
 
 
 async def drive(url: str, server: psutil.Process, min_seconds: float, min_rounds: int) -> dict:
-    limits = httpx.Limits(max_connections=2 * MAX_BATCH, max_keepalive_connections=2 * MAX_BATCH)
-    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=300) as client:
-        prompt = await prompt_ids(client)
+    async with httpx.AsyncClient(base_url=url, timeout=300) as control:
+        prompt = await prompt_ids(control)
+    async with session(url) as client:
         for seed in range(3):  # warm-up: connection, allocator, kernels
             await stream_completion(client, prompt, 16, seed)
         single = await single_stream(client, prompt)
@@ -385,8 +398,9 @@ async def prefill_interference(url: str, long_prompts: bool) -> dict[str, Any]:
     """``INTERFERENCE_STREAMS`` streams decoding ``LEVEL_TOKENS`` tokens each; with
     ``long_prompts``, ``LONG_PROMPT_TOKENS``-token prompts (one token each) arrive back to
     back meanwhile. Percentiles of the time between a stream's consecutive tokens."""
-    async with httpx.AsyncClient(base_url=url, timeout=300) as client:
-        prompt = await prompt_ids(client)
+    async with httpx.AsyncClient(base_url=url, timeout=300) as control:
+        prompt = await prompt_ids(control)
+    async with session(url) as client:
         long = (prompt * (LONG_PROMPT_TOKENS // len(prompt) + 1))[:LONG_PROMPT_TOKENS]
         decoding = asyncio.Event()
         arrived = 0
@@ -396,7 +410,9 @@ async def prefill_interference(url: str, long_prompts: bool) -> dict[str, Any]:
             await decoding.wait()
             while decoding.is_set():
                 body = {"model": "rope", "prompt": long, "max_tokens": 1}
-                (await client.post("/v1/completions", json=body)).raise_for_status()
+                async with client.post("/v1/completions", json=body) as response:
+                    response.raise_for_status()
+                    await response.read()
                 arrived += 1
 
         with collector_paused():

@@ -26,7 +26,7 @@ from typing import Any
 import httpx
 import psutil
 
-from bench.http import MiB, free_port, prompt_ids, serve_command, stream_completion
+from bench.http import MiB, free_port, prompt_ids, serve_command, session, stream_completion
 from model.files import write_json_atomic
 
 
@@ -42,11 +42,11 @@ def rss_of(process: psutil.Process) -> dict[str, float]:
 
 async def under_load(url: str, process: psutil.Process, streams: int, seconds: float) -> dict:
     """Peak RSS (each process's own peak) while ``streams`` clients stream back to back."""
-    limits = httpx.Limits(max_connections=2 * streams, max_keepalive_connections=2 * streams)
     peak = rss_of(process)
     tokens = 0
-    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=120) as client:
-        prompt = await prompt_ids(client)
+    async with httpx.AsyncClient(base_url=url, timeout=120) as control:
+        prompt = await prompt_ids(control)
+    async with session(url, connections=2 * streams) as client:
         seeds = itertools.count()
         start = time.perf_counter()
 

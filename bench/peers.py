@@ -62,6 +62,7 @@ from bench.http import (
     percentile,
     running_process,
     serve_command,
+    session,
     stream_body,
 )
 from bench.run import cpu_model, load_results, peers_section, render
@@ -251,8 +252,7 @@ async def burst(url: str, streams: int, body: dict[str, Any]) -> dict[str, float
     """``streams`` copies of ``body`` sent at once: aggregate tokens/s (all their tokens over
     the time from the first send to the last token), p99 time to first token, and p99 of the
     gaps between a stream's consecutive tokens (ms)."""
-    limits = httpx.Limits(max_connections=streams, max_keepalive_connections=streams)
-    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=600) as client:
+    async with session(url, connections=streams) as client:
         with collector_paused():
             done = await asyncio.gather(*(stream_body(client, body) for _ in range(streams)))
     tokens = sum(len(stream.token_times) for stream in done)

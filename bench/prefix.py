@@ -6,8 +6,8 @@ default) and from one with ``--prefix-cache-tokens 0``, both running, the reques
 between them; medians and p90 of ``--repeats`` each (the first request of each server is a
 warm-up, and fills the cache). Timed twice: with a lean client (h11 over a blocking socket,
 kept alive) whose own cost is a few tens of µs, so the figure is the server's; and with httpx's
-async client, as the other benchmarks here, which spends ≈ 1–2.5 ms of Python per request of its
-own on this 2-core machine, where it shares the cores with both server processes.
+async client, the one most Python callers use, which spends ≈ 1–2.5 ms of Python per request of
+its own on this 2-core machine, where it shares the cores with both server processes.
 
 ``load``: time to first token p99 and inter-token gap p99 (``--stream-interval 0``, so each gap
 is a step) of 32 and 64 streams sending sampled 128-token requests back to back, as
@@ -41,6 +41,7 @@ from bench.http import (
     percentile,
     prompt_ids,
     running_server,
+    session,
     stream_completion,
 )
 from model.files import write_json_atomic
@@ -223,8 +224,9 @@ async def shared_head(url: str) -> list[int]:
 
 async def load_level(url: str, streams: int, tokens: int, min_seconds: float) -> dict[str, Any]:
     """``streams`` closed-loop clients for ``min_seconds`` (two requests each at least)."""
-    async with httpx.AsyncClient(base_url=url, timeout=300) as client:
-        prompt = await prompt_ids(client)
+    async with httpx.AsyncClient(base_url=url, timeout=300) as control:
+        prompt = await prompt_ids(control)
+    async with session(url) as client:
         for seed in range(3):
             await stream_completion(client, prompt, 16, seed)
     done, wall = await closed_loops(url, prompt, streams, tokens, min_seconds, min_rounds=2)

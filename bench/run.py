@@ -235,9 +235,10 @@ def http_section(results: Results, in_process: float | None, one_thread: float |
         "## Through the HTTP server\n\n`ordinal serve` with its defaults (every shipped "
         f"model loaded: {results.get('models_loaded', 1)}; the rope model driven; "
         f"`--max-batch-size {results['server']['max_batch_size']}`, "
-        f"{results['server']['dtype']}) in a subprocess; one asyncio httpx client process; "
-        "streaming, `ignore_eos` so every request runs to `max_tokens`. The single stream "
-        "sends the in-process request (32-token prompt, 256 new tokens, greedy; best of "
+        f"{results['server']['dtype']}) in a subprocess; one asyncio aiohttp client process "
+        "(a session per client); streaming, `ignore_eos` so every request runs to "
+        "`max_tokens`. The single stream sends the in-process request (32-token prompt, 256 "
+        "new tokens, greedy; best of "
         f"{results['single_stream']['requests']}) and its rate counts the whole request, time "
         "to first token included; 'HTTP decode only' leaves that out. At each concurrency "
         "level every client sends requests of the row's length sampled at temperature 0.8 "
@@ -622,9 +623,9 @@ def peers_section(load: Results) -> str:
         + (f", {load['cpu']}" if "cpu" in load else "")
         + ", load average at start "
         f"{load['load_average_at_start']:.2f}; medians of {load['rounds']} interleaved rounds, "
-        "the same streaming client and greedy requests for every server, one compute thread "
-        "each. Ratios are ordinal ÷ the peer (tokens/s: above 1 is ordinal faster; latencies: "
-        "below 1 is ordinal faster).\n\n" + table(header, rows)
+        "the same streaming client (aiohttp) and greedy requests for every server, one compute "
+        "thread each. Ratios are ordinal ÷ the peer (tokens/s: above 1 is ordinal faster; "
+        "latencies: below 1 is ordinal faster).\n\n" + table(header, rows)
     )
 
 

@@ -1,9 +1,9 @@
-"""bench.http's load generator: each simulated client has its own connection pool, as separate
-users do, and every one is closed when its level ends; Python's garbage collector does not run
-while requests are timed.
+"""bench.http's load generator: each simulated client has its own session, as separate users
+do, and every one is closed when its level ends; Python's garbage collector does not run while
+requests are timed; each streamed token is timed and the usage read.
 
 The figures themselves are measurements (``make bench``); what is checked is how the load is
-sent, against an in-memory server (httpx's MockTransport), nothing on the network.
+sent, against a small aiohttp server on the loopback, in the test's own event loop.
 """
 
 from __future__ import annotations
@@ -11,90 +11,123 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
-from typing import Any, ClassVar
+from collections.abc import Awaitable, Callable
+from typing import Any
 
-import httpx
+import aiohttp
 import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
 
 from bench import http as bench_http
 
+TEXTS = ("a", "b", "c")
 EVENTS = (
     b"".join(
-        b"data: " + json.dumps({"choices": [{"text": text}]}).encode() + b"\n\n"
-        for text in ("a", "b", "c")
+        b"data: " + json.dumps({"choices": [{"text": text}]}).encode() + b"\n\n" for text in TEXTS
     )
+    + b'data: {"choices": [], "usage": {"completion_tokens": 3}}\n\n'
     + b"data: [DONE]\n\n"
 )
 
 
-class RecordingClient(httpx.AsyncClient):
-    """An AsyncClient answering every completion with three streamed tokens, which notes the
-    requests it sent and whether it was closed."""
+class FakeServer:
+    """Answers every completion with three streamed tokens (or ``status``), noting for each
+    request the client's port (one per connection) and whether the collector was on."""
 
-    made: ClassVar[list[RecordingClient]] = []
-    collector_on: ClassVar[list[bool]] = []  # gc.isenabled() as each request was answered
+    def __init__(self, status: int = 200) -> None:
+        self.status = status
+        self.ports: list[int] = []
+        self.collector_on: list[bool] = []
 
-    def __init__(self, **kwargs: Any) -> None:
-        self.sent = 0
-        self.finished = False
-
-        def answer(request: httpx.Request) -> httpx.Response:
-            self.sent += 1
-            RecordingClient.collector_on.append(gc.isenabled())
-            return httpx.Response(
-                200, content=EVENTS, headers={"content-type": "text/event-stream"}
-            )
-
-        super().__init__(transport=httpx.MockTransport(answer), **kwargs)
-        RecordingClient.made.append(self)
-
-    async def aclose(self) -> None:
-        self.finished = True
-        await super().aclose()
+    async def completion(self, request: web.Request) -> web.StreamResponse:
+        await request.read()
+        peer = request.transport.get_extra_info("peername") if request.transport else None
+        self.ports.append(peer[1] if peer else -1)
+        self.collector_on.append(gc.isenabled())
+        if self.status != 200:
+            return web.Response(status=self.status, text="no")
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for line in EVENTS.split(b"\n\n")[:-1]:  # each event written on its own
+            await response.write(line + b"\n\n")
+        await response.write_eof()
+        return response
 
 
-class FailingClient(RecordingClient):
-    """A RecordingClient whose every request gets a 500."""
+def against(fake: FakeServer, work: Callable[[str], Awaitable[Any]]) -> Any:
+    """Run ``work(url)`` against ``fake`` served on the loopback."""
 
-    async def send(self, request: httpx.Request, **kwargs: Any) -> httpx.Response:
-        return httpx.Response(500, request=request)
+    async def scenario() -> Any:
+        app = web.Application()
+        app.router.add_post("/v1/completions", fake.completion)
+        async with TestServer(app, host="127.0.0.1") as server:
+            return await work(str(server.make_url("")).rstrip("/"))
+
+    return asyncio.run(scenario())
 
 
-def test_each_closed_loop_has_its_own_client_and_all_are_closed(
-    monkeypatch: pytest.MonkeyPatch,
+@pytest.fixture
+def sessions(monkeypatch: pytest.MonkeyPatch) -> list[aiohttp.ClientSession]:
+    """Every session bench.http opens, in order."""
+    made: list[aiohttp.ClientSession] = []
+    original = bench_http.session
+
+    def recording(url: str, connections: int = 100) -> aiohttp.ClientSession:
+        made.append(original(url, connections))
+        return made[-1]
+
+    monkeypatch.setattr(bench_http, "session", recording)
+    return made
+
+
+def test_each_closed_loop_has_its_own_session_and_all_are_closed(
+    sessions: list[aiohttp.ClientSession],
 ) -> None:
-    RecordingClient.made = []
-    monkeypatch.setattr(bench_http.httpx, "AsyncClient", RecordingClient)
-    done, wall = asyncio.run(
-        bench_http.closed_loops("http://server", [1, 2, 3], 5, 3, min_seconds=0.0, min_rounds=4)
+    fake = FakeServer()
+    done, wall = against(
+        fake, lambda url: bench_http.closed_loops(url, [1, 2, 3], 5, 3, 0.0, min_rounds=4)
     )
-    clients = RecordingClient.made
-    assert len(clients) == 5  # one per simulated user, none shared
-    assert [client.sent for client in clients] == [4] * 5  # each its own closed loop
-    assert all(client.finished for client in clients)
-    assert len(done) == 20 and all(stream.tokens == 3 for stream in done)
+    assert len(sessions) == 5 and all(session.closed for session in sessions)
+    # one kept-alive connection per simulated user: 5 ports, 4 requests each
+    assert sorted(fake.ports.count(port) for port in set(fake.ports)) == [4] * 5
+    assert len(done) == 20
+    assert all(len(stream.token_times) == 3 and stream.tokens == 3 for stream in done)
+    assert all(stream.sent <= stream.token_times[0] for stream in done)
     assert wall > 0
 
 
-def test_the_clients_are_closed_when_a_request_fails(monkeypatch: pytest.MonkeyPatch) -> None:
-    RecordingClient.made = []
-    monkeypatch.setattr(bench_http.httpx, "AsyncClient", FailingClient)
-    with pytest.raises(httpx.HTTPStatusError):
-        asyncio.run(bench_http.closed_loops("http://server", [1], 3, 3, 0.0, 1))
-    assert len(RecordingClient.made) == 3
-    assert all(client.finished for client in RecordingClient.made)
-
-
-def test_the_collector_is_off_while_requests_are_timed_and_on_again_after(
-    monkeypatch: pytest.MonkeyPatch,
+def test_the_sessions_are_closed_when_a_request_fails(
+    sessions: list[aiohttp.ClientSession],
 ) -> None:
-    RecordingClient.collector_on = []
-    monkeypatch.setattr(bench_http.httpx, "AsyncClient", RecordingClient)
+    with pytest.raises(aiohttp.ClientResponseError):
+        against(FakeServer(500), lambda url: bench_http.closed_loops(url, [1], 3, 3, 0.0, 1))
+    assert len(sessions) == 3 and all(session.closed for session in sessions)
+
+
+def test_the_collector_is_off_while_requests_are_timed_and_on_again_after() -> None:
+    fake = FakeServer()
     assert gc.isenabled()
-    asyncio.run(bench_http.closed_loops("http://server", [1], 3, 3, min_seconds=0.0, min_rounds=2))
-    assert RecordingClient.collector_on == [False] * 6
+    against(fake, lambda url: bench_http.closed_loops(url, [1], 3, 3, 0.0, min_rounds=2))
+    assert fake.collector_on == [False] * 6
     assert gc.isenabled()
-    monkeypatch.setattr(bench_http.httpx, "AsyncClient", FailingClient)
-    with pytest.raises(httpx.HTTPStatusError):
-        asyncio.run(bench_http.closed_loops("http://server", [1], 2, 3, 0.0, 1))
+    with pytest.raises(aiohttp.ClientResponseError):
+        against(FakeServer(500), lambda url: bench_http.closed_loops(url, [1], 2, 3, 0.0, 1))
     assert gc.isenabled()
+
+
+def test_an_error_event_mid_stream_raises() -> None:
+    class Failing(FakeServer):
+        async def completion(self, request: web.Request) -> web.StreamResponse:
+            response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await response.prepare(request)
+            await response.write(b'data: {"error": {"message": "boom"}}\n\n')
+            await response.write_eof()
+            return response
+
+    async def one(url: str) -> bench_http.Stream:
+        async with bench_http.session(url) as client:
+            return await bench_http.stream_completion(client, [1], 3, seed=None)
+
+    with pytest.raises(RuntimeError, match="boom"):
+        against(Failing(), one)
