@@ -12,6 +12,7 @@ front (the service's continuous batching relies on this). A scheme that ``keeps_
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -168,6 +169,25 @@ class KVCache:
         scatter = (row_index.to(device), token_index.to(device), slots.to(device))
         return CacheWrite(rows, positions, end, key_length, None, scatter)
 
+    def entries(self, counts: Sequence[int]) -> CacheWrite:
+        """Plan a pass of one token per pass row into the first ``len(counts)`` rows: cache row
+        b takes ``counts[b]`` ≥ 1 tokens at its next slots, as that many consecutive pass rows
+        (the decode kernel's pass: a decode step's rows, one token each, and the prompt chunks
+        of the rows after them). ``positions`` [N, 1] and ``slot_rows`` [N], N = sum(counts)."""
+        rows = len(counts)
+        if not rows or min(counts) < 1:
+            raise ValueError(f"every row takes at least one token, got {list(counts)}")
+        start = self.lengths[:rows]
+        count = torch.tensor(counts)
+        slot_rows = torch.repeat_interleave(torch.arange(rows), count)
+        first = torch.cumsum(count, 0) - count  # each cache row's first pass row
+        within = torch.arange(len(slot_rows)) - first[slot_rows]  # 0, 1, … along each row
+        positions = (start[slot_rows] + within).unsqueeze(1)
+        end = start + count
+        key_length = int(end.max())
+        self.make_room(key_length)
+        return CacheWrite(slice(0, rows), positions, end, key_length, None, None, slot_rows)
+
     def static_plan(self, rows: int, positions: Tensor) -> CacheWrite:
         """The write of a captured decode step (``model.captured``): one token for each of the
         first ``rows`` rows, at ``positions`` [rows, 1] (a buffer on the cache's device, filled
@@ -276,3 +296,6 @@ class CacheWrite:
     # each layer's write is then one slice
     scatter: tuple[Tensor, Tensor, Tensor] | None  # otherwise (row, token, slot) of every real
     # new token, on the cache's device, for one index_put per layer
+    # A pass of one token per pass row where several may fill one cache row (the decode kernel's,
+    # KVCache.entries): each pass row's cache row [B] int64, on the host; None: ``rows`` in order.
+    slot_rows: Tensor | None = None

@@ -6,7 +6,10 @@ Offline ``generate()`` and the server's engine both drive a :class:`DecodeBatch`
 1. runs one cached forward over the *decoding* rows, each fed the token it sampled last;
 2. runs one ragged forward over the prompt chunks it is given: new sequences join at the next
    free rows, and a prompt may arrive in several chunks (chunked prefill, so that a long prompt
-   never stalls the rows already decoding for more than one chunk);
+   never stalls the rows already decoding for more than one chunk). Where the decode kernel
+   applies (``model.kernels.decode_step``), 1 and 2 are one pass: each prompt token is a pass
+   row of its own beside the decoding rows (``KVCache.entries``), as vLLM batches prefill and
+   decode tokens together;
 3. samples, in one :class:`~model.sampling.SamplingBatch` call (the one place sampling is
    applied), the decoding rows and the rows whose prompt is now complete.
 
@@ -31,6 +34,7 @@ from torch import Tensor
 
 from model import captured
 from model.cache import KVCache
+from model.kernels import decode_step
 from model.sampling import RowSampler, SamplingBatch, token_logprobs
 from model.sampling_params import FailureReason
 from model.transformer import Transformer
@@ -158,12 +162,18 @@ class DecodeBatch(Generic[R]):
         Returns the draw of the decoding rows, or None when no row could sample (only a partial
         prompt was prefilled).
         """
-        logits = [self._decode()] if self.decoding else []
+        if chunks and self.captured is None:
+            begins = self._check(chunks)
+            prompts = self._prompt_tokens(chunks, begins)
+            if decode_step.applies(self.model, prompts[: decode_step.MAX_ROWS]):
+                logits = self._decode_with_prompts(chunks, begins, prompts)
+                return self._sample(logits) if self.decoding else None
+        parts = [self._decode()] if self.decoding else []
         if chunks:
-            logits.append(self._prefill(chunks))
+            parts.append(self._prefill(chunks))
         if not self.decoding:
             return None
-        return self._sample(torch.cat(logits) if len(logits) > 1 else logits[0])
+        return self._sample(torch.cat(parts) if len(parts) > 1 else parts[0])
 
     def join(self, row: R) -> int:
         """``row`` takes the next free cache row now rather than with its first chunk, so that
@@ -196,6 +206,40 @@ class DecodeBatch(Generic[R]):
                 return logits[:, : self.vocab]
         tokens = self.inputs[:n].unsqueeze(1)
         return self.model(tokens, self.cache, rows=slice(0, n), last_only=True)[:, : self.vocab]
+
+    def _prompt_tokens(self, chunks: Sequence[tuple[R, int]], begins: list[int]) -> Tensor:
+        """The chunks' prompt tokens, one after another → [P, 1] long (P: their counts' sum)."""
+        ids = [
+            token
+            for (row, count), begin in zip(chunks, begins, strict=True)
+            for token in row.tokens.prompt_ids[begin : begin + count]
+        ]
+        return torch.tensor(ids, dtype=torch.long).unsqueeze(1)
+
+    def _decode_with_prompts(
+        self, chunks: Sequence[tuple[R, int]], begins: list[int], prompts: Tensor
+    ) -> Tensor:
+        """The decoding rows and the chunks' prompt tokens in one decode kernel pass, each prompt
+        token a pass row of its own (``KVCache.entries``) → logits [c, V] of the decoding rows
+        and of the rows whose prompt this completes (the last token of each).
+
+        Where the kernel applies, every prompt is prefilled this way, alone or beside decoding
+        rows, so a seeded row's numbers do not depend on what shares its batch: the prompt
+        rode the decode step's weights (a 32-token prompt through the torch blocks took ~1.4 ms,
+        as long as a 31-row decode step; docs/performance.md, thirteenth round)."""
+        self._seat([row for row, _ in chunks if row.index is None])
+        counts = [count for _, count in chunks]
+        plan = self.cache.entries([1] * self.decoding + counts)
+        tokens = torch.cat((self.inputs[: self.decoding].unsqueeze(1), prompts))
+        logits = self.model.decode_entries(tokens, self.cache, plan)
+        complete = sum(
+            begin + count == len(row.tokens.prompt_ids)
+            for (row, count), begin in zip(chunks, begins, strict=True)
+        )
+        lasts = torch.tensor(counts[:complete], dtype=torch.long).cumsum(0) - 1 + self.decoding
+        wanted = torch.cat((torch.arange(self.decoding), lasts))
+        self._start_decoding([row for row, _ in chunks[:complete]])
+        return logits[wanted, : self.vocab]
 
     def _prefill(self, chunks: Sequence[tuple[R, int]]) -> Tensor:
         """Feed each chunk's prompt tokens in one ragged pass → logits [c, V] of the c rows

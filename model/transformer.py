@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -423,19 +423,16 @@ class Transformer(nn.Module):
             positions = plan.positions.to(device)  # [B, T]
             key_positions = torch.arange(plan.key_length, device=device)
 
-        position_vectors = self.positional.embedding(positions)
-        rotation = self.positional.rotation(positions)
         if cache is not None and recorder is None and decode_step.applies(self, tokens):
             # A CPU decode step: the same arithmetic in one C++ call (model/kernels/decode_step.py).
             assert plan is not None  # planned above, with the cache
-            bias = decode_step.score_bias(self, positions, key_positions)
-            logits = decode_step.run_step(
-                self, tokens, position_vectors, cache, plan, rotation, bias
-            )
+            logits = self._kernel_pass(tokens, cache, plan, positions, key_positions)
             if not planned_by_caller:
                 cache.commit(plan)
             return logits if last_only else logits.unsqueeze(1)
 
+        position_vectors = self.positional.embedding(positions)
+        rotation = self.positional.rotation(positions)
         x = self.token_embedding(tokens)
         dropped = frozenset() if intervention is None else intervention.drop_positional
         if position_vectors is not None and 0 not in dropped:
@@ -465,6 +462,44 @@ class Transformer(nn.Module):
         elif last_only:
             x = x[:, -1]
         return self.lm_head(x)
+
+    def decode_entries(self, tokens: Tensor, cache: KVCache, plan: CacheWrite) -> Tensor:
+        """The decode kernel's pass over ``plan`` (``KVCache.entries``: a decode step's rows and
+        prompt chunks, several pass rows filling one cache row), committed: ``tokens`` [N, 1] →
+        logits [N, vocab]. Only where ``decode_step.applies`` to this model. It runs in calls of
+        up to ``decode_step.MAX_ROWS`` pass rows, in order (a prompt's later tokens attend what
+        the earlier ones stored); a pass row's numbers are the same in any call."""
+        assert plan.slot_rows is not None, "a plan of KVCache.entries"
+        key_positions = torch.arange(plan.key_length, device=tokens.device)
+        logits = []
+        for begin in range(0, tokens.shape[0], decode_step.MAX_ROWS):
+            part = slice(begin, begin + decode_step.MAX_ROWS)
+            piece = replace(plan, positions=plan.positions[part], slot_rows=plan.slot_rows[part])
+            logits.append(
+                self._kernel_pass(tokens[part], cache, piece, piece.positions, key_positions)
+            )
+        cache.commit(plan)
+        return logits[0] if len(logits) == 1 else torch.cat(logits)
+
+    def _kernel_pass(
+        self,
+        tokens: Tensor,
+        cache: KVCache,
+        plan: CacheWrite,
+        positions: Tensor,
+        key_positions: Tensor,
+    ) -> Tensor:
+        """One decode kernel call: ``tokens`` [B, 1] at ``positions`` [B, 1] → logits [B, vocab],
+        the scheme's position vectors, rotation and bias computed here from ``positions``."""
+        return decode_step.run_step(
+            self,
+            tokens,
+            self.positional.embedding(positions),
+            cache,
+            plan,
+            self.positional.rotation(positions),
+            decode_step.score_bias(self, positions, key_positions),
+        )
 
     def unembed(self, hidden: Tensor) -> Tensor:
         """The logit lens: residual streams [..., d_model] → logits [..., vocab], read through

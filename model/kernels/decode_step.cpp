@@ -279,19 +279,22 @@ int64_t own_bias_room(const LayerSignal& signal, int64_t longest) {
   return longest + (signal.scheme == kContextual ? signal.table.size(1) : 0);
 }
 
-// Head h's attention for one row in one block, after store_row: its query in `qkv`, over the
-// row's cache slots 0..position, into out [hd]. scores: room for position + 1 floats; own_bias:
-// room for fox's or cope's bias. then_next_row: the next row's first head attends right after
-// this row's last (its keys are fetched meanwhile).
+// Head h's attention for one row in one block, after store_row: its query in `qkv`, over
+// cache row `slot_row`'s slots 0..position, into out [hd]; `row` is its place in the batch (its
+// row of `bias`). scores: room for position + 1 floats; own_bias: room for fox's or cope's bias.
+// next_slot_row: the cache row whose first head attends right after this row's last (its keys
+// are fetched meanwhile; −1: none).
 void attend_head(const Shapes& s, const float* qkv, const torch::Tensor& keys,
-                 const torch::Tensor& values, int64_t layer, int64_t row, int64_t position,
-                 int64_t h, const torch::Tensor& bias, const LayerSignal& signal, float* scores,
-                 float* own_bias, float* out, bool then_next_row) {
+                 const torch::Tensor& values, int64_t layer, int64_t row, int64_t slot_row,
+                 int64_t position, int64_t h, const torch::Tensor& bias, const LayerSignal& signal,
+                 float* scores, float* own_bias, float* out, int64_t next_slot_row) {
   const int64_t hd = s.head_dim, group = s.heads / s.kv_heads, g = h / group;
   const auto ks = keys.strides(), vs = values.strides();
-  const float* key_base = keys.data_ptr<float>() + layer * ks[0] + row * ks[1];
+  const float* layer_keys = keys.data_ptr<float>() + layer * ks[0];
+  const float* key_base = layer_keys + slot_row * ks[1];
   const float* head_keys = key_base + g * ks[2];
-  const float* head_values = values.data_ptr<float>() + layer * vs[0] + row * vs[1] + g * vs[2];
+  const float* head_values =
+      values.data_ptr<float>() + layer * vs[0] + slot_row * vs[1] + g * vs[2];
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   const float* head_bias =
       bias.numel() ? bias.data_ptr<float>() + row * bias.stride(0) + h * bias.stride(1) : nullptr;
@@ -299,14 +302,14 @@ void attend_head(const Shapes& s, const float* qkv, const torch::Tensor& keys,
   const float* q = qkv + h * hd;
   const int64_t n = position + 1;
   if (signal.scheme != kPlain) {
-    layer_bias(signal, layer, row, h, q, head_keys, ks[3], n, hd, scale, own_bias);
+    layer_bias(signal, layer, slot_row, h, q, head_keys, ks[3], n, hd, scale, own_bias);
     head_bias = own_bias;
     bias_stride = 1;
   }
   const int64_t next_group = (h + 1) / group;  // the next head's keys, if they are others
   const float* next_keys =
       h + 1 < s.heads && next_group != g ? key_base + next_group * ks[2] : nullptr;
-  if (h + 1 == s.heads && then_next_row) next_keys = key_base + ks[1];
+  if (h + 1 == s.heads && next_slot_row >= 0) next_keys = layer_keys + next_slot_row * ks[1];
   head_attention_for(hd)(q, head_keys, ks[3], head_values, vs[3], n, hd, scale, head_bias,
                          bias_stride, next_keys, scores, out);
 }
@@ -430,6 +433,7 @@ class SharedAttention : public SharedWork {
  public:
   void prepare(const Shapes& s, int64_t layer, int64_t first, int64_t rows, int64_t longest,
                const float* qkv, int64_t qkv_width, const int64_t* positions,
+               const int64_t* slot_rows,
                const torch::Tensor& keys, const torch::Tensor& values, const torch::Tensor& bias,
                const LayerSignal& signal, float* out) {
     s_ = s;
@@ -441,6 +445,7 @@ class SharedAttention : public SharedWork {
     for (int64_t r = 0; r < rows; ++r)
       std::copy_n(qkv + r * qkv_width, width, queries_.data() + r * width);
     positions_.assign(positions, positions + rows);
+    slot_rows_.assign(slot_rows, slot_rows + rows);
     keys_ = keys;
     values_ = values;
     bias_ = bias;
@@ -463,10 +468,11 @@ class SharedAttention : public SharedWork {
     float* out = (by_helper ? helper_out_.data() : out_) + r * width;
     auto& scores = by_helper ? helper_scores_ : scores_;
     auto& own_bias = by_helper ? helper_own_bias_ : own_bias_;
+    const int64_t next_slot_row = r + 1 < pieces() ? slot_rows_[r + 1] : -1;
     for (int64_t h = 0; h < s_.heads; ++h)
       attend_head(s_, queries_.data() + r * width, keys_, values_, layer_, first_ + r,
-                  positions_[r], h, bias_, signal_, scores.data(), own_bias.data(),
-                  out + h * s_.head_dim, r + 1 < pieces());
+                  slot_rows_[r], positions_[r], h, bias_, signal_, scores.data(),
+                  own_bias.data(), out + h * s_.head_dim, next_slot_row);
   }
 
   void publish(int64_t r) override {
@@ -486,7 +492,7 @@ class SharedAttention : public SharedWork {
   Shapes s_{};
   int64_t layer_ = 0, first_ = 0, longest_ = 0;
   std::vector<float> queries_;  // [rows, H·hd]: attend_head reads head h's at h·hd
-  std::vector<int64_t> positions_;
+  std::vector<int64_t> positions_, slot_rows_;
   torch::Tensor keys_, values_, bias_;
   LayerSignal signal_;
   float* out_ = nullptr;  // [rows, H·hd], the decode thread's
@@ -641,16 +647,19 @@ constexpr bool kVectorised = true;
 // position_vectors [rows, d] (empty: none), added to the embeddings. blocks: kTensorsPerBlock
 // tensors per block (an absent bias is an empty tensor); head: the final norm's weight and bias
 // and the logits projection's packed weight and bias, 4 tensors; vocab: its outputs.
-// cache_keys/cache_values: the cache's [layers, cache rows, Hkv, length, hd], of which these
-// rows are first_row.. ; positions [rows, 1] int64, where each row's token goes and the last
-// slot it sees; cos/sin [rows, rot] (empty: no rotation); bias [rows, H, length] (empty: none).
-// → logits [rows, vocab].
+// cache_keys/cache_values: the cache's [layers, cache rows, Hkv, length, hd]; slot_rows [rows]
+// int64, the cache row of each row's token, and positions [rows, 1] int64, where it goes and the
+// last slot it sees. Several rows may write one cache row (the tokens of a prompt, prefilled
+// here with the decoding rows): they must be consecutive rows, in position order, and each
+// attends the slots the ones before it wrote in the same block. cos/sin [rows, rot] (empty: no
+// rotation); bias [rows, H, length] (empty: none); states: FoX's [layers, cache rows, H,
+// length]. → logits [rows, vocab].
 torch::Tensor decode_step(const torch::Tensor& tokens, const torch::Tensor& embedding,
                           const torch::Tensor& position_vectors,
                           const std::vector<torch::Tensor>& blocks,
                           const std::vector<torch::Tensor>& head, int64_t vocab,
                           const torch::Tensor& cache_keys, const torch::Tensor& cache_values,
-                          int64_t first_row, const torch::Tensor& positions,
+                          const torch::Tensor& slot_rows, const torch::Tensor& positions,
                           const torch::Tensor& cos, const torch::Tensor& sin,
                           const torch::Tensor& bias, int64_t heads, int64_t kv_heads,
                           int64_t norm, double eps, int64_t mlp, int64_t scheme,
@@ -668,10 +677,11 @@ torch::Tensor decode_step(const torch::Tensor& tokens, const torch::Tensor& embe
   TORCH_CHECK(blocks.size() % kTensorsPerBlock == 0, "blocks: 12 tensors per block");
   TORCH_CHECK(cache_keys.dim() == 5 && cache_keys.stride(4) == 1 && cache_values.stride(4) == 1,
               "the cache's keys and values must be [layers, rows, Hkv, length, hd], hd contiguous");
-  TORCH_CHECK(first_row >= 0 && first_row + tokens.size(0) <= cache_keys.size(1),
-              "the rows are past the cache's");
-  const torch::Tensor keys = cache_keys.narrow(1, first_row, tokens.size(0));
-  const torch::Tensor values = cache_values.narrow(1, first_row, tokens.size(0));
+  TORCH_CHECK(slot_rows.dim() == 1 && slot_rows.size(0) == tokens.size(0) &&
+                  slot_rows.scalar_type() == at::kLong && slot_rows.is_contiguous(),
+              "slot_rows must be a contiguous int64 [rows] vector");
+  const torch::Tensor& keys = cache_keys;
+  const torch::Tensor& values = cache_values;
   const int64_t n_blocks = static_cast<int64_t>(blocks.size()) / kTensorsPerBlock;
   const int64_t rows = tokens.size(0), d = embedding.size(1), hd = keys.size(4);
   TORCH_CHECK(!position_vectors.numel() ||
@@ -689,10 +699,25 @@ torch::Tensor decode_step(const torch::Tensor& tokens, const torch::Tensor& embe
   int64_t longest = 0;
   for (int64_t r = 0; r < rows; ++r) longest = std::max(longest, position[r] + 1);
   TORCH_CHECK(longest <= keys.size(3), "a position is past the cache's allocated slots");
+  const int64_t* slot_row = slot_rows.data_ptr<int64_t>();
+  // Whether some cache row takes several tokens (then no thread may take a row through the
+  // blocks alone: its later tokens attend what the earlier ones stored in each block).
+  bool prompt_rows = false;
+  for (int64_t r = 0; r < rows; ++r) {
+    TORCH_CHECK(slot_row[r] >= 0 && slot_row[r] < keys.size(1), "slot row ", slot_row[r],
+                " is outside the cache's ", keys.size(1), " rows");
+    for (int64_t before = 0; before < r; ++before) {
+      if (slot_row[before] != slot_row[r]) continue;
+      TORCH_CHECK(slot_row[r - 1] == slot_row[r] && position[r - 1] < position[r],
+                  "the rows of one cache row must be consecutive, in position order");
+      prompt_rows = true;
+    }
+  }
 
   const LayerSignal signal{scheme, gate_weight, gate_bias, states, table};
-  TORCH_CHECK(scheme != kForgetting || (states.dim() == 4 && states.size(3) >= longest),
-              "FoX needs the cache's key states for these rows");
+  TORCH_CHECK(scheme != kForgetting || (states.dim() == 4 && states.size(1) == keys.size(1) &&
+                                         states.size(3) >= longest),
+              "FoX needs the cache's key states");
   // The residual stream [rows, d], updated in place: each row's embedding plus its position's
   // vector, as the torch forward adds them.
   auto x = torch::empty({rows, d}, embedding.options());
@@ -739,14 +764,14 @@ torch::Tensor decode_step(const torch::Tensor& tokens, const torch::Tensor& embe
                          qkv_width);
     if (scheme == kForgetting)
       for (int64_t r = 0; r < g.n; ++r)
-        store_log_gates(signal, b, g.first + r, position[g.first + r], g.normed.data() + r * d,
-                        heads, d);
+        store_log_gates(signal, b, slot_row[g.first + r], position[g.first + r],
+                        g.normed.data() + r * d, heads, d);
     for (int64_t r = 0; r < g.n; ++r) {
       const int64_t row = g.first + r;
       const float* row_cos = rot ? cos.data_ptr<float>() + row * cos.stride(0) : nullptr;
       const float* row_sin = rot ? sin.data_ptr<float>() + row * sin.stride(0) : nullptr;
-      store_row(s, g.qkv.data() + r * qkv_width, keys, values, b, row, position[row], row_cos,
-                row_sin, rot);
+      store_row(s, g.qkv.data() + r * qkv_width, keys, values, b, slot_row[row], position[row],
+                row_cos, row_sin, rot);
     }
   };
   // Block b's attention on torch's threads: every (row, head) pair on its own (a batch of one
@@ -756,9 +781,10 @@ torch::Tensor decode_step(const torch::Tensor& tokens, const torch::Tensor& embe
       std::vector<float> scores(longest), own_bias(own_bias_room(signal, longest));
       for (int64_t i = begin; i < end; ++i) {
         const int64_t r = i / heads, h = i % heads, row = g.first + r;
-        attend_head(s, g.qkv.data() + r * qkv_width, keys, values, b, row, position[row], h,
-                    bias, signal, scores.data(), own_bias.data(),
-                    g.attended.data() + r * heads * hd + h * hd, i + 1 < end);
+        const int64_t next_slot_row = h + 1 == heads && i + 1 < end ? slot_row[row + 1] : -1;
+        attend_head(s, g.qkv.data() + r * qkv_width, keys, values, b, row, slot_row[row],
+                    position[row], h, bias, signal, scores.data(), own_bias.data(),
+                    g.attended.data() + r * heads * hd + h * hd, next_slot_row);
       }
     });
   };
@@ -821,7 +847,8 @@ torch::Tensor decode_step(const torch::Tensor& tokens, const torch::Tensor& embe
       before_attention(g, b);
       g.work = work_pool().idle();
       g.work->prepare(s, b, g.first, g.n, longest, g.qkv.data(), qkv_width,
-                      position.data() + g.first, keys, values, bias, signal, g.attended.data());
+                      position.data() + g.first, slot_row + g.first, keys, values, bias, signal,
+                      g.attended.data());
       Helper::instance().post(g.work, order);
     };
     for (Rows& g : groups) post(g, 0);
@@ -845,7 +872,7 @@ torch::Tensor decode_step(const torch::Tensor& tokens, const torch::Tensor& embe
   if (shared) {
     through_blocks_shared();
     work_pool().release_idle();
-  } else if (rows >= kSplitRows && at::get_num_threads() > 1)
+  } else if (rows >= kSplitRows && at::get_num_threads() > 1 && !prompt_rows)
     at::parallel_for(0, rows, kSplitRows / 2, through_blocks);
   else
     through_blocks(0, rows);

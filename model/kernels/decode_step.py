@@ -12,10 +12,13 @@ small torch operation runs cold — an embedding lookup 52 µs instead of 6, a n
 
 The torch forward stays the definition, and the model still computes the scheme's position
 vectors, rotation tables and score bias in torch. It applies to a cached pass of one token per
-row, without gradients, in float32 on an AVX-512 CPU, for a scheme whose signal is a vector, a
-rotation or a bias (fox's and cope's, which come from each layer's own tensors, are computed in
-the kernel), without QK-norm, and for at most :data:`MAX_ROWS` rows; anything else runs the
-torch blocks. Tests hold the two equal for every scheme and architecture
+pass row — a decode step's rows, and the prompt tokens that ride the step (several consecutive
+pass rows filling one cache row, each attending what the ones before it stored), so a short
+prompt costs a few more rows of a pass the weights stream through anyway — without gradients,
+in float32 on an AVX-512 CPU, for a scheme whose signal is a vector, a rotation or a bias (fox's
+and cope's, which come from each layer's own tensors, are computed in the kernel), without
+QK-norm, and for at most :data:`MAX_ROWS` pass rows a call; anything else runs the torch
+blocks. Tests hold the two equal for every scheme and architecture
 (tests/model/kernels/test_decode_step.py).
 """
 
@@ -121,9 +124,10 @@ def run_step(
     bias: Tensor | None,
 ) -> Tensor:
     """A cached one-token pass: ``tokens`` [B, 1] → logits [B, vocab], each row's key and value
-    written into ``cache`` at its position (``plan``). ``position_vectors``: the scheme's
-    [B|1, 1, d] or None; ``rotation``: cos/sin [B, 1, 1, rot] or None; ``bias``: the scheme's
-    score bias [B|1, H, 1, Tk] or None."""
+    written into ``cache`` at its cache row and position (``plan``: its rows in order, or
+    ``plan.slot_rows``, where a prompt's tokens may share one). ``position_vectors``: the
+    scheme's [B|1, 1, d] or None; ``rotation``: cos/sin [B, 1, 1, rot] or None; ``bias``: the
+    scheme's score bias [B|1, H, 1, Tk] or None."""
     extension = load("decode_step")
     assert extension is not None, "check applies() first"
     config = model.config
@@ -139,8 +143,11 @@ def run_step(
     norm_eps = cast("nn.LayerNorm | nn.RMSNorm", first_norm).eps
     eps = torch.finfo(torch.float32).eps if norm_eps is None else norm_eps  # RMSNorm's default
     blocks, head = step_tensors(model)
-    first_row, _, step = plan.rows.indices(cache.keys.shape[1])
-    assert step == 1, "a decode step's rows are consecutive"
+    slot_rows = plan.slot_rows
+    if slot_rows is None:
+        first_row, _, step = plan.rows.indices(cache.keys.shape[1])
+        assert step == 1, "a decode step's rows are consecutive"
+        slot_rows = torch.arange(first_row, first_row + rows)
     return extension.decode_step(
         tokens,
         model.token_embedding.weight,
@@ -150,7 +157,7 @@ def run_step(
         model.lm_head.weight.shape[0],
         cache.keys,
         cache.values,
-        first_row,
+        slot_rows,
         plan.positions,
         cos,
         sin,
@@ -160,7 +167,7 @@ def run_step(
         NORMS[config.norm],
         eps,
         MLPS[config.mlp],
-        *own_bias_tensors(model, cache, plan),
+        *own_bias_tensors(model, cache),
     )
 
 
@@ -191,14 +198,14 @@ def score_bias(model: Transformer, positions: Tensor, key_positions: Tensor) -> 
 
 
 def own_bias_tensors(
-    model: Transformer, cache: KVCache, plan: CacheWrite
+    model: Transformer, cache: KVCache
 ) -> tuple[int, Tensor, Tensor, Tensor, Tensor]:
     """The kernel's scheme code and what fox's or cope's bias needs: fox's gate weights and
-    biases and the cache's key states for these rows, cope's position table; empty otherwise."""
+    biases and the cache's key states, cope's position table; empty otherwise."""
     scheme, empty = model.positional, torch.empty(0)
     if scheme.name == "fox":
         weight, bias = cast(Tensor, scheme.gate_weight), cast(Tensor, scheme.gate_bias)
-        return OWN_BIAS["fox"], weight, bias, cache.states[:, plan.rows], empty
+        return OWN_BIAS["fox"], weight, bias, cache.states, empty
     if scheme.name == "cope":
         return OWN_BIAS["cope"], empty, empty, empty, cast(Tensor, scheme.table)
     return 0, empty, empty, empty, empty

@@ -107,6 +107,26 @@ def test_rows_at_different_lengths_write_each_token_at_its_own_slot() -> None:
     assert cache.lengths.tolist() == [4, 7, 2]
 
 
+def test_entries_give_each_token_a_pass_row_at_its_rows_next_slots() -> None:
+    """The decode kernel's plan: row b's counts[b] tokens as consecutive pass rows, each at the
+    row's next slot; the lengths advance at commit, to each row's end."""
+    cache = KVCache(CONFIG, 4, 10)
+    cache.lengths[:] = torch.tensor([2, 5, 0, 7])
+    plan = cache.entries([1, 1, 3])
+    assert plan.slot_rows is not None and plan.slot_rows.tolist() == [0, 1, 2, 2, 2]
+    assert plan.positions.tolist() == [[2], [5], [0], [1], [2]]
+    assert plan.key_length == 6 and plan.end.tolist() == [3, 6, 3]
+    cache.commit(plan)
+    assert cache.lengths.tolist() == [3, 6, 3, 7]  # the row after them is left alone
+
+
+@pytest.mark.parametrize("counts", [[], [1, 0], [2, -1]])
+def test_entries_take_at_least_one_token_a_row(counts: list[int]) -> None:
+    cache = KVCache(CONFIG, 2, 8)
+    with pytest.raises(ValueError, match="at least one token"):
+        cache.entries(counts)
+
+
 def test_ragged_counts_write_only_real_tokens_and_pad_with_the_last_real_position() -> None:
     """Row 0 brings 3 tokens, row 1 none, row 2 one: padding is not written, keeps the row's last
     real position (never a phantom position past it), and does not advance the length."""

@@ -32,6 +32,10 @@ from model.kernels import decode_step
 from model.sampling import RowSampler
 from server.engine.core import EngineCore, run_engine_process
 
+# A model's passes a fault or gate wraps: its forward, and the decode kernel's pass that carries
+# prompts beside the decoding rows.
+PASSES = ("forward", "decode_entries")
+
 Command = tuple[Any, ...]
 
 
@@ -78,7 +82,8 @@ class Controller(threading.Thread):
         self.control = control
         self.gates: dict[str, threading.Semaphore] = {}
         self.passed: dict[str, int] = {}
-        self.ungated: dict[str, Callable[..., Any] | None] = {}  # forwards under the gates
+        # each gated model's passes as they were (None: the class's)
+        self.ungated: dict[str, dict[str, Callable[..., Any] | None]] = {}
         self.loading = threading.Event()
         self.threads_seen_by: dict[str, list[int]] = {}
 
@@ -110,8 +115,11 @@ class Controller(threading.Thread):
         return self.core.engines[name].batch.model
 
     def _wrap(self, name: str, wrapper: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+        """Every pass of the model goes through ``wrapper``: its forward, and the decode kernel's
+        pass with prompts (``decode_entries``)."""
         model = self._model(name)
-        model.forward = wrapper(model.forward)  # type: ignore[method-assign]
+        for attribute in PASSES:
+            setattr(model, attribute, wrapper(getattr(model, attribute)))
 
     def pid(self) -> int:
         return os.getpid()
@@ -119,7 +127,8 @@ class Controller(threading.Thread):
     def gate(self, name: str) -> None:
         permits = self.gates[name] = threading.Semaphore(0)
         self.passed[name] = 0
-        self.ungated[name] = self._model(name).__dict__.get("forward")
+        model = self._model(name)
+        self.ungated[name] = {attribute: model.__dict__.get(attribute) for attribute in PASSES}
 
         def wrapper(forward: Callable[..., Any]) -> Callable[..., Any]:
             def gated(*args: Any, **kwargs: Any) -> Any:
@@ -140,21 +149,24 @@ class Controller(threading.Thread):
     def ungate(self, name: str) -> None:
         """Remove the gate (and let through any forward it holds); faults under it stay."""
         self.gates.pop(name).release(10_000)
-        forward = self.ungated.pop(name)
         model = self._model(name)
-        if forward is None:
-            model.__dict__.pop("forward", None)
-        else:
-            model.forward = forward  # type: ignore[method-assign]
+        for attribute, kept in self.ungated.pop(name).items():
+            if kept is None:
+                model.__dict__.pop(attribute, None)
+            else:
+                setattr(model, attribute, kept)
 
     def poison(self, name: str, seed: int, after: int) -> None:
-        """Decode steps give NaN logits to the row seeded ``seed`` once it has ``after`` tokens."""
+        """Decode steps give NaN logits to the row seeded ``seed`` once it has ``after`` tokens
+        (the decoding rows come first in a decode pass, with prompts after them or without)."""
         batch = self.core.engines[name].batch
 
         def wrapper(forward: Callable[..., Any]) -> Callable[..., Any]:
             def poisoned(tokens: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
                 logits = forward(tokens, *args, **kwargs)
-                if tokens.shape[1] == 1 and kwargs.get("rows") == slice(0, batch.decoding):
+                with_prompts = len(args) == 2 and getattr(args[1], "slot_rows", None) is not None
+                step = with_prompts or kwargs.get("rows") == slice(0, batch.decoding)
+                if tokens.shape[1] == 1 and step:
                     for position, row in enumerate(batch.members[: batch.decoding]):
                         bad = row.sampler.params.seed == seed
                         if bad and len(row.tokens.generated_ids) >= after:
@@ -189,7 +201,7 @@ class Controller(threading.Thread):
         self._wrap(name, wrapper)
 
     def count_threads(self, name: str) -> None:
-        """Each forward of the model records how many threads the decode-step kernel's loops
+        """Each pass of the model records how many threads the decode-step kernel's loops
         use in the thread running it (``threads_seen``)."""
         seen = self.threads_seen_by[name] = []
 
@@ -231,7 +243,8 @@ class Controller(threading.Thread):
             if model in self.gates:
                 self.gates.pop(model).release(10_000)
             self.ungated.pop(model, None)
-            self._model(model).__dict__.pop("forward", None)  # the class's forward again
+            for attribute in PASSES:  # the class's passes again
+                self._model(model).__dict__.pop(attribute, None)
         if name is None:
             server.engine.engine.RowSampler = RowSampler  # type: ignore[misc]
 

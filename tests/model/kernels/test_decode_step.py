@@ -5,6 +5,7 @@ it takes, gives a row the same bits alone and in any batch, and applies only whe
 from __future__ import annotations
 
 import copy
+import dataclasses
 import time
 from typing import Any
 
@@ -352,3 +353,113 @@ def test_the_kept_step_tensors_follow_every_change_to_the_weights() -> None:
     norm.weight = torch.nn.Parameter(torch.full_like(norm.weight, 2.0))  # assigned anew
     kernel_and_torch_agree()
     assert decode_step.step_tensors(model)[0][0] is norm.weight
+
+
+def decoding_rows_and_a_free_row(
+    model: Transformer, decoding: int, length: int = 48
+) -> tuple[KVCache, torch.Tensor]:
+    """``decoding`` rows prefilled at ragged lengths and an empty row after them; each decoding
+    row's next token."""
+    cache = KVCache(model.config, rows=decoding + 1, max_length=length)
+    prompts = [random_tokens(1, 2 + row % 7, seed=row)[0] for row in range(decoding)]
+    with torch.inference_mode():
+        for row, prompt in enumerate(prompts):
+            model(prompt[None], cache, rows=slice(row, row + 1))
+    tokens = [prompt[-1:] for prompt in prompts]
+    return cache, torch.stack(tokens) if tokens else torch.zeros(0, 1, dtype=torch.long)
+
+
+def pass_with_prompt(
+    model: Transformer, cache: KVCache, tokens: torch.Tensor, prompt: torch.Tensor
+) -> torch.Tensor:
+    """One kernel pass: the decoding rows' ``tokens`` [d, 1] and ``prompt`` [P] into the row
+    after them (KVCache.entries) → logits [d + P, vocab]."""
+    plan = cache.entries([1] * len(tokens) + [len(prompt)])
+    with torch.inference_mode():
+        return model.decode_entries(torch.cat((tokens, prompt[:, None])), cache, plan)
+
+
+@pytest.mark.parametrize("scheme", BLOCK_SCHEMES)
+def test_a_prompt_in_the_decode_pass_is_what_the_torch_blocks_prefill(scheme: str) -> None:
+    """Three decoding rows and a 9-token prompt in one kernel pass, each prompt token a pass
+    row of its own: the decoding rows' logits and the prompt's (every position) within 1e-5 of
+    the torch blocks' step and prefill, the cache (keys, values, fox's log gates) too."""
+    model = random_model(scheme, seed=4)
+    cache, tokens = decoding_rows_and_a_free_row(model, 3)
+    theirs_cache = copy.deepcopy(cache)
+    prompt = random_tokens(1, 9, seed=11)[0]
+    ours = pass_with_prompt(model, cache, tokens, prompt)
+    with torch.inference_mode():
+        step = torch_blocks(model, tokens, theirs_cache)
+        prefill = model(prompt[None], theirs_cache, rows=slice(3, 4))[0]  # [P, vocab]
+    torch.testing.assert_close(ours, torch.cat((step, prefill)), atol=1e-5, rtol=0)
+    for mine, theirs in zip(
+        (cache.keys, cache.values, cache.states),
+        (theirs_cache.keys, theirs_cache.values, theirs_cache.states),
+        strict=True,
+    ):
+        torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=0)
+    assert cache.lengths.tolist() == theirs_cache.lengths.tolist()
+
+
+@pytest.mark.parametrize("scheme", ["rope", "alibi", "t5", "fox", "cope"])
+@WEIGHTS
+def test_a_prompts_pass_rows_are_the_same_bits_alone_beside_rows_and_across_calls(
+    scheme: str, narrow: bool
+) -> None:
+    """A 12-token prompt prefilled in the kernel's pass alone, beside 3 decoding rows, and beside
+    58 (70 pass rows: two calls of at most MAX_ROWS, the prompt split between them): its
+    logits and its cache row are the same bits each time."""
+    model = random_model(scheme, seed=7)
+    if narrow:
+        narrowed(model)
+    prompt = random_tokens(1, 12, seed=5)[0]
+    runs = []
+    for decoding in (0, 3, 58):
+        cache, tokens = decoding_rows_and_a_free_row(model, decoding)
+        logits = pass_with_prompt(model, cache, tokens, prompt)[decoding:]
+        row = cache.slots(decoding, len(prompt))
+        runs.append((logits, *(part for part in row if part is not None)))
+    assert len(tokens) + len(prompt) > decode_step.MAX_ROWS  # the last run took two calls
+    for other in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(runs[0], other, strict=True))
+
+
+@pytest.mark.parametrize("scheme", ["rope", "fox", "cope"])
+@pytest.mark.parametrize("order", ["helper_finishes", "helper_stalls", "free"])
+def test_a_prompt_across_the_helpers_two_groups_keeps_every_bit(scheme: str, order: str) -> None:
+    """6 decoding rows and a 14-token prompt: 20 pass rows in two groups of 10, the prompt in
+    both. Shared with the helper, the later group's tokens attend what the earlier group's
+    stored in each block: the same logits and cache, to the bit, as unshared."""
+    model = random_model(scheme, seed=6)
+    prefilled, tokens = decoding_rows_and_a_free_row(model, 6)
+    prompt = random_tokens(1, 14, seed=9)[0]
+    runs = []
+    for shared in (False, True):
+        cache = copy.deepcopy(prefilled)
+        decode_step.share_large_steps(shared, order)
+        try:
+            logits = pass_with_prompt(model, cache, tokens, prompt)
+        finally:
+            decode_step.share_large_steps(False)
+        runs.append((logits, cache.keys, cache.values, cache.states))
+    for unshared, shared_run in zip(*runs, strict=True):
+        assert torch.equal(unshared, shared_run)
+
+
+def test_pass_rows_of_one_cache_row_must_be_consecutive_and_in_order() -> None:
+    model = random_model("rope", seed=6)
+    cache, _ = decoding_rows_and_a_free_row(model, 2)
+    plan = cache.entries([1, 1, 2])  # slot rows 0, 1, 2, 2
+    feed = torch.zeros(4, 1, dtype=torch.long)
+    with torch.inference_mode():
+        for slot_rows, message in (
+            ([2, 0, 1, 2], "consecutive"),
+            ([0, 1, 2, 3], "outside the cache's 3 rows"),
+        ):
+            bad = dataclasses.replace(plan, slot_rows=torch.tensor(slot_rows))
+            with pytest.raises(RuntimeError, match=message):
+                model.decode_entries(feed, cache, bad)
+        backwards = dataclasses.replace(plan, positions=plan.positions.flip(0))
+        with pytest.raises(RuntimeError, match="position order"):
+            model.decode_entries(feed, cache, backwards)
