@@ -231,15 +231,15 @@ class DecodeBatch(Generic[R]):
         counts = [count for _, count in chunks]
         plan = self.cache.entries([1] * self.decoding + counts)
         tokens = torch.cat((self.inputs[: self.decoding].unsqueeze(1), prompts))
-        logits = self.model.decode_entries(tokens, self.cache, plan)
         complete = sum(
             begin + count == len(row.tokens.prompt_ids)
             for (row, count), begin in zip(chunks, begins, strict=True)
         )
         lasts = torch.tensor(counts[:complete], dtype=torch.long).cumsum(0) - 1 + self.decoding
-        wanted = torch.cat((torch.arange(self.decoding), lasts))
+        wanted = torch.cat((torch.arange(self.decoding), lasts))  # the rows that sample
+        logits = self.model.decode_entries(tokens, self.cache, plan, wanted)
         self._start_decoding([row for row, _ in chunks[:complete]])
-        return logits[wanted, : self.vocab]
+        return logits[:, : self.vocab]
 
     def _prefill(self, chunks: Sequence[tuple[R, int]]) -> Tensor:
         """Feed each chunk's prompt tokens in one ragged pass → logits [c, V] of the c rows

@@ -463,20 +463,29 @@ class Transformer(nn.Module):
             x = x[:, -1]
         return self.lm_head(x)
 
-    def decode_entries(self, tokens: Tensor, cache: KVCache, plan: CacheWrite) -> Tensor:
+    def decode_entries(
+        self, tokens: Tensor, cache: KVCache, plan: CacheWrite, logit_rows: Tensor | None = None
+    ) -> Tensor:
         """The decode kernel's pass over ``plan`` (``KVCache.entries``: a decode step's rows and
         prompt chunks, several pass rows filling one cache row), committed: ``tokens`` [N, 1] →
-        logits [N, vocab]. Only where ``decode_step.applies`` to this model. It runs in calls of
-        up to ``decode_step.MAX_ROWS`` pass rows, in order (a prompt's later tokens attend what
-        the earlier ones stored); a pass row's numbers are the same in any call."""
+        logits [N, vocab], or only those of ``logit_rows`` [k] (ascending) → [k, vocab]. Only
+        where ``decode_step.applies`` to this model. It runs in calls of up to
+        ``decode_step.MAX_ROWS`` pass rows, in order (a prompt's later tokens attend what the
+        earlier ones stored); a pass row's numbers are the same in any call."""
         assert plan.slot_rows is not None, "a plan of KVCache.entries"
         key_positions = torch.arange(plan.key_length, device=tokens.device)
         logits = []
         for begin in range(0, tokens.shape[0], decode_step.MAX_ROWS):
             part = slice(begin, begin + decode_step.MAX_ROWS)
             piece = replace(plan, positions=plan.positions[part], slot_rows=plan.slot_rows[part])
+            wanted = None
+            if logit_rows is not None:  # this call's rows among them, counted from its first
+                inside = (logit_rows >= begin) & (logit_rows < begin + decode_step.MAX_ROWS)
+                wanted = logit_rows[inside] - begin
             logits.append(
-                self._kernel_pass(tokens[part], cache, piece, piece.positions, key_positions)
+                self._kernel_pass(
+                    tokens[part], cache, piece, piece.positions, key_positions, wanted
+                )
             )
         cache.commit(plan)
         return logits[0] if len(logits) == 1 else torch.cat(logits)
@@ -488,9 +497,11 @@ class Transformer(nn.Module):
         plan: CacheWrite,
         positions: Tensor,
         key_positions: Tensor,
+        logit_rows: Tensor | None = None,
     ) -> Tensor:
-        """One decode kernel call: ``tokens`` [B, 1] at ``positions`` [B, 1] → logits [B, vocab],
-        the scheme's position vectors, rotation and bias computed here from ``positions``."""
+        """One decode kernel call: ``tokens`` [B, 1] at ``positions`` [B, 1] → logits [B, vocab]
+        (or [k, vocab]: those of ``logit_rows`` [k]), the scheme's position vectors, rotation
+        and bias computed here from ``positions``."""
         return decode_step.run_step(
             self,
             tokens,
@@ -499,6 +510,7 @@ class Transformer(nn.Module):
             plan,
             self.positional.rotation(positions),
             decode_step.score_bias(self, positions, key_positions),
+            logit_rows,
         )
 
     def unembed(self, hidden: Tensor) -> Tensor:

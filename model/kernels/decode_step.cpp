@@ -653,7 +653,8 @@ constexpr bool kVectorised = true;
 // here with the decoding rows): they must be consecutive rows, in position order, and each
 // attends the slots the ones before it wrote in the same block. cos/sin [rows, rot] (empty: no
 // rotation); bias [rows, H, length] (empty: none); states: FoX's [layers, cache rows, H,
-// length]. → logits [rows, vocab].
+// length]. logit_rows [k] int64: the rows whose logits are wanted (none: every row; a prompt
+// needs only its last token's). → logits [k, vocab].
 torch::Tensor decode_step(const torch::Tensor& tokens, const torch::Tensor& embedding,
                           const torch::Tensor& position_vectors,
                           const std::vector<torch::Tensor>& blocks,
@@ -664,7 +665,8 @@ torch::Tensor decode_step(const torch::Tensor& tokens, const torch::Tensor& embe
                           const torch::Tensor& bias, int64_t heads, int64_t kv_heads,
                           int64_t norm, double eps, int64_t mlp, int64_t scheme,
                           const torch::Tensor& gate_weight, const torch::Tensor& gate_bias,
-                          const torch::Tensor& states, const torch::Tensor& table) {
+                          const torch::Tensor& states, const torch::Tensor& table,
+                          const c10::optional<torch::Tensor>& logit_rows) {
   TORCH_CHECK(tokens.dim() == 2 && tokens.size(1) == 1 && tokens.scalar_type() == at::kLong,
               "tokens must be an int64 [rows, 1] matrix");
   TORCH_CHECK(positions.dim() == 2 && positions.size(0) == tokens.size(0) &&
@@ -703,15 +705,23 @@ torch::Tensor decode_step(const torch::Tensor& tokens, const torch::Tensor& embe
   // Whether some cache row takes several tokens (then no thread may take a row through the
   // blocks alone: its later tokens attend what the earlier ones stored in each block).
   bool prompt_rows = false;
+  std::vector<char> seen(keys.size(1), 0);
   for (int64_t r = 0; r < rows; ++r) {
     TORCH_CHECK(slot_row[r] >= 0 && slot_row[r] < keys.size(1), "slot row ", slot_row[r],
                 " is outside the cache's ", keys.size(1), " rows");
-    for (int64_t before = 0; before < r; ++before) {
-      if (slot_row[before] != slot_row[r]) continue;
-      TORCH_CHECK(slot_row[r - 1] == slot_row[r] && position[r - 1] < position[r],
-                  "the rows of one cache row must be consecutive, in position order");
-      prompt_rows = true;
-    }
+    const bool continues = r > 0 && slot_row[r - 1] == slot_row[r];
+    TORCH_CHECK(continues ? position[r - 1] < position[r] : !seen[slot_row[r]],
+                "the rows of one cache row must be consecutive, in position order");
+    seen[slot_row[r]] = 1;
+    prompt_rows = prompt_rows || continues;
+  }
+  if (logit_rows) {
+    TORCH_CHECK(logit_rows->dim() == 1 && logit_rows->scalar_type() == at::kLong &&
+                    logit_rows->is_contiguous(),
+                "logit_rows must be a contiguous int64 vector");
+    const int64_t* pick = logit_rows->data_ptr<int64_t>();
+    for (int64_t i = 0; i < logit_rows->size(0); ++i)
+      TORCH_CHECK(pick[i] >= 0 && pick[i] < rows, "logit row ", pick[i], " is not a row");
   }
 
   const LayerSignal signal{scheme, gate_weight, gate_bias, states, table};
@@ -876,15 +886,18 @@ torch::Tensor decode_step(const torch::Tensor& tokens, const torch::Tensor& embe
     at::parallel_for(0, rows, kSplitRows / 2, through_blocks);
   else
     through_blocks(0, rows);
-  // The final norm, then the logits: one projection over every row (its outputs split across
-  // threads), so that each thread reads only its share of the largest weight.
-  std::vector<float> normed(rows * d);
-  for (int64_t r = 0; r < rows; ++r)
-    normalise(x.data_ptr<float>() + r * d, normed.data() + r * d, d, head[0].data_ptr<float>(),
-              data_or_null(head[1]), norm, static_cast<float>(eps));
-  auto logits = torch::empty({rows, vocab}, x.options());
-  linear_core::project(normed.data(), head[2], data_or_null(head[3]), logits.data_ptr<float>(),
-                       rows, d, vocab);
+  // The final norm, then the logits of the rows asked for: one projection over them (its outputs
+  // split across threads), so that each thread reads only its share of the largest weight.
+  const int64_t wanted = logit_rows ? logit_rows->size(0) : rows;
+  const int64_t* pick = logit_rows ? logit_rows->data_ptr<int64_t>() : nullptr;
+  std::vector<float> normed(wanted * d);
+  for (int64_t i = 0; i < wanted; ++i)
+    normalise(x.data_ptr<float>() + (pick ? pick[i] : i) * d, normed.data() + i * d, d,
+              head[0].data_ptr<float>(), data_or_null(head[1]), norm, static_cast<float>(eps));
+  auto logits = torch::empty({wanted, vocab}, x.options());
+  if (wanted)
+    linear_core::project(normed.data(), head[2], data_or_null(head[3]),
+                         logits.data_ptr<float>(), wanted, d, vocab);
   g_helped.fetch_add(outcome.helped, std::memory_order_relaxed);
   g_taken.fetch_add(outcome.taken, std::memory_order_relaxed);
   return logits;
@@ -931,11 +944,12 @@ constexpr bool kVectorised = false;
 
 torch::Tensor decode_step(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
                           const std::vector<torch::Tensor>&, const std::vector<torch::Tensor>&,
-                          int64_t, const torch::Tensor&, const torch::Tensor&, int64_t,
-                          const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
-                          const torch::Tensor&, int64_t, int64_t, int64_t, double, int64_t,
                           int64_t, const torch::Tensor&, const torch::Tensor&,
-                          const torch::Tensor&, const torch::Tensor&) {
+                          const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
+                          const torch::Tensor&, const torch::Tensor&, int64_t, int64_t, int64_t,
+                          double, int64_t, int64_t, const torch::Tensor&, const torch::Tensor&,
+                          const torch::Tensor&, const torch::Tensor&,
+                          const c10::optional<torch::Tensor>&) {
   TORCH_CHECK(false, "the decode-step kernel needs AVX-512");
 }
 

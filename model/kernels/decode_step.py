@@ -122,12 +122,14 @@ def run_step(
     plan: CacheWrite,
     rotation: Rotation | None,
     bias: Tensor | None,
+    logit_rows: Tensor | None = None,
 ) -> Tensor:
     """A cached one-token pass: ``tokens`` [B, 1] → logits [B, vocab], each row's key and value
     written into ``cache`` at its cache row and position (``plan``: its rows in order, or
     ``plan.slot_rows``, where a prompt's tokens may share one). ``position_vectors``: the
     scheme's [B|1, 1, d] or None; ``rotation``: cos/sin [B, 1, 1, rot] or None; ``bias``: the
-    scheme's score bias [B|1, H, 1, Tk] or None."""
+    scheme's score bias [B|1, H, 1, Tk] or None. ``logit_rows`` [k] int64: only those rows'
+    logits → [k, vocab] (None: every row's)."""
     extension = load("decode_step")
     assert extension is not None, "check applies() first"
     config = model.config
@@ -168,6 +170,7 @@ def run_step(
         eps,
         MLPS[config.mlp],
         *own_bias_tensors(model, cache),
+        logit_rows,
     )
 
 

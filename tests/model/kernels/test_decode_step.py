@@ -463,3 +463,30 @@ def test_pass_rows_of_one_cache_row_must_be_consecutive_and_in_order() -> None:
         backwards = dataclasses.replace(plan, positions=plan.positions.flip(0))
         with pytest.raises(RuntimeError, match="position order"):
             model.decode_entries(feed, cache, backwards)
+
+
+def test_only_the_logits_asked_for_are_computed_and_they_are_the_same_bits() -> None:
+    """A pass returns the logits of the rows asked for (the decoding rows and each prompt's last
+    token, in the engine): the same bits as those rows of the whole pass, across two calls too;
+    none asked for is an empty answer, and a row past the pass an error."""
+    model = random_model("rope", seed=7)
+    prompt = random_tokens(1, 12, seed=5)[0]
+    for decoding in (3, 58):
+        wanted = torch.tensor([0, 2, decoding + len(prompt) - 1])
+        runs = []
+        for rows in (None, wanted):
+            cache, tokens = decoding_rows_and_a_free_row(model, decoding)
+            plan = cache.entries([1] * decoding + [len(prompt)])
+            with torch.inference_mode():
+                runs.append(
+                    model.decode_entries(torch.cat((tokens, prompt[:, None])), cache, plan, rows)
+                )
+        assert torch.equal(runs[0][wanted], runs[1])
+    cache, tokens = decoding_rows_and_a_free_row(model, 3)
+    with torch.inference_mode():
+        none = model.decode_entries(
+            tokens, cache, cache.entries([1] * 3), torch.zeros(0, dtype=torch.long)
+        )
+        assert none.shape == (0, model.config.vocab_size)
+        with pytest.raises(RuntimeError, match="is not a row"):
+            model.decode_entries(tokens, cache, cache.entries([1] * 3), torch.tensor([3]))
