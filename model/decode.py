@@ -162,12 +162,13 @@ class DecodeBatch(Generic[R]):
         Returns the draw of the decoding rows, or None when no row could sample (only a partial
         prompt was prefilled).
         """
-        if chunks and self.captured is None:
-            begins = self._check(chunks)
-            prompts = self._prompt_tokens(chunks, begins)
-            if decode_step.applies(self.model, prompts[: decode_step.MAX_ROWS]):
-                logits = self._decode_with_prompts(chunks, begins, prompts)
-                return self._sample(logits) if self.decoding else None
+        if (
+            chunks
+            and self.captured is None
+            and decode_step.applies(self.model, self.inputs[:1, None])
+        ):
+            logits = self._decode_with_prompts(chunks)
+            return self._sample(logits) if self.decoding else None
         parts = [self._decode()] if self.decoding else []
         if chunks:
             parts.append(self._prefill(chunks))
@@ -207,30 +208,26 @@ class DecodeBatch(Generic[R]):
         tokens = self.inputs[:n].unsqueeze(1)
         return self.model(tokens, self.cache, rows=slice(0, n), last_only=True)[:, : self.vocab]
 
-    def _prompt_tokens(self, chunks: Sequence[tuple[R, int]], begins: list[int]) -> Tensor:
-        """The chunks' prompt tokens, one after another → [P, 1] long (P: their counts' sum)."""
-        ids = [
-            token
-            for (row, count), begin in zip(chunks, begins, strict=True)
-            for token in row.tokens.prompt_ids[begin : begin + count]
-        ]
-        return torch.tensor(ids, dtype=torch.long).unsqueeze(1)
-
-    def _decode_with_prompts(
-        self, chunks: Sequence[tuple[R, int]], begins: list[int], prompts: Tensor
-    ) -> Tensor:
+    def _decode_with_prompts(self, chunks: Sequence[tuple[R, int]]) -> Tensor:
         """The decoding rows and the chunks' prompt tokens in one decode kernel pass, each prompt
         token a pass row of its own (``KVCache.entries``) → logits [c, V] of the decoding rows
         and of the rows whose prompt this completes (the last token of each).
 
         Where the kernel applies, every prompt is prefilled this way, alone or beside decoding
-        rows, so a seeded row's numbers do not depend on what shares its batch: the prompt
-        rode the decode step's weights (a 32-token prompt through the torch blocks took ~1.4 ms,
-        as long as a 31-row decode step; docs/performance.md, thirteenth round)."""
+        rows, so a seeded row's numbers do not depend on what shares its batch. A 32-token
+        prompt through the torch blocks took 1.3-1.4 ms, longer than a whole 31-row decode step;
+        in the pass it adds 0.45-0.55 ms (docs/performance.md, thirteenth round)."""
+        begins = self._check(chunks)
+        prompts = [
+            token
+            for (row, count), begin in zip(chunks, begins, strict=True)
+            for token in row.tokens.prompt_ids[begin : begin + count]
+        ]
         self._seat([row for row, _ in chunks if row.index is None])
         counts = [count for _, count in chunks]
         plan = self.cache.entries([1] * self.decoding + counts)
-        tokens = torch.cat((self.inputs[: self.decoding].unsqueeze(1), prompts))
+        fed = torch.tensor(prompts, dtype=torch.long, device=self.device).unsqueeze(1)
+        tokens = torch.cat((self.inputs[: self.decoding].unsqueeze(1), fed))
         complete = sum(
             begin + count == len(row.tokens.prompt_ids)
             for (row, count), begin in zip(chunks, begins, strict=True)

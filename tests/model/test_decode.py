@@ -11,7 +11,9 @@ import torch
 
 from model.decode import GROW_FROM, DecodeBatch, Row, Tokens
 from model.generate import decode_tokens, generate
+from model.kernels import decode_step
 from model.sampling import RowSampler, SamplingParams
+from model.transformer import Transformer
 from tests.model.conftest import TINY_VOCAB, random_model, random_tokens
 
 MAX_LENGTH = 64
@@ -200,3 +202,37 @@ def test_generate_drops_finished_rows_and_matches_each_row_alone(tiny_tokenizer:
         (alone,) = generate(model, tiny_tokenizer, [prompt], max_new_tokens=12, sampling=params)  # type: ignore[arg-type]
         assert result.token_ids == alone.token_ids
         assert all(token < tiny_tokenizer.get_vocab_size() for token in result.token_ids)  # type: ignore[attr-defined]
+
+
+@pytest.mark.skipif(not decode_step.ready(), reason="the decode-step kernel needs AVX-512")
+def test_prompts_ride_the_decode_kernels_pass_and_never_the_torch_blocks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where the kernel applies, a step's prompt chunks go into the decoding rows' pass (one
+    ``decode_entries`` call a step that admits), alone or beside decoding rows, so a prompt's
+    numbers never depend on its batch: the torch prefill never runs."""
+    model = random_model("rope", seed=3)
+    passes: list[int] = []
+    entries = Transformer.decode_entries
+
+    def counted(self: Transformer, tokens: torch.Tensor, *args: object) -> torch.Tensor:
+        passes.append(tokens.shape[0])
+        return entries(self, tokens, *args)  # type: ignore[arg-type]
+
+    def refused(*_: object) -> None:
+        raise AssertionError("a prompt went through the torch blocks")
+
+    monkeypatch.setattr(Transformer, "decode_entries", counted)
+    monkeypatch.setattr(DecodeBatch, "_prefill", refused)
+    batch = DecodeBatch(model, max_rows=4, max_length=MAX_LENGTH, vocab=TINY_VOCAB, filler=0)
+    rows = [
+        Row(Tokens(random_tokens(1, n, seed=n)[0].tolist(), []), RowSampler(SamplingParams()))
+        for n in (5, 7)
+    ]
+    with torch.inference_mode():
+        first = batch.step([(rows[0], 5)])  # alone: 5 pass rows
+        assert first is not None
+        rows[0].tokens.generated_ids.append(first.tokens[0])
+        second = batch.step([(rows[1], 7)])  # beside one decoding row: 1 + 7
+        assert second is not None and second.rows == rows
+    assert passes == [5, 8]
