@@ -378,9 +378,23 @@ def targets_section(results: dict[str, Results]) -> str:
         ),
     ]
     return (
-        "## Targets (issues #12 and #23)\n\nEvery row from this one `make bench` run (`python -m "
-        "bench.run`); the sections below say how each was measured.\n\n"
+        "## Targets (issues #12 and #23)\n\n"
+        + runs_of(results)
+        + "; the sections below say how each was measured.\n\n"
         + table(["", "measured", "target", "met"], rows)
+    )
+
+
+def runs_of(results: dict[str, Results]) -> str:
+    """Which `bench.run` the targets' rows come from: one, or (after ``--stages http``) the
+    decode run and a later server run."""
+    decoded_at, served_at = results.get("machine", {}).get("date"), results["http"].get("date")
+    if served_at is None or served_at == decoded_at:
+        return "Every row from this one `make bench` run (`python -m bench.run`)"
+    return (
+        f"The in-process rows from the `python -m bench.run` of {decoded_at}, the server's from "
+        f"`python -m bench.run --stages http` at {served_at} (the HTTP ÷ in-process row divides "
+        "one by the other)"
     )
 
 
@@ -690,7 +704,11 @@ def main() -> None:
     if "decode" in args.stages:  # the page's header dates the decode run (and the machine)
         write_json_atomic(args.results / "machine.json", machine())
     for stage in args.stages:
-        write_json_atomic(args.results / f"{stage}.json", run_stage(stage, args))
+        started = time.strftime("%Y-%m-%d %H:%M")
+        result = run_stage(stage, args)
+        if stage == "http":  # the report dates a server run apart from the decode run
+            result["date"] = started
+        write_json_atomic(args.results / f"{stage}.json", result)
     write_text_atomic(args.doc, render(load_results(args.results)))
     print(f"wrote {args.doc}")
 

@@ -68,6 +68,22 @@ def test_the_report_opens_with_each_target_of_issues_12_and_23_measured(results:
         assert measured != "—" and met in ("✓", "✗")
 
 
+def test_the_targets_say_which_run_each_row_comes_from(results: dict) -> None:
+    """One run, or (``--stages http`` after a whole run) the decode run's date and the server's."""
+
+    def opening(machine_date: str, http_date: str | None) -> str:
+        http = {k: v for k, v in results["http"].items() if k != "date"}
+        if http_date is not None:
+            http["date"] = http_date
+        dated = {**results, "machine": {**results["machine"], "date": machine_date}, "http": http}
+        return render(dated).split("## Targets (issues #12 and #23)\n\n")[1].split("\n")[0]
+
+    assert opening("2026-12-05 14:25", None).startswith("Every row from this one `make bench` run")
+    assert opening("2026-12-05 14:25", "2026-12-05 14:25").startswith("Every row from this one")
+    both = opening("2026-12-05 14:25", "2026-12-05 14:54")
+    assert "of 2026-12-05 14:25" in both and "--stages http` at 2026-12-05 14:54" in both
+
+
 def test_cuda_graph_figures_get_their_table_where_a_gpu_measured_them(results: dict) -> None:
     on_a_gpu = {
         "shipped": {
