@@ -216,7 +216,8 @@ class DecodeBatch(Generic[R]):
         Where the kernel applies, every prompt is prefilled this way, alone or beside decoding
         rows, so a seeded row's numbers do not depend on what shares its batch. A 32-token
         prompt through the torch blocks took 1.3-1.4 ms, longer than a whole 31-row decode step;
-        in the pass it adds 0.45-0.55 ms (docs/performance.md, thirteenth round)."""
+        beside those rows in the pass it adds 0.45-0.55 ms (docs/performance.md, thirteenth
+        round)."""
         begins = self._check(chunks)
         prompts = [
             token
@@ -228,10 +229,7 @@ class DecodeBatch(Generic[R]):
         plan = self.cache.entries([1] * self.decoding + counts)
         fed = torch.tensor(prompts, dtype=torch.long, device=self.device).unsqueeze(1)
         tokens = torch.cat((self.inputs[: self.decoding].unsqueeze(1), fed))
-        complete = sum(
-            begin + count == len(row.tokens.prompt_ids)
-            for (row, count), begin in zip(chunks, begins, strict=True)
-        )
+        complete = self._completed(chunks, begins)
         lasts = torch.tensor(counts[:complete], dtype=torch.long).cumsum(0) - 1 + self.decoding
         wanted = torch.cat((torch.arange(self.decoding), lasts))  # the rows that sample
         logits = self.model.decode_entries(tokens, self.cache, plan, wanted)
@@ -255,12 +253,18 @@ class DecodeBatch(Generic[R]):
             new_counts=torch.tensor(counts) if len(set(counts)) > 1 else None,
             last_only=True,
         )
-        complete = sum(
+        complete = self._completed(chunks, begins)
+        self._start_decoding([row for row, _ in chunks[:complete]])
+        return logits[:complete, : self.vocab]
+
+    @staticmethod
+    def _completed(chunks: Sequence[tuple[R, int]], begins: list[int]) -> int:
+        """How many of ``chunks`` (starting at ``begins`` in their prompts) end their prompt:
+        a prefix of them, since only the last chunk may leave its prompt unfinished."""
+        return sum(
             begin + count == len(row.tokens.prompt_ids)
             for (row, count), begin in zip(chunks, begins, strict=True)
         )
-        self._start_decoding([row for row, _ in chunks[:complete]])
-        return logits[:complete, : self.vocab]
 
     def _check(self, chunks: Sequence[tuple[R, int]]) -> list[int]:
         """Where each chunk starts in its prompt; ValueError (and nothing changed) unless the

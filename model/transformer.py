@@ -426,7 +426,7 @@ class Transformer(nn.Module):
         if cache is not None and recorder is None and decode_step.applies(self, tokens):
             # A CPU decode step: the same arithmetic in one C++ call (model/kernels/decode_step.py).
             assert plan is not None  # planned above, with the cache
-            logits = self._kernel_pass(tokens, cache, plan, positions, key_positions)
+            logits = self._kernel_pass(tokens, cache, plan, key_positions)
             if not planned_by_caller:
                 cache.commit(plan)
             return logits if last_only else logits.unsqueeze(1)
@@ -482,11 +482,7 @@ class Transformer(nn.Module):
             if logit_rows is not None:  # this call's rows among them, counted from its first
                 inside = (logit_rows >= begin) & (logit_rows < begin + decode_step.MAX_ROWS)
                 wanted = logit_rows[inside] - begin
-            logits.append(
-                self._kernel_pass(
-                    tokens[part], cache, piece, piece.positions, key_positions, wanted
-                )
-            )
+            logits.append(self._kernel_pass(tokens[part], cache, piece, key_positions, wanted))
         cache.commit(plan)
         return logits[0] if len(logits) == 1 else torch.cat(logits)
 
@@ -495,13 +491,13 @@ class Transformer(nn.Module):
         tokens: Tensor,
         cache: KVCache,
         plan: CacheWrite,
-        positions: Tensor,
         key_positions: Tensor,
         logit_rows: Tensor | None = None,
     ) -> Tensor:
-        """One decode kernel call: ``tokens`` [B, 1] at ``positions`` [B, 1] → logits [B, vocab]
-        (or [k, vocab]: those of ``logit_rows`` [k]), the scheme's position vectors, rotation
-        and bias computed here from ``positions``."""
+        """One decode kernel call: ``tokens`` [B, 1] at ``plan.positions`` [B, 1] (on the host,
+        where the kernel runs) → logits [B, vocab] (or [k, vocab]: those of ``logit_rows``
+        [k]), the scheme's position vectors, rotation and bias computed here from them."""
+        positions = plan.positions
         return decode_step.run_step(
             self,
             tokens,

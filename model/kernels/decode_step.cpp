@@ -647,7 +647,7 @@ constexpr bool kVectorised = true;
 // position_vectors [rows, d] (empty: none), added to the embeddings. blocks: kTensorsPerBlock
 // tensors per block (an absent bias is an empty tensor); head: the final norm's weight and bias
 // and the logits projection's packed weight and bias, 4 tensors; vocab: its outputs.
-// cache_keys/cache_values: the cache's [layers, cache rows, Hkv, length, hd]; slot_rows [rows]
+// keys/values: the cache's [layers, cache rows, Hkv, length, hd]; slot_rows [rows]
 // int64, the cache row of each row's token, and positions [rows, 1] int64, where it goes and the
 // last slot it sees. Several rows may write one cache row (the tokens of a prompt, prefilled
 // here with the decoding rows): they must be consecutive rows, in position order, and each
@@ -659,7 +659,7 @@ torch::Tensor decode_step(const torch::Tensor& tokens, const torch::Tensor& embe
                           const torch::Tensor& position_vectors,
                           const std::vector<torch::Tensor>& blocks,
                           const std::vector<torch::Tensor>& head, int64_t vocab,
-                          const torch::Tensor& cache_keys, const torch::Tensor& cache_values,
+                          const torch::Tensor& keys, const torch::Tensor& values,
                           const torch::Tensor& slot_rows, const torch::Tensor& positions,
                           const torch::Tensor& cos, const torch::Tensor& sin,
                           const torch::Tensor& bias, int64_t heads, int64_t kv_heads,
@@ -677,13 +677,11 @@ torch::Tensor decode_step(const torch::Tensor& tokens, const torch::Tensor& embe
   TORCH_CHECK(head.size() == 4,
               "head: the final norm's weight and bias, the logits' weight and bias");
   TORCH_CHECK(blocks.size() % kTensorsPerBlock == 0, "blocks: 12 tensors per block");
-  TORCH_CHECK(cache_keys.dim() == 5 && cache_keys.stride(4) == 1 && cache_values.stride(4) == 1,
+  TORCH_CHECK(keys.dim() == 5 && keys.stride(4) == 1 && values.stride(4) == 1,
               "the cache's keys and values must be [layers, rows, Hkv, length, hd], hd contiguous");
   TORCH_CHECK(slot_rows.dim() == 1 && slot_rows.size(0) == tokens.size(0) &&
                   slot_rows.scalar_type() == at::kLong && slot_rows.is_contiguous(),
               "slot_rows must be a contiguous int64 [rows] vector");
-  const torch::Tensor& keys = cache_keys;
-  const torch::Tensor& values = cache_values;
   const int64_t n_blocks = static_cast<int64_t>(blocks.size()) / kTensorsPerBlock;
   const int64_t rows = tokens.size(0), d = embedding.size(1), hd = keys.size(4);
   TORCH_CHECK(!position_vectors.numel() ||

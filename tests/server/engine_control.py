@@ -164,7 +164,8 @@ class Controller(threading.Thread):
         def wrapper(forward: Callable[..., Any]) -> Callable[..., Any]:
             def poisoned(tokens: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
                 logits = forward(tokens, *args, **kwargs)
-                with_prompts = len(args) == 2 and getattr(args[1], "slot_rows", None) is not None
+                plan = args[1] if len(args) > 1 else None  # decode_entries(tokens, cache, plan, …)
+                with_prompts = getattr(plan, "slot_rows", None) is not None
                 step = with_prompts or kwargs.get("rows") == slice(0, batch.decoding)
                 if tokens.shape[1] == 1 and step:
                     for position, row in enumerate(batch.members[: batch.decoding]):
