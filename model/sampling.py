@@ -216,6 +216,10 @@ class SamplingBatch:
             (i, row.constraint) for i, row in enumerate(self.rows) if row.constraint is not None
         ]
         paths = [_path(p) for p in params]
+        # Every row tempered and nothing to adjust: the draw kernel checks the logits itself.
+        self._tempered_only = set(paths) == {"temperature only"} and not (
+            self._constrained or self.uses_bias or self.uses_penalty or self.uses_counts
+        )
         self._groups = [
             self._group([i for i, path in enumerate(paths) if path == kind], kind, device)
             for kind in _PATHS
@@ -253,13 +257,38 @@ class SamplingBatch:
     ) -> Draw:
         """Like :meth:`sample`, but a row that fails fails alone: it is reported in
         ``failures`` and every other row gets the token it would have drawn without it."""
-        batch, vocab = len(self.rows), logits.shape[-1]
+        batch = len(self.rows)
         if logits.dim() != 2 or logits.shape[0] != batch:
             raise ValueError(f"logits must have shape [{batch}, V], got {tuple(logits.shape)}")
         if seen is not None:
             _check_seen(seen, logits)
         logits = logits.float()
         failures: dict[int, FailureReason] = {}
+        uniforms: Tensor | None = None
+        if self._tempered_only and draw_kernel.applies(logits):
+            # The common sampled step in one call: the kernel's own checks replace the finite
+            # sum and the range test below. Anything amiss, and the step takes the general way
+            # with the same uniforms, so a row's failure and its neighbours' tokens are the same.
+            uniforms = self._uniforms(failures, logits.device)
+            if not failures and uniforms is not None:
+                tokens, failed = draw_kernel.tempered_raw(
+                    logits, self.metadata.temperature, uniforms
+                )
+                if not failed:
+                    return Draw(tokens, failures)
+        return self._checked_draw(logits, seen, counts, uniforms, failures)
+
+    def _checked_draw(
+        self,
+        logits: Tensor,
+        seen: Tensor | None,
+        counts: Tensor | None,
+        uniforms: Tensor | None,
+        failures: dict[int, FailureReason],
+    ) -> Draw:
+        """:meth:`draw` every way: logits [B, V] float32; ``uniforms`` [B] when already drawn
+        (with their ``failures``), else None."""
+        batch, vocab = len(self.rows), logits.shape[-1]
         # A row's sum is finite exactly when its logits are (NaN and ±inf propagate; finite
         # logits would need |x| ~ 1e34 to overflow it): one reduction, not isfinite over [B, V],
         # which costs 270 µs at [32, 2048] on this CPU against 17 µs for the sum. The whole
@@ -272,7 +301,8 @@ class SamplingBatch:
             logits = logits.masked_fill(~finite.unsqueeze(-1), 0.0)  # any finite row will do
         if self._constrained:
             logits = self._constrain(logits, failures)
-        uniforms = self._uniforms(failures, logits.device)
+        if uniforms is None:
+            uniforms = self._uniforms(failures, logits.device)
         history = _History(seen, counts)
         try:
             tokens = self._draw(logits, history, uniforms)

@@ -47,18 +47,27 @@ inline __m512 exp_nonpositive(__m512 x) {
 // sums, in order, and the walk adds the same block sums, so a target at most the total is
 // always found; inside the block that crosses it, tokens are added one by one. Two passes over
 // the logits, 16 tokens at a time: their largest, then each block's weights and sum.
+//
+// `raw`: the row's logits straight from the model, where any NaN or infinity is a failure:
+// -1 for such a row (the max pass tests each block's class on the way, so the check costs no
+// pass of its own).
 int64_t draw_row(const float* logits, int64_t V, float temperature, float uniform,
-                 float* weights, float* block_sums) {
+                 float* weights, float* block_sums, bool raw) {
   const int64_t blocks = (V + kBlock - 1) / kBlock;
   auto tail = [&](int64_t b) {  // the block's lanes inside the vocabulary
     const int64_t lanes = std::min(kBlock, V - b * kBlock);
     return static_cast<__mmask16>((1u << lanes) - 1u);
   };
   const __m512 nothing = _mm512_set1_ps(-INFINITY);
+  constexpr int kNotFinite = 0x01 | 0x08 | 0x10 | 0x80;  // fpclass: NaNs, +inf, −inf
   __m512 largest_lanes = nothing;
-  for (int64_t b = 0; b < blocks; ++b)
-    largest_lanes = _mm512_max_ps(largest_lanes,
-                                  _mm512_mask_loadu_ps(nothing, tail(b), logits + b * kBlock));
+  __mmask16 not_finite = 0;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const __m512 z = _mm512_mask_loadu_ps(nothing, tail(b), logits + b * kBlock);
+    if (raw) not_finite |= _mm512_mask_fpclass_ps_mask(tail(b), z, kNotFinite);
+    largest_lanes = _mm512_max_ps(largest_lanes, z);
+  }
+  if (not_finite) return -1;
   const __m512 largest = _mm512_set1_ps(_mm512_reduce_max_ps(largest_lanes));
   const __m512 inverse_temperature = _mm512_set1_ps(1.0f / temperature);
   for (int64_t b = 0; b < blocks; ++b) {
@@ -95,9 +104,10 @@ int64_t draw_row(const float* logits, int64_t V, float temperature, float unifor
 
 constexpr bool kVectorised = true;
 
-// logits [B, V] float32 (contiguous); temperature, uniforms [B] float32 → [B] int64.
-torch::Tensor tempered(const torch::Tensor& logits, const torch::Tensor& temperature,
-                       const torch::Tensor& uniforms) {
+// logits [B, V] float32 (contiguous); temperature, uniforms [B] float32 → [B] int64; `raw`: as
+// draw_row's.
+torch::Tensor draw_rows(const torch::Tensor& logits, const torch::Tensor& temperature,
+                        const torch::Tensor& uniforms, bool raw) {
   TORCH_CHECK(logits.dim() == 2 && logits.size(1) > 0 && logits.scalar_type() == at::kFloat &&
                   logits.is_contiguous(),
               "logits must be a contiguous float32 [rows, V] matrix with V > 0");
@@ -111,8 +121,28 @@ torch::Tensor tempered(const torch::Tensor& logits, const torch::Tensor& tempera
   for (int64_t r = 0; r < rows; ++r)
     out.data_ptr<int64_t>()[r] = draw_row(logits.data_ptr<float>() + r * V, V,
                                           t.data_ptr<float>()[r], u.data_ptr<float>()[r],
-                                          weights.data(), block_sums.data());
+                                          weights.data(), block_sums.data(), raw);
   return out;
+}
+
+torch::Tensor tempered(const torch::Tensor& logits, const torch::Tensor& temperature,
+                       const torch::Tensor& uniforms) {
+  return draw_rows(logits, temperature, uniforms, false);
+}
+
+// The same draw of raw logits → (tokens, how many rows failed: -1 for a NaN or infinite logit,
+// V for a uniform outside [0, 1)), so that a step whose rows are all fine needs no other check.
+std::tuple<torch::Tensor, int64_t> tempered_raw(const torch::Tensor& logits,
+                                                const torch::Tensor& temperature,
+                                                const torch::Tensor& uniforms) {
+  auto out = draw_rows(logits, temperature, uniforms, true);
+  const int64_t V = logits.size(1);
+  int64_t failed = 0;
+  for (int64_t r = 0; r < out.size(0); ++r) {
+    const int64_t token = out.data_ptr<int64_t>()[r];
+    failed += token < 0 || token >= V;
+  }
+  return {out, failed};
 }
 
 #else  // no AVX-512: draw.py never calls in (vectorised() is false)
@@ -123,9 +153,17 @@ torch::Tensor tempered(const torch::Tensor&, const torch::Tensor&, const torch::
   TORCH_CHECK(false, "the draw kernel needs AVX-512");
 }
 
+std::tuple<torch::Tensor, int64_t> tempered_raw(const torch::Tensor&, const torch::Tensor&,
+                                                const torch::Tensor&) {
+  TORCH_CHECK(false, "the draw kernel needs AVX-512");
+}
+
 #endif
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("tempered", &tempered, "each row's inverse-CDF draw from softmax(logits / temperature)");
+  m.def("tempered_raw", &tempered_raw,
+        "the same draw of the model's logits, with how many rows failed (-1: a non-finite "
+        "logit; V: a uniform outside [0, 1))");
   m.def("vectorised", [] { return kVectorised; }, "whether this build has the AVX-512 kernel");
 }

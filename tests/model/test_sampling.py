@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from model.kernels import draw as draw_kernel
 from model.sampling import (
     UNIFORM_BLOCK,
     RowSampler,
@@ -332,6 +333,66 @@ def test_a_failing_row_fails_alone(how: str, bad_row: int) -> None:
         others = torch.cat([tokens[:bad_row], tokens[bad_row + 1 :]])
         assert torch.equal(others, expected)
         assert ((others >= 0) & (others < VOCAB)).all()
+
+
+TEMPERED = [SamplingParams(temperature=t, seed=i) for i, t in enumerate((0.7, 0.9, 1.0, 1.3))]
+
+
+def tempered_steps(
+    rows: list[RowSampler], steps: int, bad_row: int | None, bad: float | None
+) -> list:
+    """Each step's draw of temperature-only ``rows`` (the draw kernel's checked way): the good
+    rows get the same logits whether or not row ``bad_row`` sits among them, with a ``bad``
+    logit (None: finite ones)."""
+    out = []
+    for step in range(steps):
+        logits = random_logits(len(TEMPERED), seed=500 + step)
+        if bad_row is not None:
+            row = random_logits(1, seed=600 + step)
+            if bad is not None:
+                row[0, 7] = bad
+            logits = torch.cat([logits[:bad_row], row, logits[bad_row:]])
+        with torch.no_grad():  # as while decoding: the kernel applies
+            out.append(SamplingBatch(rows).draw(logits))
+    return out
+
+
+@pytest.mark.parametrize("how", ["nan", "inf", "-inf", "raises"])
+@pytest.mark.parametrize("bad_row", [0, 2, 4])
+def test_a_failing_row_among_tempered_rows_fails_alone(how: str, bad_row: int) -> None:
+    """The same among rows that all draw at a temperature alone, where the draw kernel checks
+    the logits itself: the rows beside the failing one draw what they draw without it."""
+    alone = tempered_steps([RowSampler(p) for p in TEMPERED], 4, None, None)
+    rows = [RowSampler(p) for p in TEMPERED]
+    bad_params = SamplingParams(temperature=1.0, seed=9)
+    rows.insert(bad_row, BrokenSampler(bad_params) if how == "raises" else RowSampler(bad_params))
+    bad = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf, "raises": None}[how]
+    together = tempered_steps(rows, 4, bad_row, bad)
+    reason = FailureReason.SAMPLING_ERROR if how == "raises" else FailureReason.NON_FINITE_LOGITS
+    for (tokens, failures), (expected, none) in zip(together, alone, strict=True):
+        assert none == {} and failures == {bad_row: reason}
+        assert torch.equal(torch.cat([tokens[:bad_row], tokens[bad_row + 1 :]]), expected)
+
+
+def test_tempered_rows_draw_in_one_checked_kernel_call_the_tokens_of_the_general_way(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    if not draw_kernel.ready():
+        pytest.skip("the draw kernel needs a C++ compiler and AVX-512")
+    logits = random_logits(len(TEMPERED), seed=8)
+    general = SamplingBatch([RowSampler(p) for p in TEMPERED])
+    general._tempered_only = False
+    fast = SamplingBatch([RowSampler(p) for p in TEMPERED])
+
+    def refused(*args: object) -> None:
+        raise AssertionError("a clean tempered step took the general way")
+
+    with torch.no_grad():  # as while decoding: the kernel applies
+        expected = general.draw(logits)
+        monkeypatch.setattr(SamplingBatch, "_checked_draw", refused)
+        tokens, failures = fast.draw(logits)
+    assert failures == {} == expected.failures
+    assert torch.equal(tokens, expected.tokens)
 
 
 def test_finite_rows_whose_batch_sum_overflows_do_not_fail() -> None:

@@ -69,3 +69,24 @@ def test_a_uniform_outside_the_unit_interval_draws_past_the_vocabulary(uniform: 
     logits = torch.randn(2, 10)
     tokens = draw.tempered(logits, torch.ones(2), torch.tensor([uniform, 0.5]))
     assert tokens[0].item() == 10 and 0 <= tokens[1].item() < 10
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+@pytest.mark.parametrize("where", [0, 17, 36])  # the first block, a middle one, the last lane
+def test_the_raw_draw_fails_a_row_with_a_non_finite_logit_and_draws_the_others(
+    bad: float, where: int
+) -> None:
+    generator = torch.Generator().manual_seed(where)
+    logits = torch.randn(3, 37, generator=generator)
+    temperature, uniforms = torch.rand(3, generator=generator) + 0.5, torch.rand(3)
+    clean, failed = draw.tempered_raw(logits, temperature, uniforms)
+    assert failed == 0 and torch.equal(clean, draw.tempered(logits, temperature, uniforms))
+    logits[1, where] = bad
+    tokens, failed = draw.tempered_raw(logits, temperature, uniforms)
+    assert failed == 1 and tokens[1].item() == -1
+    assert tokens[0].item() == clean[0].item() and tokens[2].item() == clean[2].item()
+
+
+def test_the_raw_draw_counts_a_uniform_outside_the_unit_interval() -> None:
+    tokens, failed = draw.tempered_raw(torch.randn(2, 10), torch.ones(2), torch.tensor([1.5, 0.5]))
+    assert failed == 1 and tokens[0].item() == 10 and 0 <= tokens[1].item() < 10
