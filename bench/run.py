@@ -389,7 +389,9 @@ def runs_of(results: dict[str, Results]) -> str:
     """Which `bench.run` the targets' rows come from: one, or (after ``--stages http``) the
     decode run and a later server run."""
     decoded_at, served_at = results.get("machine", {}).get("date"), results["http"].get("date")
-    if served_at is None or served_at == decoded_at:
+    # A whole run dates its server stage when that stage starts, minutes after the run began:
+    # the run's own start (``run``) says it is the same run.
+    if served_at is None or decoded_at in (served_at, results["http"].get("run")):
         return "Every row from this one `make bench` run (`python -m bench.run`)"
     return (
         f"The in-process rows from the `python -m bench.run` of {decoded_at}, the server's from "
@@ -701,13 +703,14 @@ def main() -> None:
         if getattr(args, name) is None:
             setattr(args, name, quick if args.quick else full)
 
+    info = machine()
     if "decode" in args.stages:  # the page's header dates the decode run (and the machine)
-        write_json_atomic(args.results / "machine.json", machine())
+        write_json_atomic(args.results / "machine.json", info)
     for stage in args.stages:
         started = time.strftime("%Y-%m-%d %H:%M")
         result = run_stage(stage, args)
         if stage == "http":  # the report dates a server run apart from the decode run
-            result["date"] = started
+            result["date"], result["run"] = started, info["date"]
         write_json_atomic(args.results / f"{stage}.json", result)
     write_text_atomic(args.doc, render(load_results(args.results)))
     print(f"wrote {args.doc}")

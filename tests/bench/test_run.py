@@ -71,10 +71,12 @@ def test_the_report_opens_with_each_target_of_issues_12_and_23_measured(results:
 def test_the_targets_say_which_run_each_row_comes_from(results: dict) -> None:
     """One run, or (``--stages http`` after a whole run) the decode run's date and the server's."""
 
-    def opening(machine_date: str, http_date: str | None) -> str:
-        http = {k: v for k, v in results["http"].items() if k != "date"}
+    def opening(machine_date: str, http_date: str | None, run: str | None = None) -> str:
+        http = {k: v for k, v in results["http"].items() if k not in ("date", "run")}
         if http_date is not None:
             http["date"] = http_date
+        if run is not None:
+            http["run"] = run
         dated = {**results, "machine": {**results["machine"], "date": machine_date}, "http": http}
         return render(dated).split("## Targets (issues #12 and #23)\n\n")[1].split("\n")[0]
 
@@ -82,6 +84,11 @@ def test_the_targets_say_which_run_each_row_comes_from(results: dict) -> None:
     assert opening("2026-12-05 14:25", "2026-12-05 14:25").startswith("Every row from this one")
     both = opening("2026-12-05 14:25", "2026-12-05 14:54")
     assert "of 2026-12-05 14:25" in both and "--stages http` at 2026-12-05 14:54" in both
+    # a whole run's server stage starts minutes after the run: still one run
+    whole = opening("2026-12-05 14:25", "2026-12-05 14:28", run="2026-12-05 14:25")
+    assert whole.startswith("Every row from this one")
+    later = opening("2026-12-05 14:25", "2026-12-05 14:54", run="2026-12-05 14:50")
+    assert "--stages http` at 2026-12-05 14:54" in later
 
 
 def test_cuda_graph_figures_get_their_table_where_a_gpu_measured_them(results: dict) -> None:
