@@ -14,6 +14,8 @@ torch ops.
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import Tensor
 
 from model.kernels import decoding_on_cpu, load, vectorised
@@ -34,25 +36,28 @@ def tempered(logits: Tensor, temperature: Tensor, uniforms: Tensor) -> Tensor:
     """Each row's draw from softmax(``logits`` / ``temperature``) by its uniform: logits
     [rows, V] float32, temperature and uniforms [rows] float32 → [rows] int64, V for a uniform
     outside [0, 1) (check :func:`applies`)."""
-    extension = load("draw")
-    assert extension is not None, "check applies() first"
-    return extension.tempered(
-        logits if logits.is_contiguous() else logits.contiguous(),
-        temperature.float(),
-        uniforms.float(),
-    )
+    return _extension().tempered(*_arguments(logits, temperature, uniforms))
 
 
 def tempered_raw(logits: Tensor, temperature: Tensor, uniforms: Tensor) -> tuple[Tensor, int]:
     """:func:`tempered` of the model's own logits, checked on the way: → (tokens [rows] int64,
     how many rows failed). A row with a NaN or infinite logit gets −1, one whose uniform is
-    outside [0, 1) V; a step whose rows are all fine needs no other check (the finite sum and
-    the range test took ~25 µs of a 32-row step after the kernel)."""
+    outside [0, 1) V; a step whose rows are all fine needs no other check (the batch's finite
+    sum and the range test after the draw)."""
+    tokens, failed = _extension().tempered_raw(*_arguments(logits, temperature, uniforms))
+    return tokens, int(failed)
+
+
+def _extension() -> Any:
     extension = load("draw")
     assert extension is not None, "check applies() first"
-    tokens, failed = extension.tempered_raw(
+    return extension
+
+
+def _arguments(logits: Tensor, temperature: Tensor, uniforms: Tensor) -> tuple[Tensor, ...]:
+    """The kernel's inputs: contiguous logits, float32 temperatures and uniforms."""
+    return (
         logits if logits.is_contiguous() else logits.contiguous(),
         temperature.float(),
         uniforms.float(),
     )
-    return tokens, int(failed)

@@ -301,16 +301,20 @@ class BrokenSampler(RowSampler):
         raise RuntimeError("this row's generator broke")
 
 
-def draw_steps(rows: list[RowSampler], steps: int, bad_row: int | None, how: str) -> list:
-    """Each step's (tokens, failures) for ``rows``: the good rows get the same logits whether
-    or not row ``bad_row`` sits among them and fails the way ``how`` says."""
+def draw_steps(
+    rows: list[RowSampler], steps: int, bad_row: int | None, how: str, good: int = len(MIXED)
+) -> list:
+    """Each step's (tokens, failures) for ``rows``: the ``good`` rows get the same logits
+    whether or not row ``bad_row`` sits among them and fails the way ``how`` says (a NaN
+    logit, every logit ±inf, or its generator raises)."""
     out = []
     for step in range(steps):
-        logits = random_logits(len(MIXED), seed=300 + step)
+        logits = random_logits(good, seed=300 + step)
         if bad_row is not None:
             bad = random_logits(1, seed=400 + step)
             bad[0, 3] = math.nan if how == "nan" else bad[0, 3]
-            bad = torch.full_like(bad, math.inf) if how == "inf" else bad
+            if how in ("inf", "-inf"):
+                bad = torch.full_like(bad, math.inf if how == "inf" else -math.inf)
             logits = torch.cat([logits[:bad_row], bad, logits[bad_row:]])
         seen = torch.zeros(len(rows), VOCAB, dtype=torch.bool)
         seen[:, :5] = True
@@ -338,36 +342,17 @@ def test_a_failing_row_fails_alone(how: str, bad_row: int) -> None:
 TEMPERED = [SamplingParams(temperature=t, seed=i) for i, t in enumerate((0.7, 0.9, 1.0, 1.3))]
 
 
-def tempered_steps(
-    rows: list[RowSampler], steps: int, bad_row: int | None, bad: float | None
-) -> list:
-    """Each step's draw of temperature-only ``rows`` (the draw kernel's checked way): the good
-    rows get the same logits whether or not row ``bad_row`` sits among them, with a ``bad``
-    logit (None: finite ones)."""
-    out = []
-    for step in range(steps):
-        logits = random_logits(len(TEMPERED), seed=500 + step)
-        if bad_row is not None:
-            row = random_logits(1, seed=600 + step)
-            if bad is not None:
-                row[0, 7] = bad
-            logits = torch.cat([logits[:bad_row], row, logits[bad_row:]])
-        with torch.no_grad():  # as while decoding: the kernel applies
-            out.append(SamplingBatch(rows).draw(logits))
-    return out
-
-
 @pytest.mark.parametrize("how", ["nan", "inf", "-inf", "raises"])
 @pytest.mark.parametrize("bad_row", [0, 2, 4])
 def test_a_failing_row_among_tempered_rows_fails_alone(how: str, bad_row: int) -> None:
     """The same among rows that all draw at a temperature alone, where the draw kernel checks
     the logits itself: the rows beside the failing one draw what they draw without it."""
-    alone = tempered_steps([RowSampler(p) for p in TEMPERED], 4, None, None)
     rows = [RowSampler(p) for p in TEMPERED]
     bad_params = SamplingParams(temperature=1.0, seed=9)
     rows.insert(bad_row, BrokenSampler(bad_params) if how == "raises" else RowSampler(bad_params))
-    bad = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf, "raises": None}[how]
-    together = tempered_steps(rows, 4, bad_row, bad)
+    with torch.no_grad():  # as while decoding: the kernel applies
+        alone = draw_steps([RowSampler(p) for p in TEMPERED], 4, None, how, len(TEMPERED))
+        together = draw_steps(rows, 4, bad_row, how, len(TEMPERED))
     reason = FailureReason.SAMPLING_ERROR if how == "raises" else FailureReason.NON_FINITE_LOGITS
     for (tokens, failures), (expected, none) in zip(together, alone, strict=True):
         assert none == {} and failures == {bad_row: reason}
