@@ -12,6 +12,8 @@ front (the service's continuous batching relies on this). A scheme that ``keeps_
 
 from __future__ import annotations
 
+import math
+import mmap
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -30,10 +32,14 @@ class KVCache:
     """Keys and values for ``n_layers`` layers: each [rows, n_kv_heads, length, head_dim].
 
     ``rows`` × ``max_length`` is the most it holds. With ``reserve`` = (rows, length) only that
-    much is allocated at first, and the cache grows (doubling, up to the most) when a sequence
-    joins past its rows (:meth:`reserve`) or a write goes past its length
-    (:meth:`positions`); :meth:`release` shrinks an empty cache back. Growing copies the old
-    allocation into the new one once; a server's idle models then hold almost nothing.
+    much is allocated at first, and the cache grows when a sequence joins past its rows
+    (:meth:`reserve`) or a write goes past its length (:meth:`positions`); :meth:`release`
+    shrinks an empty cache back. Growing copies the old allocation into the new one once; a
+    server's idle models then hold almost nothing.
+
+    How it grows (``grows_to_most``): on the CPU straight to the most, whose pages take memory
+    only once written (:func:`zeros`), so a server grows once and never copies again; elsewhere
+    (a GPU's memory is taken when allocated) each dimension that must grow at least doubles.
     """
 
     def __init__(
@@ -49,6 +55,10 @@ class KVCache:
         self.max_rows, self.max_length = rows, max_length
         self._layout = (config.n_layers, config.key_value_heads, config.head_dim, device, dtype)
         self._reserve = (rows, max_length) if reserve is None else reserve
+        # Doubling, even into such pages, a 64-stream burst grew a server's cache from 32 rows
+        # to 64 in one step that copied the 32 rows' keys: 107 ms on this host, which the
+        # burst's first tokens waited for (docs/performance.md, fifteenth round).
+        self.grows_to_most = torch.device(device).type == "cpu"
         self._keeps_state = SCHEMES[config.scheme].keeps_key_state
         # [layers, rows, heads, length] float32 (a cumulative sum runs over it), or empty.
         self.states = torch.empty(0)
@@ -88,9 +98,9 @@ class KVCache:
         """
         layers, heads, head_dim, device, dtype = self._layout
         shape = (layers, rows, heads, length, head_dim)
-        keys = torch.zeros(shape, device=device, dtype=dtype)
-        values = torch.zeros(shape, device=device, dtype=dtype)
-        states = torch.zeros(shape[:-1] if self._keeps_state else 0, device=device)
+        keys = zeros(shape, device, dtype)
+        values = zeros(shape, device, dtype)
+        states = zeros(shape[:-1] if self._keeps_state else (0,), device, torch.float32)
         if keep and self.keys.numel():
             kept = slice(min(rows, self.allocated[0])), slice(min(length, self.allocated[1]))
             for new, old in ((keys, self.keys), (values, self.values), (states, self.states)):
@@ -103,14 +113,17 @@ class KVCache:
 
     def reserve(self, rows: int, length: int) -> None:
         """Room for ``rows`` sequences (≤ the most it holds) of ``length`` slots each (CacheFull
-        past the most), in one reallocation at most: each dimension that must grow at least
-        doubles, so a logarithmic number of them."""
+        past the most), in one reallocation at most: to the most if ``grows_to_most``, else
+        each dimension that must grow at least doubles, so a logarithmic number of them."""
         if length > self.max_length:
             raise CacheFull(
                 f"the cache holds {self.max_length} positions per row; this step needs {length}"
             )
         allocated_rows, allocated_length = self.allocated
         if rows <= allocated_rows and length <= allocated_length:
+            return
+        if self.grows_to_most:
+            self._allocate(self.max_rows, self.max_length)
             return
         if rows > allocated_rows:
             allocated_rows = min(self.max_rows, max(rows, 2 * allocated_rows))
@@ -270,6 +283,20 @@ class KVCache:
         if self._keeps_state:
             self.states[:, target, :, :length] = self.states[:, source, :, :length]
         self.lengths[target] = length
+
+
+def zeros(shape: tuple[int, ...], device: torch.device | str, dtype: torch.dtype) -> Tensor:
+    """A zeroed tensor of ``shape``; on the CPU, fresh pages from the operating system, which
+    read as zeros and take memory only once written (a few at a time, as rows write their
+    keys). ``torch.zeros`` writes every byte at once: the step in which a burst of 64 requests
+    grew a server's cache from 32 rows to 64 took 100-250 ms, which the burst's first tokens
+    waited for (docs/performance.md, fifteenth round)."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    if torch.device(device).type != "cpu" or nbytes == 0:
+        return torch.zeros(shape, device=device, dtype=dtype)
+    # Private and anonymous: memory of this process alone, unmapped when the tensor is freed.
+    pages = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(pages, dtype=dtype).view(shape)
 
 
 def _store(slots: Tensor, plan: CacheWrite, new: Tensor) -> Tensor:

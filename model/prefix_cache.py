@@ -25,7 +25,7 @@ from collections import OrderedDict
 
 import torch
 
-from model.cache import KVCache
+from model.cache import KVCache, zeros
 from model.config import ModelConfig
 from model.positional import SCHEMES
 
@@ -145,7 +145,7 @@ class PrefixCache:
         shape = (layers, heads, blocks * self.block, head_dim)
 
         def grown(pool: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-            new = torch.zeros(shape, device=device, dtype=dtype)
+            new = zeros(shape, device, dtype)
             if old:
                 new[:, :, : old * self.block] = pool
             return new

@@ -7,9 +7,13 @@ a full forward pass); these tests pin the bookkeeping that those comparisons rel
 
 from __future__ import annotations
 
+from typing import Any
+
+import psutil
 import pytest
 import torch
 
+import model.cache
 from model.cache import CacheFull, CacheWrite, KVCache
 from tests.model.conftest import tiny_config
 
@@ -282,9 +286,11 @@ def test_a_growing_cache_holds_what_a_full_one_holds_and_shrinks_when_empty() ->
 
 
 def test_reserve_grows_rows_and_length_together_in_one_reallocation() -> None:
-    """Each dimension that must grow at least doubles (up to the most), both in one
-    reallocation that keeps what the rows hold; a reservation that fits changes nothing."""
+    """Where memory is taken when allocated (a GPU's policy, checked here on the CPU), each
+    dimension that must grow at least doubles (up to the most), both in one reallocation that
+    keeps what the rows hold; a reservation that fits changes nothing."""
     cache = KVCache(CONFIG, 8, 40, reserve=(1, 4))
+    cache.grows_to_most = False
     keys, values = entries(1, 3)
     write_every_layer(cache, cache.positions(slice(0, 1), 3), keys, values)
     generation = cache.generation
@@ -304,11 +310,47 @@ def test_reserve_grows_rows_and_length_together_in_one_reallocation() -> None:
         cache.reserve(1, 41)
 
 
+def test_on_the_cpu_the_first_growth_goes_to_the_most_keeping_what_the_rows_hold() -> None:
+    cache = KVCache(CONFIG, 8, 40, reserve=(1, 4))
+    assert cache.grows_to_most
+    keys, values = entries(1, 3)
+    write_every_layer(cache, cache.positions(slice(0, 1), 3), keys, values)
+    generation = cache.generation
+    cache.reserve(2, 4)
+    assert cache.allocated == (8, 40) and cache.generation == generation + 1
+    cache.reserve(8, 40)  # no growth ever after
+    assert cache.generation == generation + 1
+    for layer in range(LAYERS):
+        assert torch.equal(cache.keys[layer, 0, :, :3], keys[0] + 1e6 * layer)
+        assert torch.equal(cache.values[layer, 0, :, :3], values[0] - 1e6 * layer)
+    assert not cache.keys[:, 1:].any() and not cache.keys[:, :, :, 3:].any()
+
+
+def test_a_growth_on_the_cpu_takes_memory_only_where_rows_are_written() -> None:
+    """The grown tensors are fresh pages that read as zeros and take memory only once written
+    (model.cache.zeros): a growth to the most costs the copy of what the cache held, not the
+    zeroing of everything it may hold."""
+    process = psutil.Process()
+    cache = KVCache(CONFIG, 64, 4096, reserve=(1, 4))
+    most = 2 * cache.keys.element_size() * LAYERS * 64 * HEADS * 4096 * HEAD_DIM  # 128 MiB
+    before = process.memory_info().rss
+    cache.reserve(64, 4096)
+    assert cache.allocated == (64, 4096)
+    assert process.memory_info().rss - before < most / 16
+    keys, values = entries(1, 4096)
+    write_every_layer(cache, cache.positions(slice(0, 1), 4096), keys, values)
+    row = most / 64  # keys and values of one row: now resident
+    assert row <= process.memory_info().rss - before < most / 8
+    assert torch.equal(cache.keys[1, 0], keys[0] + 1e6)
+    assert not cache.keys[:, 1:].any() and not cache.values[:, 1:].any()
+
+
 def test_a_key_state_is_kept_like_the_keys_through_writes_growth_and_moves() -> None:
     """FoX's per-head scalar per slot: written where the plan says (ragged rows too), returned
     for every slot so far, kept when the cache grows, moved with its row; no other scheme's
     cache holds one."""
     cache = KVCache(tiny_config("fox"), 3, 12, reserve=(1, 2))
+    cache.grows_to_most = False  # growing twice, as on a GPU
     assert cache.states.shape == (LAYERS, 1, HEADS, 2)
     assert KVCache(CONFIG, 3, 12).states.numel() == 0
     with pytest.raises(ValueError, match="no key state"):
@@ -374,17 +416,17 @@ def test_allocated_can_be_read_at_every_moment_of_a_shrink(monkeypatch: pytest.M
     must swap whole tensors, never leave an empty one behind for that read to trip on."""
     cache = KVCache(CONFIG, 4, 12, reserve=(1, 2))
     cache.reserve_rows(4)
-    cache.positions(slice(0, 4), 6)  # grown to (4, 6); nothing committed, so it may shrink
+    cache.positions(slice(0, 4), 6)  # grown to (4, 12); nothing committed, so it may shrink
     assert cache.grown and not cache.lengths.any()
     seen_during: list[tuple[int, int]] = []
-    zeros = torch.zeros
+    zeros = model.cache.zeros
 
-    def reading_zeros(*args: object, **kwargs: object) -> torch.Tensor:
+    def reading_zeros(*args: Any) -> torch.Tensor:
         seen_during.append(cache.allocated)  # what the other thread would see right now
-        return zeros(*args, **kwargs)  # type: ignore[call-overload]
+        return zeros(*args)
 
-    monkeypatch.setattr(torch, "zeros", reading_zeros)
+    monkeypatch.setattr(model.cache, "zeros", reading_zeros)
     cache.release()
     monkeypatch.undo()
-    assert seen_during and set(seen_during) == {(4, 6)}
+    assert seen_during and set(seen_during) == {(4, 12)}
     assert cache.allocated == (1, 2) and not cache.keys.any()
