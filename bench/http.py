@@ -212,8 +212,9 @@ async def stream_body(client: aiohttp.ClientSession, body: dict[str, Any]) -> St
             if "error" in chunk:
                 raise RuntimeError(f"server error mid-stream: {chunk['error']}")
             choices = chunk.get("choices")
-            # One chunk per generated token (or a few, if behind); a peer's closing chunk
-            # carries only its finish_reason.
+            # A chunk per token, or per the tokens that travelled together (ordinal's stream
+            # interval; so tokens are counted from usage); a peer's closing chunk carries only
+            # its finish_reason.
             if choices and any(choice.get("text") for choice in choices):
                 stream.token_times.append(time.perf_counter())
             elif chunk.get("usage"):

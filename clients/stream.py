@@ -64,6 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
 def request_body(args: argparse.Namespace) -> dict[str, Any]:
     """The JSON body of ``POST /v1/completions`` for these command-line arguments."""
     body: dict[str, Any] = {"prompt": args.prompt, "max_tokens": args.max_tokens, "stream": True}
+    # The last chunk counts the tokens: a chunk may carry several (the server's stream interval).
+    body["stream_options"] = {"include_usage": True}
     if args.model is not None:
         body["model"] = args.model
     given = {name: getattr(args, name) for name in SAMPLING_OPTIONS}
@@ -106,7 +108,10 @@ def print_completion(client: httpx.Client, body: dict[str, Any], out: TextIO) ->
     started = time.perf_counter()
     first_at: float | None = None
     text_chunks = 0
+    tokens: int | None = None  # the usage chunk's count
     for chunk in stream_chunks(client, body):
+        if chunk.get("usage"):
+            tokens = chunk["usage"]["completion_tokens"]
         text = "".join(choice.get("text") or "" for choice in chunk.get("choices", []))
         if not text:
             continue  # the usage chunk, or a final chunk that only carries finish_reason
@@ -119,9 +124,13 @@ def print_completion(client: httpx.Client, body: dict[str, Any], out: TextIO) ->
     if first_at is None:
         return "no text received"
     elapsed = time.perf_counter() - first_at
-    # The first token's time is latency (prompt processing), so the rate counts the ones after it.
-    rate = f"{(text_chunks - 1) / elapsed:.1f} tokens/s" if elapsed > 0 else "n/a tokens/s"
-    return f"time to first token {first_at - started:.3f} s, {rate} ({text_chunks} chunks)"
+    if tokens is None:  # a server that sent no usage: one token a chunk, as most do
+        tokens = text_chunks
+    # The first token's time is latency (prompt processing), so the rate counts the ones after it
+    # (the first token is sent alone, at once).
+    rate = f"{(tokens - 1) / elapsed:.1f} tokens/s" if elapsed > 0 else "n/a tokens/s"
+    took = f"time to first token {first_at - started:.3f} s, {rate}"
+    return f"{took} ({tokens} tokens in {text_chunks} chunks)"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

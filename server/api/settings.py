@@ -59,7 +59,8 @@ class Settings(BaseSettings):
         ge=0,
         description=(
             "seconds a streamed token may wait to be sent with later ones, saving the decode "
-            "thread a wake-up of the HTTP loop per token; first and last tokens never wait "
+            "thread a wake-up of the HTTP loop per token; tokens sent together reach the client "
+            "as one event (one a token with logprobs); first and last tokens never wait "
             "(0 = send every step's tokens at once)"
         ),
     )

@@ -8,7 +8,8 @@ The API process (``server.api.client``) starts this process and talks to it over
 3. runs one step of every model that has work (``server.engine.engine.ModelEngine``);
 4. sends the step's events and metric changes in one frame. With ``stream_interval`` > 0 a
    frame of ordinary tokens may wait up to that long to travel with later ones; a job's first
-   and last tokens, failures and answers to cancellations never wait.
+   and last tokens, failures and answers to cancellations never wait (they leave in a frame of
+   their job's events alone).
 
 Calls (``server.engine.calls``: ``POST /v1/trace``) run here too, so the weights exist once:
 queued as they arrive, they run one a turn of the loop, after the steps. A trace is one forward
@@ -183,16 +184,19 @@ class EngineCore:
         self.channel.send(Returned(message.id, body))
 
     def _send(self) -> None:
-        """Send the outbox if it holds something that must not wait, or waited long enough."""
+        """Send the whole outbox once ``stream_interval`` has passed since it was last sent
+        whole (or nothing decodes); before that, only the jobs that have an event that must not
+        wait (``Outbox.take``)."""
         if not self.outbox.events and not self.outbox.stats:
             return
         now = time.monotonic()
-        interval = self.config.stream_interval
-        if not (self.outbox.urgent or now - self._last_send >= interval or not self.busy):
+        due = now - self._last_send >= self.config.stream_interval or not self.busy
+        if not (due or self.outbox.urgent):
             return
-        outputs = self.outbox.take()
+        outputs = self.outbox.take(everything=due)
         if outputs is not None:
             self.channel.send(outputs)
+        if due:
             self._last_send = now
 
     def shutdown(self) -> None:

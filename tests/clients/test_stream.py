@@ -22,7 +22,9 @@ from tests.server.conftest import (
 from tests.server.conftest import test_settings as server_settings
 
 SCRIPT = Path(__file__).resolve().parents[2] / "clients" / "stream.py"
-TIMING = re.compile(r"time to first token \d+\.\d+ s, (\d+\.\d|n/a) tokens/s \((\d+) chunks\)")
+TIMING = re.compile(
+    r"time to first token \d+\.\d+ s, (\d+\.\d|n/a) tokens/s \((\d+) tokens in (\d+) chunks\)"
+)
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +89,27 @@ def test_runs_as_a_script_and_reports_its_timing(server: Running) -> None:
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip()
     timing = TIMING.fullmatch(result.stderr.strip())
-    assert timing and 1 <= int(timing[2]) <= 12, result.stderr
+    assert timing and 1 <= int(timing[3]) <= int(timing[2]) <= 12, result.stderr
+
+
+def test_the_rate_counts_tokens_where_a_chunk_carries_several(
+    checkpoints: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # An interval longer than the completion: the middle tokens leave with the last one, in one
+    # chunk (the first leaves at once, in a chunk of its own unless the API process reads it
+    # only once the rest has come).
+    settings = server_settings(checkpoints, models=["rope"], stream_interval=60.0)
+    body = {"model": "rope", "prompt": "ROMEO:", "max_tokens": 12, "seed": 3}
+    with running_server(settings) as running:
+        answer = httpx.post(f"{running.url}/v1/completions", json=body, timeout=60).json()
+        flags = ["--url", running.url, "--model", "rope", "--max-tokens", "12", "--seed", "3"]
+        exit_code = main(["ROMEO:", *flags])
+    out, err = capsys.readouterr()
+    assert exit_code == 0, err
+    assert out == answer["choices"][0]["text"] + "\n"
+    tokens = answer["usage"]["completion_tokens"]
+    timing = TIMING.fullmatch(err.strip())
+    assert tokens > 2 and timing and int(timing[2]) == tokens and int(timing[3]) <= 2, err
 
 
 def test_server_error_is_one_line_with_the_server_message(

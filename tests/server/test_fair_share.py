@@ -5,6 +5,7 @@ template bombs (a bounded sandbox). Each stream's inter-token gaps are measured 
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections import Counter
@@ -21,9 +22,14 @@ GAP_P99 = 0.100  # seconds: the most a stream's p99 inter-token gap may be
 STREAM = {"prompt": "To be", "max_tokens": 100, "ignore_eos": True, "stream": True, "seed": 1}
 
 
-def stream_gaps(url: str, body: dict[str, Any], started: threading.Barrier) -> list[float]:
-    """The seconds between consecutive token chunks of one streamed completion."""
+def stream_gaps(
+    url: str, body: dict[str, Any], started: threading.Barrier
+) -> tuple[list[float], int]:
+    """The seconds between consecutive token chunks of one streamed completion, and its tokens
+    (a chunk may carry several that arrived together)."""
     arrivals: list[float] = []
+    tokens = 0
+    body = {**body, "stream_options": {"include_usage": True}}
     with httpx.Client(base_url=url, timeout=60) as client:
         started.wait()
         with client.stream("POST", "/v1/completions", json=body) as response:
@@ -31,8 +37,12 @@ def stream_gaps(url: str, body: dict[str, Any], started: threading.Barrier) -> l
             for line in response.iter_lines():
                 if line.startswith("data: {"):
                     assert '"error"' not in line, line
-                    arrivals.append(time.monotonic())
-    return list(np.diff(arrivals))
+                    chunk = json.loads(line.removeprefix("data: "))
+                    if chunk["choices"]:
+                        arrivals.append(time.monotonic())
+                    if chunk.get("usage"):
+                        tokens = chunk["usage"]["completion_tokens"]
+    return list(np.diff(arrivals)), tokens
 
 
 def gaps_beside(
@@ -46,7 +56,7 @@ def gaps_beside(
     for thread in threads:
         thread.start()
     time.sleep(0.3)  # the attack is under way before the streams start
-    results: list[list[float]] = [[] for _ in range(STREAMS)]
+    results: list[tuple[list[float], int]] = [([], 0) for _ in range(STREAMS)]
 
     def run(index: int) -> None:
         results[index] = stream_gaps(url, {**STREAM, "seed": index}, started)
@@ -60,8 +70,8 @@ def gaps_beside(
     stop.set()
     for thread in threads:
         thread.join(60)
-    gaps = np.array([gap for result in results for gap in result])
-    return gaps, sum(len(result) + 1 for result in results)
+    gaps = np.array([gap for result, _ in results for gap in result])
+    return gaps, sum(tokens for _, tokens in results)
 
 
 def test_a_trace_flood_leaves_eight_streams_their_pace(server: Running) -> None:

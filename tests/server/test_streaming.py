@@ -290,7 +290,9 @@ def test_ignore_eos_generates_past_eos_the_same_tokens(client: httpx.Client) -> 
 
 def test_a_stream_interval_never_delays_the_end_of_a_stream(checkpoints: Path) -> None:
     # An interval far longer than the whole completion: the middle tokens wait for the last one,
-    # and the request still ends as soon as its last token is made, with every token in order.
+    # and the request still ends as soon as its last token is made, with every token in order:
+    # the middle ones in one event with the last (the first leaves at once, in an event of its
+    # own unless the API process reads it only once the rest has come).
     body = {"model": "rope", "prompt": "To be", "max_tokens": 24, "ignore_eos": True, "seed": 5}
     settings = test_settings(checkpoints, models=["rope"], stream_interval=60.0)
     with running_server(settings) as running, httpx.Client(base_url=running.url) as client:
@@ -300,7 +302,7 @@ def test_a_stream_interval_never_delays_the_end_of_a_stream(checkpoints: Path) -
         asyncio.run(_stream_with(running.url, body, chunks))
         elapsed = time.perf_counter() - start
     assert elapsed < 30  # nowhere near the 60 s interval
-    assert len(chunks) == 24
+    assert len(chunks) <= 2
     assert chunks_text(chunks) == whole["choices"][0]["text"]
 
 
