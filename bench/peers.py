@@ -242,10 +242,12 @@ def compare(args: argparse.Namespace, engines: list[str]) -> dict[str, Any]:
 
 def request_body(engine: str, tokens: int, no_end: dict[str, Any]) -> dict[str, Any]:
     """The streaming greedy request every engine gets for a load: PROMPT's text (each server
-    tokenises it), ``tokens`` long with <|eos|> banned."""
+    tokenises it), ``tokens`` long with <|eos|> banned, its last chunk counting the tokens (a
+    chunk of ordinal's may carry several: its stream interval)."""
     sampling = GREEDY if engine.startswith("ordinal") else PEER_GREEDY
     body = {"model": "rope", "prompt": PROMPT, "max_tokens": tokens, "stream": True}
-    return {**body, **sampling, **no_end}
+    usage = {"stream_options": {"include_usage": True}}
+    return {**body, **usage, **sampling, **no_end}
 
 
 async def burst(url: str, streams: int, body: dict[str, Any]) -> dict[str, float | None]:
@@ -255,7 +257,7 @@ async def burst(url: str, streams: int, body: dict[str, Any]) -> dict[str, float
     async with session(url, connections=streams) as client:
         with collector_paused():
             done = await asyncio.gather(*(stream_body(client, body) for _ in range(streams)))
-    tokens = sum(len(stream.token_times) for stream in done)
+    tokens = sum(stream.tokens for stream in done)
     wall = max(s.token_times[-1] for s in done) - min(s.sent for s in done)
     gaps = [1000 * (b - a) for s in done for a, b in itertools.pairwise(s.token_times)]
     return {

@@ -32,11 +32,12 @@ EVENTS = (
 
 
 class FakeServer:
-    """Answers every completion with three streamed tokens (or ``status``), noting for each
-    request the client's port (one per connection) and whether the collector was on."""
+    """Answers every completion with ``events`` (three streamed tokens; or ``status``), noting
+    for each request the client's port (one per connection) and whether the collector was on."""
 
-    def __init__(self, status: int = 200) -> None:
+    def __init__(self, status: int = 200, events: bytes = EVENTS) -> None:
         self.status = status
+        self.events = events
         self.ports: list[int] = []
         self.collector_on: list[bool] = []
 
@@ -49,7 +50,7 @@ class FakeServer:
             return web.Response(status=self.status, text="no")
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
-        for line in EVENTS.split(b"\n\n")[:-1]:  # each event written on its own
+        for line in self.events.split(b"\n\n")[:-1]:  # each event written on its own
             await response.write(line + b"\n\n")
         await response.write_eof()
         return response

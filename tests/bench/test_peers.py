@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.peers import installed_engines, llama_cpp_command, vllm_command
+from bench.peers import burst, installed_engines, llama_cpp_command, request_body, vllm_command
+from tests.bench.test_http import FakeServer, against
 
 REPO = Path(__file__).parents[2]
 
@@ -84,3 +85,19 @@ def test_the_recorded_command_names_the_llama_server_it_found(monkeypatch) -> No
     assert found == "PATH=/opt/llama:$PATH python -m bench.peers --load --rounds 5"
     monkeypatch.setattr(peers.shutil, "which", lambda name: None)
     assert peers.reproducing_command(["llama.cpp"]) == "python -m bench.peers --load --rounds 5"
+
+
+@pytest.mark.parametrize("engine", ["ordinal", "vllm", "llama.cpp"])
+def test_a_burst_counts_each_streams_tokens_from_its_usage(engine: str) -> None:
+    """ordinal sends the tokens that travel together as one chunk: a burst counts the usage
+    chunk's tokens, which every engine is asked for, not the chunks."""
+    body = request_body(engine, 3, {})
+    assert body["stream_options"] == {"include_usage": True}
+    joined = (
+        b'data: {"choices": [{"text": "ab"}]}\n\n'
+        + b'data: {"choices": [{"text": "c"}]}\n\n'
+        + b'data: {"choices": [], "usage": {"completion_tokens": 3}}\n\n'
+        + b"data: [DONE]\n\n"
+    )
+    result = against(FakeServer(events=joined), lambda url: burst(url, 4, body))
+    assert result["tokens"] == 4 * 3
