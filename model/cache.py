@@ -123,8 +123,11 @@ class KVCache:
         if rows <= allocated_rows and length <= allocated_length:
             return
         if self.grows_to_most:
-            self._allocate(self.max_rows, self.max_length)
-            return
+            try:
+                self._allocate(self.max_rows, self.max_length)
+                return
+            except OSError:  # the OS will not map the most at once (more than its memory)
+                self.grows_to_most = False
         if rows > allocated_rows:
             allocated_rows = min(self.max_rows, max(rows, 2 * allocated_rows))
         if length > allocated_length:

@@ -7,6 +7,8 @@ a full forward pass); these tests pin the bookkeeping that those comparisons rel
 
 from __future__ import annotations
 
+import errno
+import mmap
 from typing import Any
 
 import psutil
@@ -324,6 +326,28 @@ def test_on_the_cpu_the_first_growth_goes_to_the_most_keeping_what_the_rows_hold
         assert torch.equal(cache.keys[layer, 0, :, :3], keys[0] + 1e6 * layer)
         assert torch.equal(cache.values[layer, 0, :, :3], values[0] - 1e6 * layer)
     assert not cache.keys[:, 1:].any() and not cache.keys[:, :, :, 3:].any()
+
+
+def test_a_most_the_os_will_not_map_is_grown_to_by_doubling(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A cache whose most is more than the machine's memory (a large model's long context): the
+    OS refuses to map it at once, and the cache doubles instead, as on a GPU."""
+    cache = KVCache(CONFIG, 8, 40, reserve=(1, 4))
+    most = cache.keys.element_size() * LAYERS * 8 * HEADS * 40 * HEAD_DIM
+    real_mmap = mmap.mmap
+
+    def refusing(fileno: int, length: int, **kwargs: Any) -> mmap.mmap:
+        if length >= most:
+            raise OSError(errno.ENOMEM, "Cannot allocate memory")
+        return real_mmap(fileno, length, **kwargs)
+
+    monkeypatch.setattr(mmap, "mmap", refusing)
+    keys, values = entries(1, 3)
+    write_every_layer(cache, cache.positions(slice(0, 1), 3), keys, values)
+    cache.reserve(3, 5)
+    assert cache.allocated == (3, 8) and not cache.grows_to_most
+    assert torch.equal(cache.keys[0, 0, :, :3], keys[0])
 
 
 def test_a_growth_on_the_cpu_takes_memory_only_where_rows_are_written() -> None:
