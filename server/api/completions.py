@@ -21,7 +21,7 @@ from model.tokenizer import encode_prompt
 from server.api.errors import APIError, error_event
 from server.api.job import Job
 from server.api.metrics import TIMEOUT
-from server.api.offload import check_prompt_size, off_loop, token_ids
+from server.api.offload import check_prompt_size, tokenised
 from server.api.schemas import DEFAULT_MAX_TOKENS, MAX_CHOICES, CompletionRequest, Prompt
 from server.api.service import ServedModel, Service
 from server.api.structured import compile_constraint
@@ -181,7 +181,7 @@ async def prompt_ids_of(prompt: Prompt, served: ServedModel) -> list[int]:
             )
         return encode_prompt(served.tokenizer, prompt)
     check_prompt_size(prompt, served.max_prompt_bytes, served.name)
-    return await off_loop(token_ids, served.tokenizer, prompt, served.bos)
+    return await tokenised(served.tokenizer, prompt, served.bos)
 
 
 def _max_tokens(

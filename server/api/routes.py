@@ -14,7 +14,7 @@ from model.tokenizer import BOS, EOS, PAD
 from server.api.chat import create_chat_completion
 from server.api.completions import create_completion
 from server.api.errors import APIError, busy, error_responses
-from server.api.offload import off_loop, token_ids
+from server.api.offload import tokenised
 from server.api.responses import create_response
 from server.api.schemas import (
     ChatRequest,
@@ -109,7 +109,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> Response:
     served = _service(request).get(body.model)
     tokenizer = served.tokenizer
     bos = served.bos if body.add_special_tokens else None
-    ids = await off_loop(token_ids, tokenizer, body.prompt, bos)
+    ids = await tokenised(tokenizer, body.prompt, bos)
     limit = served.max_context
     return _json({"model": served.name, "tokens": ids, "count": len(ids), "max_context": limit})
 

@@ -1,7 +1,8 @@
 """Work that is not decoding cannot stall the streams decoding: a flood of traces (run in the
 engine's loop, a prefill chunk's worth a turn, at most ``max_traces`` per model, 429 past it),
-a 1 MB prompt (tokenised off the API's event loop, and refused by its size before), and
-template bombs (a bounded sandbox). Each stream's inter-token gaps are measured by the client."""
+a 1 MB prompt (tokenised off the API's event loop, in a lane apart from short texts, and
+refused by its size before), and template bombs (a bounded sandbox). Each stream's waits are
+measured by the client: for its first token, and between its chunks."""
 
 from __future__ import annotations
 
@@ -25,13 +26,16 @@ STREAM = {"prompt": "To be", "max_tokens": 100, "ignore_eos": True, "stream": Tr
 def stream_gaps(
     url: str, body: dict[str, Any], started: threading.Barrier
 ) -> tuple[list[float], int]:
-    """The seconds between consecutive token chunks of one streamed completion, and its tokens
-    (a chunk may carry several that arrived together)."""
+    """The seconds each token chunk of one streamed completion waited (the first since the
+    request was sent, each later one since the chunk before), and its tokens. A chunk may carry
+    several tokens that arrived together: a stall of the API's event loop as long as the whole
+    stream leaves one chunk, and then only the first wait shows it."""
     arrivals: list[float] = []
     tokens = 0
     body = {**body, "stream_options": {"include_usage": True}}
     with httpx.Client(base_url=url, timeout=60) as client:
         started.wait()
+        arrivals.append(time.monotonic())
         with client.stream("POST", "/v1/completions", json=body) as response:
             assert response.status_code == 200
             for line in response.iter_lines():
