@@ -15,7 +15,7 @@ from model.chat import ChatTemplateError, Message
 from server.api.completions import Names, build_job, choice_seed, respond
 from server.api.errors import APIError
 from server.api.job import Job
-from server.api.offload import check_prompt_size, off_loop
+from server.api.offload import CHAT_POOL, check_prompt_size, in_lane
 from server.api.schemas import ChatRequest, CompletionRequest, Constraint
 from server.api.service import ServedModel, Service
 from server.api.structured import ToolCallWriter, compile_constraint
@@ -50,8 +50,12 @@ async def chat_jobs(
     for message in messages:
         check_prompt_size(message.content, served.max_prompt_bytes, served.name, "messages")
     try:
-        scene = await off_loop(
-            served.chat_template.encode, served.tokenizer, messages, served.max_prompt_bytes
+        scene = await in_lane(
+            CHAT_POOL,
+            served.chat_template.encode,
+            served.tokenizer,
+            messages,
+            served.max_prompt_bytes,
         )
     except ChatTemplateError as error:
         raise APIError(400, f"messages: {error}", param="messages") from None

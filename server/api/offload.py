@@ -5,7 +5,8 @@ its own: on the event loop either would hold every stream and ``/health`` meanwh
 in :data:`POOL` (:func:`token_ids` encodes through ``encode_batch``, which releases the GIL while
 it works, where ``encode`` holds it throughout; a template is bounded in time and output by
 ``model.chat``), and a request waits at most :data:`TIMEOUT` seconds for its result. A short text
-is tokenised in :data:`SHORT_POOL` (:func:`tokenised`), so it never waits behind a long one.
+is tokenised in :data:`SHORT_POOL` (:func:`tokenised`), so it never waits behind a long one,
+and a chat's scene is made in :data:`CHAT_POOL`, so a long template waits only for chats.
 What makes the bound hold is the size of the text: a prompt whose UTF-8 is longer than the
 model's context could hold (:func:`check_prompt_size`) is refused before it is tokenised.
 """
@@ -26,6 +27,8 @@ POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ordinal-text")  # a
 # streams of tests/server/test_fair_share.py waited 2.6 s for their first token.
 SHORT_POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ordinal-short-text")
 SHORT_TEXT = 8192  # characters: ~2 ms of tokenising, the most a short text waits behind one
+# Chat scenes (a template, then tokens) too: a template may take its whole time bound.
+CHAT_POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ordinal-chat")
 TIMEOUT = 10.0  # seconds a request waits for its text to be tokenised or rendered
 
 P = ParamSpec("P")
@@ -34,18 +37,21 @@ T = TypeVar("T")
 
 async def off_loop(function: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
     """``function(*args, **kwargs)`` run in :data:`POOL`; a 503 if it takes over TIMEOUT s."""
-    return await _run_in(POOL, lambda: function(*args, **kwargs))
+    return await in_lane(POOL, function, *args, **kwargs)
 
 
 async def tokenised(tokenizer: Tokenizer, text: str, bos: int | None) -> list[int]:
     """:func:`token_ids` off the event loop: in :data:`SHORT_POOL` for a text of at most
     :data:`SHORT_TEXT` characters, else in :data:`POOL`; a 503 if it takes over TIMEOUT s."""
     pool = SHORT_POOL if len(text) <= SHORT_TEXT else POOL
-    return await _run_in(pool, lambda: token_ids(tokenizer, text, bos))
+    return await in_lane(pool, token_ids, tokenizer, text, bos)
 
 
-async def _run_in(pool: ThreadPoolExecutor, work: Callable[[], T]) -> T:
-    future = asyncio.get_running_loop().run_in_executor(pool, work)
+async def in_lane(
+    pool: ThreadPoolExecutor, function: Callable[P, T], *args: P.args, **kwargs: P.kwargs
+) -> T:
+    """``function(*args, **kwargs)`` run in ``pool``; a 503 if it takes over TIMEOUT s."""
+    future = asyncio.get_running_loop().run_in_executor(pool, lambda: function(*args, **kwargs))
     try:
         return await asyncio.wait_for(future, TIMEOUT)
     except TimeoutError:

@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 import numpy as np
 
+from server.api import offload
 from tests.server.conftest import Running
 
 STREAMS = 8
@@ -123,3 +124,22 @@ def test_megabyte_prompts_leave_the_streams_their_pace(server: Running) -> None:
     assert gaps.max() < 0.5, f"a stall of {gaps.max():.2f} s"  # encode() held the GIL 1.6 s
     assert statuses[("/v1/completions", 400)] >= 4 and statuses[("/v1/tokenize", 200)] >= 1
     assert np.percentile(gaps, 99) < GAP_P99, f"p99 {np.percentile(gaps, 99):.3f} s"
+
+
+def test_a_short_prompt_and_a_chat_never_wait_for_the_long_texts_thread(server: Running) -> None:
+    """While the thread that tokenises long texts is held (a 1 MB text holds it half a second),
+    a short prompt is tokenised and a chat's scene made, each in a thread of its own."""
+    release = threading.Event()
+    held = offload.POOL.submit(release.wait)
+    try:
+        with httpx.Client(base_url=server.url, timeout=10) as client:
+            completion = client.post("/v1/completions", json={"prompt": "To be", "max_tokens": 2})
+            messages = [{"role": "user", "content": "Good morrow, cousin.", "name": "Benvolio"}]
+            chat = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 2})
+    finally:
+        release.set()
+        held.result(10)
+    assert completion.status_code == 200, completion.text
+    assert chat.status_code == 200, chat.text
+    assert completion.json()["usage"]["completion_tokens"] == 2
+    assert chat.json()["usage"]["completion_tokens"] == 2

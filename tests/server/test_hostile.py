@@ -176,10 +176,10 @@ def test_values_past_what_the_sampler_holds_are_clamped_by_the_documented_rule(
 def test_an_unexpected_exception_is_a_counted_500_in_openai_shape(
     server: Running, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def broken(*args: Any, **kwargs: Any) -> list[int]:
+    async def broken(*args: Any, **kwargs: Any) -> list[int]:
         raise RuntimeError("a bug")
 
-    monkeypatch.setattr(routes, "token_ids", broken)
+    monkeypatch.setattr(routes, "tokenised", broken)
     with httpx.Client(base_url=server.url, timeout=30) as client:
         before = requests_counted(client)
         response = client.post(T, json={"prompt": "a"})
