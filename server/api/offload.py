@@ -35,11 +35,6 @@ P = ParamSpec("P")
 T = TypeVar("T")
 
 
-async def off_loop(function: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
-    """``function(*args, **kwargs)`` run in :data:`POOL`; a 503 if it takes over TIMEOUT s."""
-    return await in_lane(POOL, function, *args, **kwargs)
-
-
 async def tokenised(tokenizer: Tokenizer, text: str, bos: int | None) -> list[int]:
     """:func:`token_ids` off the event loop: in :data:`SHORT_POOL` for a text of at most
     :data:`SHORT_TEXT` characters, else in :data:`POOL`; a 503 if it takes over TIMEOUT s."""

@@ -14,7 +14,7 @@ from typing import Any
 
 from model.grammar import GrammarError, grammar_error, grammar_of, grammar_tokenizer
 from server.api.errors import APIError
-from server.api.offload import off_loop
+from server.api.offload import POOL, in_lane
 from server.api.schemas import CompletionRequest, Constraint, ToolCall
 from server.api.service import ServedModel
 from server.api.writer import ChatWriter, Piece
@@ -26,7 +26,7 @@ async def compile_constraint(constraint: Constraint | None, served: ServedModel)
         return None
     try:
         grammar = grammar_of(constraint.kind, constraint.spec)
-        error = await off_loop(_check, grammar, served)
+        error = await in_lane(POOL, _check, grammar, served)
     except GrammarError as refused:
         error = str(refused)
     if error is not None:

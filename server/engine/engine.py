@@ -140,12 +140,12 @@ class Outbox:
         if not self.events and not self.stats:
             return None
         events = self.events
-        if everything:
-            self.events = []
-        else:
-            jobs = self.urgent_jobs
-            events = [event for event in self.events if event.id in jobs]
-            self.events = [event for event in self.events if event.id not in jobs]
+        waiting: list[Event] = []
+        if not everything:
+            events = []
+            for event in self.events:
+                (events if event.id in self.urgent_jobs else waiting).append(event)
+        self.events = waiting
         outputs = Outputs(events, list(self.stats.values()))
         self.stats, self.urgent_jobs = {}, set()
         return outputs
