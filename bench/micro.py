@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
+import model.kernels as kernels
 from bench.decode import GPT2_LAYOUT, GREEDY, NEW_TOKENS, PROMPT_TOKENS, model_sizes
 from bench.run import rate, ratio, table
 from model.checkpoint import load_checkpoint
@@ -90,8 +91,8 @@ STEP_PRODUCTS = ((256, 768), (256, 256), (256, 1024), (1024, 256)) * 4 + ((256, 
 def linear_kernel_products(rounds: int = 30) -> str:
     """The step's 17 products through F.linear and through the kernel, timed as a chain; 'cold'
     evicts the weights (a pass over 48 MB, past the L3 cache) before each chain."""
-    if not linear_kernel.ready():
-        return "The linear kernel could not be built here (no compiler or no AVX-512).\n"
+    if not kernels.ready():
+        return "The kernels could not be built here (no compiler), or ORDINAL_CPU_ISA=torch.\n"
     weights = [torch.randn(inputs, outputs).t() for inputs, outputs in STEP_PRODUCTS]
     biases = [torch.randn(outputs) for _, outputs in STEP_PRODUCTS]
     evict = torch.empty(12_000_000)
@@ -121,7 +122,7 @@ def linear_kernel_products(rounds: int = 30) -> str:
 def linear_kernel_decode(rounds: int = 7) -> str:
     """Greedy decodes (32-token prompt, 128 tokens) with the CPU decode kernels (the blocks'
     and the projections') on and off in turn."""
-    if not (linear_kernel.ready() and decode_step.ready()):
+    if not kernels.ready():
         return ""
     rows = []
     sizes = model_sizes(Path("checkpoints"))

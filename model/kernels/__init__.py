@@ -1,34 +1,146 @@
-"""C++ kernels for the few computations torch cannot fuse, built by ``make setup`` or on first use.
+"""C++ kernels for the few computations torch cannot fuse: one source, one library per CPU ISA.
 
-Each kernel is a ``.cpp`` file here, compiled by torch's own extension builder
-(``torch.utils.cpp_extension``) with the C++ compiler that ``torch.compile`` needs on a CPU anyway,
-and cached under ``$TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``): the first use
-on a machine takes about half a minute, later ones a moment. Each has a pure-torch reference
-that defines it (the scheme's module) and tests that hold the two equal. Where the build cannot
-run (no compiler, no ninja), :func:`load` says so once on stderr and returns None, and callers use
-the reference: the same numbers, more slowly.
+Every kernel here is written once, over the portable SIMD layer in ``simd.h`` (a 16-lane vector
+type the compiler lowers to each ISA's registers). A *variant* is every ``.cpp`` here compiled
+for one ISA into one library, whose ops are registered as ``torch.ops.ordinal_<isa>``:
+
+- ``avx512``: AVX-512 (Skylake-SP and later; Zen 4), with the AMX tile path where the CPU has it;
+- ``avx2``: AVX2 and FMA (Haswell and later; every Zen);
+- ``scalar``: the architecture's baseline (SSE2 on x86-64): the same bits on anything older,
+  run when asked for (:func:`chosen` says why);
+- ``neon``: aarch64's baseline (built by the cross-compile check; aarch64 machines build it).
+
+Which variant runs is chosen once per process (:func:`chosen`), by what the CPU reports, unless
+``ORDINAL_CPU_ISA`` names one (``avx512``, ``avx2``, ``scalar``, or ``torch`` for none at all):
+so an AVX-512 machine tests and benchmarks the AVX2 code too. Every variant computes the same
+bits (``simd.h`` says why), so the choice is one of speed alone.
+
+Each variant is built by torch's extension builder (``torch.utils.cpp_extension``), with the
+C++ compiler that ``torch.compile`` needs on a CPU anyway, into a folder named by a digest of
+the sources, the flags, torch and Python (:func:`library_name`): two checkouts with the same
+sources share one build, and two with different sources never rebuild each other's. ``make
+setup`` builds the variants this CPU runs, in parallel (:func:`build_all`); a library already
+built loads without a compiler (the Docker image's way). Where a build cannot run (no compiler,
+no ninja), :func:`ops` says so once on stderr and returns None, and callers use the torch
+reference: the same numbers, more slowly.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import hashlib
+import os
+import platform
 import sys
 import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from types import ModuleType
+from typing import Any
 
 import torch
 from torch import Tensor
 
 HERE = Path(__file__).parent
+ENVIRONMENT = "ORDINAL_CPU_ISA"
+NO_KERNELS = "torch"  # ORDINAL_CPU_ISA=torch: the torch code everywhere
 
-# -O3 -march=native: the kernel is built on the machine that runs it. -ffast-math lets the
-# compiler call glibc's vectorised expf for σ (compile flags only: the link leaves the process's
-# floating-point mode alone). -fopenmp: at::parallel_for and `omp simd` need it.
-_CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
+# Flags every variant shares. -ffp-contract=off: no variant fuses a product another rounds (the
+# variants compute the same bits; simd.h). -fno-math-errno: sqrt is one instruction. -fopenmp:
+# at::parallel_for's threads (its loops are compiled here).
+# -Wno-psabi: simd.h's 64-byte vectors pass between inlined functions only, never across an ABI.
+COMMON_FLAGS = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-fopenmp", "-Wno-psabi"]
+# Each variant's ISA, and the CPU flags (/proc/cpuinfo's) it needs to run, best first.
+ISA_FLAGS: dict[str, list[str]] = {
+    "avx512": [
+        "-mavx512f",
+        "-mavx512bw",
+        "-mavx512vl",
+        "-mavx512dq",
+        "-mavx2",
+        "-mfma",
+        "-mf16c",
+        "-mamx-tile",  # the tile path runs only where the CPU has AMX (linear.tiles_ready)
+        "-mamx-bf16",
+    ],
+    "avx2": ["-mavx2", "-mfma", "-mf16c"],
+    "neon": [],
+    "scalar": [],
+}
+CPU_NEEDS: dict[str, frozenset[str]] = {
+    "avx512": frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma", "f16c"}),
+    "avx2": frozenset({"avx2", "fma", "f16c"}),
+    "neon": frozenset(),
+    "scalar": frozenset(),
+}
+ARCHITECTURE_ISAS = {"x86_64": ("avx512", "avx2", "scalar"), "aarch64": ("neon",)}
 
 
-KERNELS = ("linear", "cope", "fox", "decode_step", "argmax", "draw")  # every .cpp here
+class IsaError(ValueError):
+    """ORDINAL_CPU_ISA names a variant this CPU cannot run, or none there is."""
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as Linux reports them (empty where /proc/cpuinfo has none)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        if line.startswith(("flags", "Features")):
+            return frozenset(line.split(":", 1)[1].split())
+    return frozenset()
+
+
+@functools.cache
+def runnable() -> tuple[str, ...]:
+    """The variants this CPU runs, fastest first (none on an architecture without one)."""
+    flags = cpu_flags()
+    isas = ARCHITECTURE_ISAS.get(platform.machine(), ())
+    return tuple(isa for isa in isas if CPU_NEEDS[isa] <= flags)
+
+
+@functools.cache
+def chosen() -> str | None:
+    """The variant this process runs: ``ORDINAL_CPU_ISA``'s, else the fastest vector variant this
+    CPU runs; None for ``ORDINAL_CPU_ISA=torch`` or where none runs. The scalar variant runs only
+    when asked for: without a fused multiply-add instruction its every product is a call into
+    libm (exact, for the same bits), slower than torch's own code on such a CPU. Raises IsaError
+    for a variant the CPU cannot run."""
+    wanted = os.environ.get(ENVIRONMENT, "").strip().lower()
+    if wanted == NO_KERNELS:
+        return None
+    if not wanted:
+        return next((isa for isa in runnable() if isa != "scalar"), None)
+    if wanted not in runnable():
+        known = ", ".join([*ISA_FLAGS, NO_KERNELS])
+        raise IsaError(
+            f"{ENVIRONMENT}={wanted}: this CPU runs {', '.join(runnable()) or 'no variant'} "
+            f"(the variants: {known})"
+        )
+    return wanted
+
+
+_override: list[str | None] = []  # using()'s stack: the tests' and benchmarks' choice
+
+
+def active() -> str | None:
+    """The variant in use now: :func:`using`'s, else :func:`chosen`."""
+    return _override[-1] if _override else chosen()
+
+
+@contextlib.contextmanager
+def using(isa: str | None) -> Iterator[None]:
+    """Run the kernels of variant ``isa`` (None: none, the torch code) inside this block: the
+    tests run every variant the machine can, a benchmark compares them."""
+    if isa is not None and isa not in runnable():
+        raise IsaError(f"this CPU cannot run the {isa} variant (it runs {', '.join(runnable())})")
+    _override.append(isa)
+    try:
+        yield
+    finally:
+        _override.pop()
 
 
 def decoding_on_cpu(x: Tensor) -> bool:
@@ -43,51 +155,107 @@ def decoding_on_cpu(x: Tensor) -> bool:
     )
 
 
-@functools.cache
-def vectorised(name: str) -> bool:
-    """Whether kernel ``name`` is built (building it on first call) with its AVX-512 code: on a
-    CPU without AVX-512 its build has only a stub, and the torch code runs instead."""
-    extension = load(name)
-    return extension is not None and bool(extension.vectorised())
+def sources() -> list[Path]:
+    """Every kernel source here: each variant compiles all the .cpp files (the headers are
+    included by them)."""
+    return sorted(HERE.glob("*.cpp"))
+
+
+def unity_source(directory: Path) -> Path:
+    """One file in ``directory`` that includes every source: a variant is one translation unit,
+    so torch's headers are parsed once per variant rather than once per kernel (most of a
+    kernel's compile time), and the variants build side by side, one per core."""
+    unity = directory / "unity.cpp"
+    text = "".join(f'#include "{path}"\n' for path in sources())
+    if not unity.exists() or unity.read_text() != text:
+        unity.write_text(text)
+    return unity
+
+
+def flags(isa: str) -> list[str]:
+    """The compiler flags of variant ``isa``: the shared ones, the ISA's, and the name its ops
+    are registered under."""
+    return [*COMMON_FLAGS, *ISA_FLAGS[isa], f"-DORDINAL_OPS=ordinal_{isa}"]
+
+
+def library_name(isa: str) -> str:
+    """``ordinal_<isa>_<digest>``: the digest of every source and header here, the flags, torch's
+    version and Python's, so that a build is reused only by the same code."""
+    digest = hashlib.sha256()
+    for path in sorted([*HERE.glob("*.cpp"), *HERE.glob("*.h")]):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    digest.update(" ".join(flags(isa)).encode())
+    digest.update(f"{torch.__version__} {sys.version_info[:2]}".encode())
+    return f"ordinal_{isa}_{digest.hexdigest()[:12]}"
+
+
+def build_directory(isa: str) -> Path:
+    """Where variant ``isa`` is built: torch's extension folder (``TORCH_EXTENSIONS_DIR``)."""
+    from torch.utils import cpp_extension
+
+    return Path(cpp_extension._get_build_directory(library_name(isa), False))
 
 
 def build_all() -> None:
-    """Build every kernel now (``make setup``), so that the first ``ordinal serve`` on a machine
-    does not spend a minute and a half compiling before its first model serves."""
-    for name in KERNELS:
-        load(name)
+    """Build every variant this CPU runs now, in parallel (``make setup``), so that the first
+    ``ordinal serve`` on a machine does not compile before its first model serves."""
+    with ThreadPoolExecutor(max_workers=max(1, len(runnable()))) as pool:
+        list(pool.map(ops, runnable()))
 
 
 @functools.cache
-def load(name: str) -> ModuleType | None:
-    """The built extension for ``{name}.cpp`` here, or None (with a note) if it cannot be built."""
-    from torch.utils import cpp_extension
-
+def _ops(isa: str) -> Any:
+    """Variant ``isa``'s ops (``torch.ops.ordinal_<isa>``), built first if need be, or None
+    (with a note) if it cannot be built."""
+    name = library_name(isa)
+    directory = build_directory(isa)
+    library = directory / f"{name}.so"
     try:
-        _wait_out_lock(Path(cpp_extension._get_build_directory(f"ordinal_{name}", False)))
-        return cpp_extension.load(
-            name=f"ordinal_{name}",
-            sources=[str(HERE / f"{name}.cpp")],
-            extra_cflags=_CFLAGS,
-            extra_ldflags=["-fopenmp"],
-        )
+        directory.mkdir(parents=True, exist_ok=True)
+        _wait_out_lock(directory)  # another process building it: its .so is not whole yet
+        if not library.exists():  # a build is its .so: the image's final stage has no compiler
+            from torch.utils import cpp_extension
+
+            cpp_extension.load(
+                name=name,
+                sources=[str(unity_source(directory))],
+                extra_cflags=flags(isa),
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(directory),
+                is_python_module=False,
+            )
+        else:
+            torch.ops.load_library(str(library))
     except (OSError, RuntimeError, ImportError) as error:  # no compiler, no ninja, build failed
         text = str(error).strip()
         first_line = text.splitlines()[0] if text else type(error).__name__
         print(
-            f"note: the {name} kernel could not be built ({first_line}); using the torch "
+            f"note: the {isa} kernels could not be built ({first_line}); using the torch "
             "reference: the same results, slower",
             file=sys.stderr,
         )
         return None
+    return getattr(torch.ops, f"ordinal_{isa}")
 
 
-STALE_LOCK_SECONDS = 180  # a build takes ~30 s here: a lock this old has no build behind it
+def ops(isa: str | None = None) -> Any:
+    """The ops of variant ``isa`` (default: :func:`active`), building it on first use; None
+    where there is none to use (``ORDINAL_CPU_ISA=torch``, or a build that failed)."""
+    isa = active() if isa is None else isa
+    return None if isa is None else _ops(isa)
+
+
+def ready() -> bool:
+    """Whether the active variant's kernels are built (building them on first call)."""
+    return ops() is not None
+
+
+STALE_LOCK_SECONDS = 180  # a build takes under a minute: a lock this old has no build behind it
 LOCK_POLL = 0.5  # seconds between looks at another build's lock
 
 
 def _wait_out_lock(build_directory: Path) -> None:
-    """Wait while another process builds this kernel (its lock is in the build directory), and
+    """Wait while another process builds this variant (its lock is in the build directory), and
     remove a lock once it is ``STALE_LOCK_SECONDS`` old: a killed build leaves its lock, and
     torch waits on a lock forever. (Looking once and removing only 10-minute-old locks left a
     server restarted within 10 minutes of a killed build with a model loading for good.)"""

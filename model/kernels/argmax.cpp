@@ -1,83 +1,59 @@
 // Each row's argmax — torch.argmax(x, dim=-1) — for a decode step's greedy draw
-// (model/kernels/argmax.py says why).
-#include <torch/extension.h>
+// (model/kernels/argmax.py says why), written over simd.h.
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
 
+#include <algorithm>
 #include <cstdint>
-#include <cstring>
 
-#if defined(__AVX512F__)
-
-#include <immintrin.h>
+#include "simd.h"
 
 namespace {
 
-// NaN tests on the bits, not on floats: -ffast-math lets the compiler assume there are none.
-constexpr int32_t kAbsMask = 0x7fffffff, kInfinityBits = 0x7f800000;
-
-bool is_nan(float value) {
-  int32_t bits;
-  std::memcpy(&bits, &value, sizeof bits);
-  return (bits & kAbsMask) > kInfinityBits;
-}
+using simd::f32x16;
 
 // The first index of the largest of x[0..n) — torch's answer: a NaN counts as the largest, so
 // the first NaN if there is one; ties go to the lowest index.
 int64_t first_largest(const float* x, int64_t n) {
-  __m512 best = _mm512_set1_ps(-INFINITY);
-  __mmask16 nan = 0;
-  const __m512i abs_mask = _mm512_set1_epi32(kAbsMask), infinity = _mm512_set1_epi32(kInfinityBits);
+  f32x16 best = simd::broadcast(-__builtin_inff());
+  bool nan = false;
   int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    const __m512 v = _mm512_loadu_ps(x + i);
-    const __m512i magnitude = _mm512_and_si512(_mm512_castps_si512(v), abs_mask);
-    nan |= _mm512_cmpgt_epi32_mask(magnitude, infinity);
-    best = _mm512_max_ps(best, v);
+  for (; i + simd::kLanes <= n; i += simd::kLanes) {
+    const f32x16 v = simd::load(x + i);
+    nan |= simd::any(simd::is_nan(v));
+    best = simd::max(best, v);
   }
-  float largest = _mm512_reduce_max_ps(best);
+  float largest = simd::reduce_max(best);
   for (int64_t j = i; j < n; ++j) {
-    nan |= is_nan(x[j]);
+    nan |= x[j] != x[j];
     largest = x[j] > largest ? x[j] : largest;
   }
   if (nan) {
     for (int64_t j = 0; j < n; ++j)
-      if (is_nan(x[j])) return j;
+      if (x[j] != x[j]) return j;
   }
-  const __m512 target = _mm512_set1_ps(largest);
-  for (i = 0; i + 16 <= n; i += 16) {
-    const __mmask16 equal = _mm512_cmp_ps_mask(_mm512_loadu_ps(x + i), target, _CMP_EQ_OQ);
-    if (equal) return i + __builtin_ctz(equal);
+  for (i = 0; i + simd::kLanes <= n; i += simd::kLanes) {
+    const int lane = simd::first(simd::load(x + i) == largest);
+    if (lane >= 0) return i + lane;
   }
   for (; i < n; ++i)
     if (x[i] == largest) return i;
   return 0;  // not reached: the largest is one of the values
 }
 
-}  // namespace
-
-constexpr bool kVectorised = true;
-
 // x [rows, n] float32, contiguous → [rows] int64.
-torch::Tensor argmax(const torch::Tensor& x) {
+at::Tensor argmax(const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) > 0 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "x must be a contiguous float32 [rows, n] matrix with n > 0");
-  auto out = torch::empty({x.size(0)}, x.options().dtype(at::kLong));
+  auto out = at::empty({x.size(0)}, x.options().dtype(at::kLong));
   const float* data = x.data_ptr<float>();
   int64_t* index = out.data_ptr<int64_t>();
   for (int64_t r = 0; r < x.size(0); ++r) index[r] = first_largest(data + r * x.size(1), x.size(1));
   return out;
 }
 
-#else  // no AVX-512: argmax.py never calls in (vectorised() is false)
+}  // namespace
 
-constexpr bool kVectorised = false;
-
-torch::Tensor argmax(const torch::Tensor&) {
-  TORCH_CHECK(false, "the argmax kernel needs AVX-512");
-}
-
-#endif
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("argmax", &argmax, "each row's argmax, as torch.argmax(x, dim=-1)");
-  m.def("vectorised", [] { return kVectorised; }, "whether this build has the AVX-512 kernel");
+TORCH_LIBRARY_FRAGMENT(ORDINAL_OPS, m) {
+  m.def("argmax(Tensor x) -> Tensor", &argmax);
 }

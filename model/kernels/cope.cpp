@@ -11,16 +11,21 @@
 // and written back once. Keys that no query of a block may see (under a
 // causal mask, half of them) have position 0 and bias rows_i[0]: they are filled, not scanned.
 // (Inside AT_DISPATCH's macro argument a #pragma cannot stand, hence _Pragma there.)
-#include <torch/extension.h>
+#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
 #include <vector>
 
+#include "simd.h"
+
 namespace {
 
-constexpr int64_t kLanes = 16;  // queries scanned side by side
+constexpr int64_t kLanes = simd::kLanes;  // queries scanned side by side
 
 // Where position p reads the table: rows ⌊p⌋ and ⌈p⌉, and the weight of the row above.
 struct Lookup {
@@ -35,11 +40,13 @@ inline Lookup lookup(float position, float last_row) {
   return {below, below + (weight > 0.f), weight};
 }
 
-// In place: each score becomes its gate, σ(score · scale) where the mask is 1 and 0 elsewhere.
-void gates_from_scores(float* __restrict scores, const float* __restrict mask, int64_t size,
-                       float scale) {
-#pragma omp simd
-  for (int64_t i = 0; i < size; ++i) scores[i] = mask[i] / (1.f + std::exp(-scores[i] * scale));
+// In place: each score becomes its gate, σ(score · scale) where the mask is 1 and 0 elsewhere
+// (size: a multiple of 16, a block's keys times its lanes).
+void gates_from_scores(float* scores, const float* mask, int64_t size, float scale) {
+  for (int64_t i = 0; i < size; i += simd::kLanes) {
+    const simd::f32x16 gate = simd::sigmoid(simd::load(scores + i) * scale);
+    simd::store(scores + i, simd::load(mask + i) * gate);
+  }
 }
 
 // Keys [0, seen) of `live` rows (each `stride` long) into a [seen, kLanes] block.
@@ -108,10 +115,6 @@ void mask_to_block(const Block& b, float* block) {
     for (int64_t j = 0; j < b.seen; ++j) block[j * kLanes + lane] = b.mask[lane][j] ? 1.f : 0.f;
 }
 
-}  // namespace
-
-namespace {
-
 // Every block's bias: `load(block, gates, table)` puts the block's scores into `gates`
 // ([seen, kLanes]) and its rows q·e_k into `table` ([kLanes, n]); the rest is the same for the
 // forward of given scores and for the decode step's, which computes them here.
@@ -149,15 +152,6 @@ void bias_of_blocks(const Problem& p, const bool* mask_data, float score_scale, 
     }
   });
 }
-
-float dot(const float* __restrict a, const float* __restrict b, int64_t size) {
-  float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t d = 0; d < size; ++d) sum += a[d] * b[d];
-  return sum;
-}
-
-}  // namespace
 
 at::Tensor cope_forward(const at::Tensor& scores_in, const at::Tensor& mask_in,
                         const at::Tensor& rows_in, double scale) {
@@ -207,9 +201,9 @@ at::Tensor cope_decode(const at::Tensor& queries, const at::Tensor& keys, const 
                                       (row % Tq) * queries.stride(2);
                      const float* k = k_data + r * keys.stride(0) + h * keys.stride(1);
                      for (int64_t j = 0; j < b.seen; ++j)
-                       gates[j * kLanes + lane] = dot(q, k + j * keys.stride(2), head_dim);
+                       gates[j * kLanes + lane] = simd::dot(q, k + j * keys.stride(2), head_dim);
                      for (int64_t e = 0; e < n; ++e)
-                       rows[lane * n + e] = dot(q, e_data + e * head_dim, head_dim);
+                       rows[lane * n + e] = simd::dot(q, e_data + e * head_dim, head_dim);
                    }
                  });
   return bias;
@@ -287,8 +281,13 @@ std::vector<at::Tensor> cope_backward(const at::Tensor& grad_in, const at::Tenso
   return {d_scores, d_rows};
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("forward", &cope_forward, "CoPE bias [G, Tq, Tk] from scores, mask and table rows");
-  m.def("decode", &cope_decode, "CoPE bias [B, H, Tq, Tk] from queries, keys, table and mask");
-  m.def("backward", &cope_backward, "gradients of the bias for the scores and the table rows");
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(ORDINAL_OPS, m) {
+  m.def("cope_forward(Tensor scores, Tensor mask, Tensor rows, float scale) -> Tensor",
+        &cope_forward);
+  m.def("cope_decode(Tensor queries, Tensor keys, Tensor table, Tensor mask, float scale) -> Tensor",
+        &cope_decode);
+  m.def("cope_backward(Tensor grad, Tensor scores, Tensor mask, Tensor rows, float scale) -> Tensor[]",
+        &cope_backward);
 }

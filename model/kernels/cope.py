@@ -13,13 +13,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from model.kernels import load
+from model.kernels import ops
 
 
 @torch.compiler.assume_constant_result  # torch.compile reads the answer, never the build
 def available() -> bool:
     """Whether the kernel is built (or can be): otherwise CoPE uses its torch reference."""
-    return load("cope") is not None
+    return ops() is not None
 
 
 def _flat(scores: Tensor, allowed: Tensor, rows: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -40,9 +40,9 @@ def decode_bias(
     layer's ``table`` [n, hd] and ``allowed`` [B|1, 1, Tq, Tk] bool. The kernel computes the
     scores and rows itself, for the keys each block of queries sees: a decode step's one query
     per head costs no score tensor and no matrix products."""
-    extension = load("cope")
-    assert extension is not None, "check available() first"
-    return extension.decode(queries, keys, table, allowed, scale)
+    kernels = ops()
+    assert kernels is not None, "check available() first"
+    return kernels.cope_decode(queries, keys, table, allowed, scale)
 
 
 @torch.library.custom_op("ordinal::cope_bias", mutates_args=())
@@ -51,9 +51,9 @@ def cope_bias(scores: Tensor, allowed: Tensor, rows: Tensor, scale: float) -> Te
     [B, H, Tq, Tk], ``allowed`` [B|1, 1, Tq, Tk] bool and each query's products with the table's
     rows q·e[k] [B, H, Tq, n] (the scores' dtype): σ(score · scale) gates summed from each key to
     the query, read between the rows (``model.positional.cope.interpolated_logits``)."""
-    extension = load("cope")
-    assert extension is not None, "check available() first"
-    return extension.forward(*_flat(scores, allowed, rows), scale).view(scores.shape)
+    kernels = ops()
+    assert kernels is not None, "check available() first"
+    return kernels.cope_forward(*_flat(scores, allowed, rows), scale).view(scores.shape)
 
 
 @cope_bias.register_fake
@@ -66,10 +66,10 @@ def cope_bias_backward(
     grad: Tensor, scores: Tensor, allowed: Tensor, rows: Tensor, scale: float
 ) -> tuple[Tensor, Tensor]:
     """The gradients of :func:`cope_bias` for ``scores`` and ``rows``, given the bias's ``grad``."""
-    extension = load("cope")
-    assert extension is not None, "check available() first"
+    kernels = ops()
+    assert kernels is not None, "check available() first"
     flat_grad = grad.reshape(scores.shape[0] * scores.shape[1], *scores.shape[2:])
-    d_scores, d_rows = extension.backward(flat_grad, *_flat(scores, allowed, rows), scale)
+    d_scores, d_rows = kernels.cope_backward(flat_grad, *_flat(scores, allowed, rows), scale)
     return d_scores.view(scores.shape), d_rows.view(rows.shape)
 
 

@@ -7,31 +7,29 @@ Python and dispatch, not arithmetic: 93% of a single stream's engine time was th
 ``linear_core.h``'s projections (a row's numbers the same alone and in any batch): the
 embedding lookup, the blocks, the final norm and the logits. The lookup and the head are in it
 too because a step streams megabytes of weights through the CPU's caches, after which each
-small torch operation runs cold — an embedding lookup 52 µs instead of 6, a norm 22 instead of
-7 (timed on this project's Intel host; docs/performance.md).
+small torch operation runs cold, several times slower (docs/performance.md).
 
 The torch forward stays the definition, and the model still computes the scheme's position
 vectors, rotation tables and score bias in torch. It applies to a cached pass of one token per
 pass row — a decode step's rows, and the prompt tokens that ride the step (several consecutive
 pass rows filling one cache row, each attending what the ones before it stored), so a short
 prompt costs a few more rows of a pass the weights stream through anyway — without gradients,
-in float32 on an AVX-512 CPU, for a scheme whose signal is a vector, a rotation or a bias (fox's
-and cope's, which come from each layer's own tensors, are computed in the kernel), without
-QK-norm, and for at most :data:`MAX_ROWS` pass rows a call; anything else runs the torch
-blocks. Tests hold the two equal for every scheme and architecture
+in float32 on a CPU with kernels built, for a scheme whose signal is a vector, a rotation or a
+bias (fox's and cope's, which come from each layer's own tensors, are computed in the kernel),
+without QK-norm, and for at most :data:`MAX_ROWS` pass rows a call; anything else runs the
+torch blocks. Tests hold the two equal for every scheme and architecture
 (tests/model/kernels/test_decode_step.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from types import ModuleType
 from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import Tensor, nn
 
-from model.kernels import decoding_on_cpu, load, vectorised
+from model.kernels import decoding_on_cpu, ops
 from model.kernels.linear import packed, version_of
 
 if TYPE_CHECKING:
@@ -46,16 +44,16 @@ OWN_BIAS = {"fox": 1, "cope": 2}  # the data-dependent schemes the kernel comput
 
 
 def ready() -> bool:
-    """Whether the kernel is built (building it on first call) and this CPU has AVX-512."""
-    return vectorised("decode_step")
+    """Whether the kernels are built (building them on first call)."""
+    return ops() is not None
 
 
 def parallel_threads() -> int:
-    """How many threads the kernel's parallel loops use when called from this thread (1 when
-    the kernel is not built). ``torch.get_num_threads()`` need not say: see
+    """How many threads the kernels' parallel loops use when called from this thread (1 when
+    the kernels are not built). ``torch.get_num_threads()`` need not say: see
     ``server.engine.core.pin_threads``."""
-    extension = load("decode_step")
-    return 1 if extension is None else int(extension.parallel_threads())
+    kernels = ops()
+    return 1 if kernels is None else int(kernels.parallel_threads())
 
 
 ORDERS = {"free": 0, "helper_finishes": 1, "helper_stalls": 2}
@@ -71,29 +69,23 @@ def share_large_steps(on: bool, order: str = "free") -> None:
     ``order``: "free" (serving), or for the tests one of the two paths for sure: the helper
     takes the first row and the decode thread waits for its result ("helper_finishes"), or the
     helper takes it and stalls while the decode thread computes it itself ("helper_stalls")."""
-    if (extension := _vectorised()) is not None:
-        extension.share_large_steps(on, ORDERS[order])
+    if (kernels := ops()) is not None:
+        kernels.share_large_steps(on, ORDERS[order])
 
 
 def shares_large_steps() -> bool:
     """Whether large steps share their attention now (:func:`share_large_steps`)."""
-    extension = _vectorised()
-    return extension is not None and bool(extension.shares_large_steps())
+    kernels = ops()
+    return kernels is not None and bool(kernels.shares_large_steps())
 
 
 def shared_rows() -> tuple[int, int]:
     """Rows of shared attention in this process so far: (whose result the helper supplied,
     which the helper took and the decode thread computed instead); (0, 0) without the kernel."""
-    if (extension := _vectorised()) is None:
+    if (kernels := ops()) is None:
         return 0, 0
-    helped, taken = extension.shared_rows()
+    helped, taken = kernels.shared_rows()
     return int(helped), int(taken)
-
-
-def _vectorised() -> ModuleType | None:
-    """The built extension if it has its AVX-512 code (the helper's functions are there), else
-    None."""
-    return load("decode_step") if ready() else None
 
 
 def applies(model: Transformer, tokens: Tensor) -> bool:
@@ -130,8 +122,8 @@ def run_step(
     scheme's [B|1, 1, d] or None; ``rotation``: cos/sin [B, 1, 1, rot] or None; ``bias``: the
     scheme's score bias [B|1, H, 1, Tk] or None. ``logit_rows`` [k] int64: only those rows'
     logits → [k, vocab] (None: every row's)."""
-    extension = load("decode_step")
-    assert extension is not None, "check applies() first"
+    kernels = ops()
+    assert kernels is not None, "check applies() first"
     config = model.config
     rows = tokens.shape[0]
     vectors = cos = sin = flat_bias = torch.empty(0)
@@ -150,27 +142,31 @@ def run_step(
         first_row, _, step = plan.rows.indices(cache.keys.shape[1])
         assert step == 1, "a decode step's rows are consecutive"
         slot_rows = torch.arange(first_row, first_row + rows)
-    return extension.decode_step(
-        tokens,
-        model.token_embedding.weight,
-        vectors,
-        blocks,
-        head,
+    code, gate_weight, gate_bias, states, table = own_bias_tensors(model, cache)
+    architecture = [
         model.lm_head.weight.shape[0],
-        cache.keys,
-        cache.values,
-        slot_rows,
-        plan.positions,
-        cos,
-        sin,
-        flat_bias,
         config.n_heads,
         config.key_value_heads,
         NORMS[config.norm],
-        eps,
         MLPS[config.mlp],
-        *own_bias_tensors(model, cache),
-        logit_rows,
+        code,
+    ]
+    return cast(
+        Tensor,
+        kernels.decode_step(
+            tokens,
+            slot_rows,
+            plan.positions,
+            [cache.keys, cache.values, states],
+            model.token_embedding.weight,
+            [vectors, cos, sin, flat_bias],
+            blocks,
+            head,
+            [gate_weight, gate_bias, table],
+            architecture,
+            eps,
+            logit_rows,
+        ),
     )
 
 
@@ -181,11 +177,11 @@ def score_bias(model: Transformer, positions: Tensor, key_positions: Tensor) -> 
     scheme = model.positional
     if scheme.name != "fire":
         return scheme.attention_bias(positions, key_positions)
-    extension = load("decode_step")
-    assert extension is not None, "check applies() first"
+    kernels = ops()
+    assert kernels is not None, "check applies() first"
     mlp_in, mlp_out = cast(nn.Linear, scheme.mlp_in), cast(nn.Linear, scheme.mlp_out)
     threshold = cast(Tensor, scheme.threshold_scale) * cast(float, scheme.threshold)
-    bias = extension.fire_bias(
+    bias: Tensor = kernels.fire_bias(
         positions[:, 0],
         key_positions.shape[0],
         mlp_in.weight.view(-1),

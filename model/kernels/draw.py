@@ -1,15 +1,14 @@
 """Each row's token for a temperature-only sampled draw, the commonest sampled request.
 
 In torch the draw is six ops over [rows, vocabulary] — divide, softmax, cumulative sum, scale,
-clamp, search — each a pass and a dispatch: 17 µs at [1, 2048] and 102 µs at [32, 2048] on one
-thread of this project's CPU, more inside a decode step, whose weights have just pushed them
-out of the caches. ``draw.cpp`` does it in two passes per row, 16 tokens at a time, with an
-exp of its own (29 µs at [32, 2048]; 55 µs with glibc's): the same inverse-CDF draw (the
-first token whose cumulative mass reaches the row's uniform × the total, never one without
-mass, one past the vocabulary for a uniform outside [0, 1)), with float32 sums in another
-order and exps within 2e-7 — so a uniform within a rounding of a boundary may land on the
-other side of it. Gradients, other dtypes and devices, and CPUs without AVX-512 keep the
-torch ops.
+clamp, search — each a pass and a dispatch, more costly still inside a decode step, whose
+weights have just pushed them out of the caches. ``draw.cpp`` does it in two passes per row, 16
+tokens at a time, with simd.h's exp (docs/performance.md has the timings): the same inverse-CDF
+draw (the first token whose cumulative mass reaches the row's uniform × the total, never one
+without mass, one past the vocabulary for a uniform outside [0, 1)), with float32 sums in
+another order and exps within 2e-7 — so a uniform within a rounding of a boundary may land on
+the other side of it. Gradients, other dtypes and devices, and a process without kernels keep
+the torch ops.
 """
 
 from __future__ import annotations
@@ -18,18 +17,15 @@ from typing import Any
 
 from torch import Tensor
 
-from model.kernels import decoding_on_cpu, load, vectorised
-
-
-def ready() -> bool:
-    """Whether the kernel is built (building it on first call) and this CPU has AVX-512."""
-    return vectorised("draw")
+from model.kernels import decoding_on_cpu, ops
 
 
 def applies(logits: Tensor) -> bool:
     """Whether ``logits`` [rows, V] (V ≥ 1) take the kernel: float32 on a CPU, no gradient,
-    AVX-512."""
-    return logits.dim() == 2 and logits.shape[1] > 0 and decoding_on_cpu(logits) and ready()
+    kernels built."""
+    return (
+        logits.dim() == 2 and logits.shape[1] > 0 and decoding_on_cpu(logits) and ops() is not None
+    )
 
 
 def tempered(logits: Tensor, temperature: Tensor, uniforms: Tensor) -> Tensor:
@@ -49,9 +45,9 @@ def tempered_raw(logits: Tensor, temperature: Tensor, uniforms: Tensor) -> tuple
 
 
 def _extension() -> Any:
-    extension = load("draw")
-    assert extension is not None, "check applies() first"
-    return extension
+    kernels = ops()
+    assert kernels is not None, "check applies() first"
+    return kernels
 
 
 def _arguments(logits: Tensor, temperature: Tensor, uniforms: Tensor) -> tuple[Tensor, ...]:

@@ -6,8 +6,11 @@
 // the last key back, summing in double as torch's CPU cumsum does, so the bits are the
 // reference's. As there, D_ij is also written where query i may not see key j (the running sum
 // at that point); the model's mask puts −∞ there.
-#include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+namespace {
 
 // log_gates [G, Tk] float32 (one row per batch row and head); allowed [Gm, Tq, Tk] bool, G / Gm
 // consecutive groups sharing one → D [G, Tq, Tk] float32.
@@ -40,6 +43,8 @@ at::Tensor forgetting_bias(const at::Tensor& log_gates_in, const at::Tensor& all
   return bias;
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("forgetting_bias", &forgetting_bias, "FoX's D [G, Tq, Tk] from log gates and the mask");
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(ORDINAL_OPS, m) {
+  m.def("forgetting_bias(Tensor log_gates, Tensor allowed) -> Tensor", &forgetting_bias);
 }

@@ -3,19 +3,19 @@
 A decode step multiplies 1 to 64 rows by each weight. MKL's GEMM is built for large products:
 it packs panels of both operands before multiplying, and at these shapes that costs more than
 the arithmetic. ``linear.cpp`` streams each weight once per four rows from a copy packed in
-contiguous blocks of 64 outputs (:func:`packed`): whole greedy decodes run 1.08-1.21x faster
-with it on this project's CPU than with MKL (``python -m bench.micro``; docs/performance.md).
+contiguous blocks of 64 outputs (:func:`packed`): whole greedy decodes run faster with it than
+with MKL (``python -m bench.micro``; docs/performance.md).
 
 It also makes the projections batch-invariant: every output is the same chain of multiply-adds
 whatever the number of rows, so a row's projections are the same bits alone and in any batch
 (MKL's are not: it blocks differently by shape), and so are its logits where the scheme's own
-ops are row by row too (tests/model/kernels/test_linear.py). Training (gradients), other dtypes
-and devices, prompts of more than :data:`MAX_ROWS` tokens and CPUs without AVX-512 keep
-``F.linear``.
+ops are row by row too (tests/model/kernels/test_linear.py), and on every ISA. Training
+(gradients), other dtypes and devices, prompts of more than :data:`MAX_ROWS` tokens and a
+process without kernels (``ORDINAL_CPU_ISA=torch``, no compiler) keep ``F.linear``.
 
 On a CPU with AMX, a weight of bfloat16 values (the shipped checkpoints') multiplies on the tile
 unit, each float32 input split exactly into three bfloat16 parts (linear_core.h's ``tiles``):
-float32's products, half the time of the AVX-512 path at 32 rows.
+float32's products, in another order than the vector path's.
 """
 
 from __future__ import annotations
@@ -26,15 +26,10 @@ import os
 import torch
 from torch import Tensor
 
-from model.kernels import decoding_on_cpu, load, vectorised
+from model.kernels import active, cpu_flags, decoding_on_cpu, ops
 
 # Above this many rows MKL's packing pays for itself (at 64 rows the two are level).
 MAX_ROWS = 64
-
-
-def ready() -> bool:
-    """Whether the kernel is built (building it on first call) and this CPU has AVX-512."""
-    return vectorised("linear")
 
 
 def applies(x: Tensor, weight: Tensor) -> bool:
@@ -44,7 +39,7 @@ def applies(x: Tensor, weight: Tensor) -> bool:
         decoding_on_cpu(x)
         and x.numel() <= MAX_ROWS * x.shape[-1]
         and weight.dtype is torch.float32
-        and ready()
+        and ops() is not None
     )
 
 
@@ -52,16 +47,22 @@ COLUMNS = 64  # outputs per packed block: linear_core.h's kColumns
 TILE_OUTPUTS, TILE_INPUTS = 16, 32  # a tile multiply's outputs and inputs: linear_core.h's tiles
 
 
-@functools.cache
 def tiles_ready() -> bool:
-    """Whether the kernel has its AMX path on this CPU and this process may use the tiles:
-    a bfloat16 weight then multiplies on the tile unit (linear_core.h's ``tiles``). Set
-    ``ORDINAL_TILES=0`` to keep every weight on the AVX-512 path."""
-    extension = load("linear")
+    """Whether the active variant has its AMX path, this CPU the tiles, and this process may use
+    them: a bfloat16 weight then multiplies on the tile unit (linear_core.h's ``tiles``). Set
+    ``ORDINAL_TILES=0`` to keep every weight on the vector path."""
+    isa = active()
+    return isa is not None and _tiles(isa)
+
+
+@functools.cache
+def _tiles(isa: str) -> bool:
+    kernels = ops(isa)
     return (
         os.environ.get("ORDINAL_TILES", "1") != "0"
-        and extension is not None
-        and bool(extension.tiles())
+        and {"amx_tile", "amx_bf16"} <= cpu_flags()
+        and kernels is not None
+        and bool(kernels.tiles())
     )
 
 
@@ -127,9 +128,9 @@ def tile_packed(weight: Tensor) -> Tensor:
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     """``F.linear(x, weight, bias)`` for ``x`` [..., in] → [..., out] (check :func:`applies`)."""
-    extension = load("linear")
-    assert extension is not None, "check applies() first"
+    kernels = ops()
+    assert kernels is not None, "check applies() first"
     rows = x.reshape(-1, x.shape[-1])
     contiguous = rows if rows.is_contiguous() else rows.contiguous()
-    out = extension.linear(contiguous, packed(weight), bias, weight.shape[0])
+    out = kernels.linear(contiguous, packed(weight), bias, weight.shape[0])
     return out.view(*x.shape[:-1], weight.shape[0])

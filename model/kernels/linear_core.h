@@ -1,31 +1,30 @@
 // y = x · Wᵀ + b for the few rows a decode step multiplies (model/kernels/linear.py says when it
-// runs and why).
+// runs and why), written once over simd.h for every ISA.
 //
 // The kernel reads a packed copy of the weight W [N, K] (model.kernels.linear.packed makes it):
 // [ceil(N / 64), K, 64], block b holding outputs 64b..64b+63 for every input k, the last block
-// zero-padded. A block of 64 outputs is 4 AVX-512 registers: for each input k the block's slice
-// of row k is loaded once and multiplied into up to 6 rows of x at a time (24 accumulators in
-// registers). So a block's weights are one contiguous run of memory, read front to back: the
-// CPU's prefetchers follow it and each 4 KB page is entered once. Read in place from Wᵀ, the same
-// slices lay N floats apart, every one on its own page for the logits — 1.2x slower at batch 1
-// (docs/performance.md). MKL's general GEMM copies and packs panels on every call, which at
-// these sizes costs more than the arithmetic.
+// zero-padded. For each input k, a block's slice of row k is loaded once and multiplied into
+// several rows of x at a time, the accumulators in registers. So a block's weights are one
+// contiguous run of memory, read front to back: the CPU's prefetchers follow it and each 4 KB
+// page is entered once. (Read in place from Wᵀ, the same slices lie N floats apart, every one
+// on its own page for the logits.) MKL's general GEMM copies and packs panels on every call,
+// which at these sizes costs more than the arithmetic.
 //
 // Every output is the same chain of fused multiply-adds, over k in order from 0, then the bias:
-// a row's result does not depend on how many rows are multiplied with it or where it sits, so a
-// request decodes to the same bits alone and in any batch. Inputs are blocked by 128 so that a
-// block's weights stay in L1 while every row group passes over them; the partial sums wait in
-// y, which changes no bits.
+// a row's result does not depend on how many rows are multiplied with it, where it sits, or how
+// many rows and outputs a tile takes (each ISA takes as many as its registers hold), so a request
+// decodes to the same bits alone and in any batch, and on every ISA. Inputs are blocked by 128
+// so that a block's weights stay in L1 while every row group passes over them; the partial sums
+// wait in y, which changes no bits.
 //
 // A weight is float32, or bfloat16 (its bits as uint16_t) when every value of the float32 weight
 // is a bfloat16 value (the shipped checkpoints are stored so): each is widened to its float32 in
-// registers, exactly (a shift), so the products are the same bits from half the bytes read.
+// registers, exactly, so the products are the same bits from half the bytes read.
 //
-// On a CPU with AMX (Sapphire Rapids and later), a bfloat16 weight multiplies on the tile unit
-// instead (`tiles` below): the same float32 products, summed in another order, so other bits
-// than this path's, but the same bits for a row alone and in any batch. Under load it pays
-// (32 rows: the 17 products of a shipped step 0.29 against 0.58 ms); one row's whole step is 9%
-// slower (docs/performance.md, tenth round).
+// On a CPU with AMX (Sapphire Rapids and later), the AVX-512 variant multiplies a bfloat16
+// weight on the tile unit instead (`tiles` below): the same float32 products, summed in another
+// order, so other bits than the vector path's, but the same bits for a row alone and in any
+// batch. It pays under load and costs a little at one row (docs/performance.md).
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -35,14 +34,13 @@
 #include <algorithm>
 #include <cstdint>
 
-// AVX-512 with its 16-bit loads (BW: every AVX-512 CPU since Skylake-SP); the files that include
-// this build their vectorised code under LINEAR_CORE_VECTORISED.
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-#define LINEAR_CORE_VECTORISED 1
-#include <immintrin.h>
-// AMX's bfloat16 tile multiply (Sapphire Rapids and later): the tile path below.
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include "simd.h"
+
+// AMX's bfloat16 tile multiply (Sapphire Rapids and later), built into the AVX-512 variant and
+// used only where the CPU has it (model.kernels.linear.tiles_ready).
+#if defined(__AVX512F__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define LINEAR_CORE_TILES 1
+#include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -51,79 +49,98 @@
 
 namespace linear_core {
 
-// 16 weights from w as float32 (the last lanes past `mask` zero).
-inline __m512 load16(const float* w) { return _mm512_loadu_ps(w); }
-inline __m512 load16(const uint16_t* w) {
-  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-}
-inline __m512 load16(__mmask16 mask, const float* w) { return _mm512_maskz_loadu_ps(mask, w); }
-inline __m512 load16(__mmask16 mask, const uint16_t* w) {
-  const __m256i bits = _mm256_maskz_loadu_epi16(mask, w);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-}
+using simd::f32x16;
 
-constexpr int64_t kColumns = 64;    // outputs per block: 4 registers of 16 floats
-constexpr int64_t kVectors = kColumns / 16;
-constexpr int64_t kRowGroup = 6;    // rows multiplied together: 24 accumulators
-constexpr int64_t kInputBlock = 128;  // inputs per pass: 32 KB of weights, L1-sized
-constexpr int64_t kAhead = 8;  // weight rows fetched ahead (cold weights: 1.34 → 1.13 ms a step)
+constexpr int64_t kColumns = 64;  // outputs per packed block: 4 vectors of 16 floats
+constexpr int64_t kVectors = kColumns / simd::kLanes;
+constexpr int64_t kInputBlock = 128;  // inputs per pass: 32 KB of float32 weights, L1-sized
+constexpr int64_t kAhead = 8;         // weight rows fetched ahead, for weights coming from memory
+
+// A tile of R rows by C vectors of outputs, as many as the ISA's registers hold beside a row of
+// the tile's weights and a broadcast input: the most rows sharing each load of the weights
+// (each bfloat16 weight is widened once per tile), up to 6, with all four vectors of a block
+// where that still leaves 6 rows (AVX-512), else one vector at a time. One row alone takes the
+// whole block: its four chains of multiply-adds run side by side.
+constexpr int accumulator_rows(int vectors) {
+  return (simd::kRegisters - vectors * simd::kParts - 1) / (vectors * simd::kParts);
+}
+constexpr int kTileVectors = accumulator_rows(4) >= 6 ? 4 : accumulator_rows(2) >= 6 ? 2 : 1;
+constexpr int kRowGroup = std::min(6, std::max(1, accumulator_rows(kTileVectors)));
 
 template <typename W>
 struct Operands {
-  const float* x;       // [M, K]
-  const W* packed;      // [ceil(N / 64), K, 64]: float, or bfloat16 bits
-  const float* bias;    // [N] or null
-  float* y;             // [M, N]
+  const float* x;   // [M, K]
+  const W* packed;  // [ceil(N / 64), K, 64]: float, or bfloat16 bits
+  const float* bias;  // [N] or null
+  float* y;           // [M, N]
   int64_t M, K, N;
   // Row k of the block that starts at output `column` (a multiple of 64): its 64 weights.
   const W* row(int64_t column, int64_t k) const { return packed + column * K + k * kColumns; }
 };
 
-// Rows [row, row + R) and the 64 outputs from `column`, over inputs [k0, k1).
-template <int R, typename W>
-inline void full_block(const Operands<W>& o, int64_t row, int64_t column, int64_t k0, int64_t k1) {
-  __m512 acc[R][kVectors];
-  float* y = o.y + row * o.N + column;
+// Rows [row, row + R) and the C·16 outputs from `column` + 16·`vector` (inside the block that
+// starts at `column`), over inputs [k0, k1).
+template <int R, int C, typename W>
+inline void full_tile(const Operands<W>& o, int64_t row, int64_t column, int64_t vector,
+                      int64_t k0, int64_t k1) {
+  // Every loop over the tile unrolled, so that its accumulators stay in registers.
+  f32x16 acc[R][C];
+  float* y = o.y + row * o.N + column + simd::kLanes * vector;
+#pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
-    for (int v = 0; v < kVectors; ++v)
-      acc[r][v] = k0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(y + r * o.N + 16 * v);
+#pragma GCC unroll 8
+    for (int v = 0; v < C; ++v)
+      acc[r][v] = k0 == 0 ? simd::zero() : simd::load(y + r * o.N + simd::kLanes * v);
   const float* x = o.x + row * o.K;
   for (int64_t k = k0; k < k1; ++k) {
-    const W* w = o.row(column, k);
-    __m512 weights[kVectors];
-    for (int v = 0; v < kVectors; ++v) weights[v] = load16(w + 16 * v);
+    const W* w = o.row(column, k) + simd::kLanes * vector;
+    f32x16 weights[C];
+#pragma GCC unroll 8
+    for (int v = 0; v < C; ++v) weights[v] = simd::load(w + simd::kLanes * v);
     if (k + kAhead < o.K)  // more rows in flight when the weights come from memory
-      for (int v = 0; v < kVectors; ++v)
-        _mm_prefetch(reinterpret_cast<const char*>(w + kAhead * kColumns + 16 * v), _MM_HINT_T0);
+      for (int v = 0; v < C; ++v) simd::prefetch_near(w + kAhead * kColumns + simd::kLanes * v);
+#pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      const __m512 input = _mm512_set1_ps(x[r * o.K + k]);
-      for (int v = 0; v < kVectors; ++v) acc[r][v] = _mm512_fmadd_ps(input, weights[v], acc[r][v]);
+      const f32x16 input = simd::broadcast(x[r * o.K + k]);
+#pragma GCC unroll 8
+      for (int v = 0; v < C; ++v) acc[r][v] = simd::fmadd(input, weights[v], acc[r][v]);
     }
   }
   const bool last = k1 == o.K;
+#pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
-    for (int v = 0; v < kVectors; ++v) {
-      __m512 out = acc[r][v];
-      if (last && o.bias) out = _mm512_add_ps(out, _mm512_loadu_ps(o.bias + column + 16 * v));
-      _mm512_storeu_ps(y + r * o.N + 16 * v, out);
+#pragma GCC unroll 8
+    for (int v = 0; v < C; ++v) {
+      f32x16 out = acc[r][v];
+      if (last && o.bias) out += simd::load(o.bias + column + simd::kLanes * (vector + v));
+      simd::store(y + r * o.N + simd::kLanes * v, out);
     }
 }
 
-// The last outputs when N is not a multiple of 64: 16 at a time under a mask, one row at a time,
-// the same chain of multiply-adds per output as full_block's.
+// The last outputs when N is not a multiple of 64: 16 at a time, one row at a time, the same
+// chain of multiply-adds per output as full_tile's.
 template <typename W>
 inline void ragged_block(const Operands<W>& o, int64_t row, int64_t column) {
   const float* x = o.x + row * o.K;
   float* y = o.y + row * o.N;
-  for (int64_t c = column; c < o.N; c += 16) {
-    const auto lanes = static_cast<unsigned>(std::min<int64_t>(16, o.N - c));
-    const __mmask16 mask = static_cast<__mmask16>((1u << lanes) - 1u);
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t k = 0; k < o.K; ++k)
-      acc = _mm512_fmadd_ps(_mm512_set1_ps(x[k]), load16(mask, o.row(column, k) + c - column), acc);
-    if (o.bias) acc = _mm512_add_ps(acc, _mm512_maskz_loadu_ps(mask, o.bias + c));
-    _mm512_mask_storeu_ps(y + c, mask, acc);
+  for (int64_t c = column; c < o.N; c += simd::kLanes) {
+    const int64_t lanes = std::min<int64_t>(simd::kLanes, o.N - c);
+    f32x16 acc = simd::zero();
+    for (int64_t k = 0; k < o.K; ++k)  // the padded block's lanes past N are zeros
+      acc = simd::fmadd(simd::broadcast(x[k]), simd::load(o.row(column, k) + c - column), acc);
+    if (o.bias) acc += simd::load_first(o.bias + c, lanes);
+    simd::store_first(y + c, acc, lanes);
+  }
+}
+
+// Rows [row, row + rows) of one block's outputs over inputs [k0, k1), in tiles of R rows.
+template <int R, typename W>
+inline void tile_rows(const Operands<W>& o, int64_t row, int64_t column, int64_t k0, int64_t k1) {
+  if constexpr (kTileVectors == kVectors) {
+    full_tile<R, kVectors>(o, row, column, 0, k0, k1);
+  } else {
+    for (int64_t vector = 0; vector < kVectors; vector += kTileVectors)
+      full_tile<R, kTileVectors>(o, row, column, vector, k0, k1);
   }
 }
 
@@ -135,14 +152,18 @@ inline void column_block(const Operands<W>& o, int64_t column) {
   }
   for (int64_t k0 = 0; k0 < o.K; k0 += kInputBlock) {
     const int64_t k1 = std::min(o.K, k0 + kInputBlock);
+    if (o.M == 1) {  // one row: the whole block's four chains side by side
+      full_tile<1, kVectors>(o, 0, column, 0, k0, k1);
+      continue;
+    }
     for (int64_t row = 0; row < o.M; row += kRowGroup) {
-      switch (std::min(kRowGroup, o.M - row)) {
-        case 6: full_block<6>(o, row, column, k0, k1); break;
-        case 5: full_block<5>(o, row, column, k0, k1); break;
-        case 4: full_block<4>(o, row, column, k0, k1); break;
-        case 3: full_block<3>(o, row, column, k0, k1); break;
-        case 2: full_block<2>(o, row, column, k0, k1); break;
-        default: full_block<1>(o, row, column, k0, k1);
+      switch (std::min<int64_t>(kRowGroup, o.M - row)) {
+        case 6: if constexpr (kRowGroup >= 6) tile_rows<6>(o, row, column, k0, k1); break;
+        case 5: if constexpr (kRowGroup >= 5) tile_rows<5>(o, row, column, k0, k1); break;
+        case 4: if constexpr (kRowGroup >= 4) tile_rows<4>(o, row, column, k0, k1); break;
+        case 3: if constexpr (kRowGroup >= 3) tile_rows<3>(o, row, column, k0, k1); break;
+        case 2: if constexpr (kRowGroup >= 2) tile_rows<2>(o, row, column, k0, k1); break;
+        default: tile_rows<1>(o, row, column, k0, k1);
       }
     }
   }
@@ -355,4 +376,3 @@ inline void project(const float* x, const at::Tensor& packed, const float* bias,
 
 }  // namespace linear_core
 
-#endif

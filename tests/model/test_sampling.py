@@ -7,7 +7,6 @@ import math
 import pytest
 import torch
 
-from model.kernels import draw as draw_kernel
 from model.sampling import (
     UNIFORM_BLOCK,
     RowSampler,
@@ -359,11 +358,10 @@ def test_a_failing_row_among_tempered_rows_fails_alone(how: str, bad_row: int) -
         assert torch.equal(torch.cat([tokens[:bad_row], tokens[bad_row + 1 :]]), expected)
 
 
+@pytest.mark.usefixtures("every_isa")
 def test_tempered_rows_draw_in_one_checked_kernel_call_the_tokens_of_the_general_way(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    if not draw_kernel.ready():
-        pytest.skip("the draw kernel needs a C++ compiler and AVX-512")
     logits = random_logits(len(TEMPERED), seed=8)
     general = SamplingBatch([RowSampler(p) for p in TEMPERED])
     general._tempered_only = False

@@ -1,5 +1,7 @@
-"""model.kernels: ``make setup`` builds every kernel source there is, and a killed build's lock
-does not hang the next one: a build running elsewhere is waited for, a stale lock removed."""
+"""model.kernels: which variants a CPU runs and which one this process chooses; a build named by
+its code, so checkouts never rebuild each other's; a built library loaded without a compiler;
+and a killed build's lock does not hang the next one: a build running elsewhere is waited for,
+a stale lock removed."""
 
 from __future__ import annotations
 
@@ -13,10 +15,106 @@ import pytest
 import model.kernels as kernels
 
 
-def test_every_kernel_source_is_built_by_build_all() -> None:
-    """``build_all`` (``make setup``) builds ``KERNELS``: a new .cpp must be listed there too."""
-    sources = {path.stem for path in Path(kernels.__file__).parent.glob("*.cpp")}
-    assert sources == set(kernels.KERNELS)
+def test_a_variant_is_every_source_in_one_unit(tmp_path: Path) -> None:
+    """A variant compiles every .cpp here, once: a new kernel is built without being listed."""
+    unity = kernels.unity_source(tmp_path).read_text()
+    included = {line.split('"')[1] for line in unity.splitlines()}
+    assert included == {str(path) for path in Path(kernels.__file__).parent.glob("*.cpp")}
+
+
+def test_a_build_is_named_by_its_sources_and_flags(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two checkouts of the same code share a build; any change to a source, a header or the
+    flags names another, so that no checkout rebuilds another's kernels."""
+    for name in ("a.cpp", "b.h"):
+        (tmp_path / name).write_text("// one\n")
+    monkeypatch.setattr(kernels, "HERE", tmp_path)
+    first = kernels.library_name("avx2")
+    assert first.startswith("ordinal_avx2_") and kernels.library_name("avx2") == first
+    assert kernels.library_name("scalar") != first
+    (tmp_path / "b.h").write_text("// two\n")
+    second = kernels.library_name("avx2")
+    assert second != first
+    monkeypatch.setitem(kernels.ISA_FLAGS, "avx2", [*kernels.ISA_FLAGS["avx2"], "-mbmi2"])
+    assert kernels.library_name("avx2") not in (first, second)
+
+
+AVX2 = {"avx2", "fma", "f16c"}
+AVX512 = AVX2 | {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        (AVX512 | {"amx_tile"}, ("avx512", "avx2", "scalar")),
+        (AVX2, ("avx2", "scalar")),
+        (AVX512 - {"avx512bw"}, ("avx2", "scalar")),  # AVX-512 without its 16-bit loads
+        ({"sse2"}, ("scalar",)),
+    ],
+)
+def test_the_variants_a_cpu_runs_follow_its_flags(
+    monkeypatch: pytest.MonkeyPatch, flags: set[str], expected: tuple[str, ...]
+) -> None:
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: frozenset(flags))
+    monkeypatch.setattr(kernels.platform, "machine", lambda: "x86_64")
+    kernels.runnable.cache_clear()
+    kernels.chosen.cache_clear()
+    try:
+        assert kernels.runnable() == expected
+        fastest = expected[0] if expected[0] != "scalar" else None  # torch beats scalar there
+        assert kernels.chosen() == fastest
+        monkeypatch.setenv(kernels.ENVIRONMENT, "scalar")
+        kernels.chosen.cache_clear()
+        assert kernels.chosen() == "scalar"
+        monkeypatch.setenv(kernels.ENVIRONMENT, "torch")  # no kernels at all
+        kernels.chosen.cache_clear()
+        assert kernels.chosen() is None
+        for wrong in ("avx1024", "neon") + (() if "avx512" in expected else ("avx512",)):
+            monkeypatch.setenv(kernels.ENVIRONMENT, wrong)
+            kernels.chosen.cache_clear()
+            with pytest.raises(kernels.IsaError, match=f"ORDINAL_CPU_ISA={wrong}: this CPU runs"):
+                kernels.chosen()
+    finally:
+        kernels.runnable.cache_clear()
+        kernels.chosen.cache_clear()
+
+
+def test_the_flags_are_read_from_the_cpu() -> None:
+    """On this machine: x86-64 runs scalar at least, and what it runs it reports."""
+    if kernels.platform.machine() == "x86_64":
+        assert "scalar" in kernels.runnable()
+        assert ("avx2" in kernels.runnable()) == ({"avx2", "fma"} <= kernels.cpu_flags())
+
+
+def test_a_built_variant_loads_without_a_compiler(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Docker image's final stage has the built libraries and no compiler: a variant whose
+    library exists is loaded as it is, never handed to the builder."""
+    isa = kernels.runnable()[0]
+    assert kernels.ops(isa) is not None  # built (by make setup or here)
+    from torch.utils import cpp_extension
+
+    def no_compiler(*_: object, **__: object) -> None:
+        raise RuntimeError("no c++ here")
+
+    monkeypatch.setattr(cpp_extension, "load", no_compiler)
+    kernels._ops.cache_clear()
+    try:
+        assert kernels.ops(isa) is not None
+        assert kernels.ops(isa).isa() == isa
+    finally:
+        kernels._ops.cache_clear()
+
+
+def test_using_switches_the_variant_and_refuses_one_the_cpu_lacks() -> None:
+    with kernels.using("scalar"):
+        assert kernels.active() == "scalar" and kernels.ops().isa() == "scalar"
+        with kernels.using(None):
+            assert kernels.ops() is None
+    assert kernels.active() == kernels.chosen()
+    missing = next(isa for isa in ("avx512", "neon") if isa not in kernels.runnable())
+    with pytest.raises(kernels.IsaError), kernels.using(missing):
+        pass
 
 
 def test_a_lock_left_by_a_killed_build_is_removed_once_stale(
