@@ -28,8 +28,9 @@ A save of the folder ``P`` never writes into ``P``. The steps, each reported by 
 optional ``on_step`` hook of :func:`save_checkpoint` (so a test can kill the process there):
 
 ``staged``
-    the complete new folder ``.P.saving-PID`` is written beside ``P`` (other files of ``P``,
-    metrics.json etc., copied in) and fsynced. A save killed before this leaves ``P`` untouched.
+    the complete new folder ``.P.saving-PID`` is written beside ``P`` (other files of the
+    checkpoint ``P`` copied in, but not its eval.json or metrics.json) and fsynced. A save
+    killed before this leaves ``P`` untouched.
 
 Then, where ``P`` exists and Linux's ``renameat2(RENAME_EXCHANGE)`` works on the filesystem
 (:data:`EXCHANGE_STEPS`):
@@ -81,12 +82,22 @@ from tokenizers import Tokenizer
 from model.chat import TOKENIZER_CONFIG_FILE, default_tokenizer_config
 from model.config import ConfigError, ModelConfig
 from model.device import resolve_device, resolve_dtype
-from model.files import CONFIG_FILE, TOKENIZER_FILE, WEIGHTS_FILE, write_json_atomic
+from model.files import (
+    CONFIG_FILE,
+    TOKENIZER_FILE,
+    WEIGHTS_FILE,
+    WEIGHTS_RECORDS,
+    not_a_checkpoint,
+    write_json_atomic,
+)
 from model.positional import build_scheme
 from model.tokenizer import load_tokenizer, special_token_config
 from model.transformer import Transformer
 
 CHECKPOINT_FILES = (CONFIG_FILE, WEIGHTS_FILE, TOKENIZER_FILE)
+# What a new save never takes from the folder it replaces: its own files, written afresh, and
+# the records of the old weights.
+KEPT_APART = (*CHECKPOINT_FILES, *WEIGHTS_RECORDS)
 SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
 MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit on a header
 CHECKSUM_KEY = "sha256"  # in the safetensors metadata: hex SHA-256 of the data section
@@ -137,9 +148,10 @@ def save_checkpoint(
 
     ``dtype`` is the storage dtype (default: the config's). ``json_files`` (name → data) are
     written into the new folder, so they change in the same swap as the weights (training's
-    metrics.json). Other files already in the folder (metrics.json, eval.json, …) are carried
-    over into the new one, but not hidden ones: the ``.NAME.*.tmp`` of an atomic write that was
-    killed is no part of the checkpoint. ``tokenizer_config``, if given, is the new
+    metrics.json). Other files already in the checkpoint (a user's notes, …) are carried over
+    into the new one, but not what describes the old weights (eval.json, metrics.json: the new model
+    would be shown with the old one's scores) nor hidden files (the ``.NAME.*.tmp`` of an atomic
+    write that was killed is no part of the checkpoint). ``tokenizer_config``, if given, is the new
     tokenizer_config.json (else the folder's own is kept, or the default chat template written).
     ``on_step`` is called with the name of each step of the save protocol once it is done (see
     the module docstring).
@@ -158,10 +170,10 @@ def save_checkpoint(
         tokenizer.save(str(staging / TOKENIZER_FILE))
         for name, data in (json_files or {}).items():
             write_json_atomic(staging / name, data)
-        if path.is_dir():
+        if not_a_checkpoint(path) is None:  # a folder forced over (--force) is replaced whole
             for extra in path.iterdir():
                 carried = not (staging / extra.name).exists() and extra.is_file()
-                if carried and extra.name not in CHECKPOINT_FILES and extra.name[0] != ".":
+                if carried and extra.name not in KEPT_APART and extra.name[0] != ".":
                     shutil.copy2(extra, staging / extra.name)
         if tokenizer_config is not None:
             write_json_atomic(staging / TOKENIZER_CONFIG_FILE, tokenizer_config)
@@ -193,7 +205,7 @@ def staged_folder(path: str | Path, on_step: Callable[[str], None] | None = None
             _swap_in(staging, retired, path, step)
         except BaseException:
             # Before the swap this is the half-built new folder; after an exchange, the old one.
-            shutil.rmtree(staging, ignore_errors=True)
+            _remove(staging)
             raise
         finally:
             _ACTIVE.difference_update((staging, retired))
@@ -223,7 +235,7 @@ def _swap_in(staging: Path, retired: Path, path: Path, step: Callable[[str], Non
     elif _exchange(staging, path):
         _fsync_folder_entry(path.parent)
         step("exchanged")
-        shutil.rmtree(staging, ignore_errors=True)  # whatever is left goes with the next save
+        _remove(staging)  # whatever is left goes with the next save
         step("removed")
     else:
         os.replace(path, retired)
@@ -235,8 +247,17 @@ def _swap_in(staging: Path, retired: Path, path: Path, step: Callable[[str], Non
             raise
         _fsync_folder_entry(path.parent)
         step("installed")
-        shutil.rmtree(retired, ignore_errors=True)
+        _remove(retired)
         step("removed")
+
+
+def _remove(path: Path) -> None:
+    """Delete what a swap left at ``path``: a folder, or the file a forced save replaced."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(OSError):
+            path.unlink()
 
 
 def _no_hook(step: str) -> None:
@@ -327,7 +348,7 @@ def _clean_up_after_killed_saves(path: Path) -> None:
         _fsync_folder_entry(path.parent)
         del stale[retired[0]]
     for folder in stale:
-        shutil.rmtree(folder, ignore_errors=True)
+        _remove(folder)
 
 
 def _in_use(folder: Path, pid: int) -> bool:

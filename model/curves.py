@@ -13,12 +13,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from model.files import write_figure_atomic
+from model.files import METRICS_FILE, write_figure_atomic
 
 if TYPE_CHECKING:
     from matplotlib.typing import ColorType
 
-METRICS_FILE = "metrics.json"
 SMOOTHING_STEPS = 50  # the train loss of one batch is noisy: a moving average over this many
 
 

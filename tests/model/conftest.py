@@ -4,6 +4,9 @@ model.tokenizer, so these tests do not depend on it)."""
 
 from __future__ import annotations
 
+import hashlib
+import os
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -124,3 +127,19 @@ def build_tiny_tokenizer(vocab_size: int = 300) -> Tokenizer:
 @pytest.fixture(scope="session")
 def tiny_tokenizer() -> Tokenizer:
     return build_tiny_tokenizer()
+
+
+def tree_digest(root: Path) -> dict[str, str]:
+    """Every entry under ``root`` (hidden ones too: a staging folder left behind shows) → the
+    SHA-256 of a file's bytes, a symlink's target, or "folder": equal before and after a command
+    exactly when it changed nothing on disk there."""
+    entries = {}
+    for path in sorted(root.rglob("*")):
+        name = str(path.relative_to(root))
+        if path.is_symlink():
+            entries[name] = f"-> {os.readlink(path)}"
+        elif path.is_dir():
+            entries[name] = "folder"
+        else:
+            entries[name] = hashlib.sha256(path.read_bytes()).hexdigest()
+    return entries

@@ -117,12 +117,38 @@ def test_positional_overrides_apply_at_load_time(tmp_path: Path, tiny_tokenizer)
 def test_other_files_in_the_folder_survive_a_new_save(tmp_path: Path, tiny_tokenizer) -> None:
     path = tmp_path / "ckpt"
     save_checkpoint(path, random_model("alibi", seed=6), tiny_tokenizer)
-    (path / "metrics.json").write_text('{"bpc": 2.5}')
+    (path / "notes.md").write_text("trained on the folio")
     newer = random_model("alibi", seed=7)
     save_checkpoint(path, newer, tiny_tokenizer)
-    assert (path / "metrics.json").read_text() == '{"bpc": 2.5}'
+    assert (path / "notes.md").read_text() == "trained on the folio"
     assert torch.equal(logits_of(load(path)), logits_of(newer))
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]  # no staging or retired folder left
+
+
+def test_the_old_weights_scores_and_metrics_never_reach_a_new_save(
+    tmp_path: Path, tiny_tokenizer
+) -> None:
+    """eval.json and metrics.json describe the weights they were written with: carried into
+    the next save, the new model was shown with the old one's scores."""
+    path = tmp_path / "ckpt"
+    save_checkpoint(path, random_model("alibi", seed=6), tiny_tokenizer)
+    (path / "eval.json").write_text('{"results": {"1x": {"bpc": 2.5}}}')
+    (path / "metrics.json").write_text('{"val_loss": [[10, 1.5]]}')
+    save_checkpoint(path, random_model("alibi", seed=7), tiny_tokenizer)
+    assert not (path / "eval.json").exists() and not (path / "metrics.json").exists()
+    newest = random_model("alibi", seed=8)
+    save_checkpoint(path, newest, tiny_tokenizer, json_files={"metrics.json": 1})
+    assert json.loads((path / "metrics.json").read_text()) == 1  # the new run's own
+
+
+def test_a_folder_that_is_no_checkpoint_is_replaced_whole(tmp_path: Path, tiny_tokenizer) -> None:
+    """Forced over a user's folder (``--force``), a save keeps none of its files."""
+    path = tmp_path / "ckpt"
+    path.mkdir()
+    (path / "notes.md").write_text("a user's own")
+    save_checkpoint(path, random_model("alibi", seed=6), tiny_tokenizer)
+    assert not (path / "notes.md").exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]
 
 
 def test_missing_file_is_named(tmp_path: Path, tiny_tokenizer) -> None:
@@ -375,14 +401,14 @@ def test_the_next_save_restores_a_checkpoint_retired_by_a_killed_save(
     """The fallback's one gap: killed between its two renames, nothing is at the path."""
     path = tmp_path / "ckpt"
     save_checkpoint(path, random_model("alibi", seed=25), tiny_tokenizer)
-    (path / "metrics.json").write_text('{"bpc": 2.5}')
+    (path / "notes.md").write_text("the old one's")
     pid = dead_pid()
     path.rename(tmp_path / f".ckpt.old-{pid}")
     make_leftover(tmp_path / f".ckpt.saving-{pid}")
     newer = random_model("alibi", seed=26)
     save_checkpoint(path, newer, tiny_tokenizer)
     assert same_weights(load(path), newer)
-    assert (path / "metrics.json").read_text() == '{"bpc": 2.5}'  # carried over from the old one
+    assert (path / "notes.md").read_text() == "the old one's"  # carried over from the old one
     assert hidden(tmp_path) == []
 
 
@@ -469,7 +495,7 @@ def killed_saves(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer):
     for protocol, step in points:
         path = root / f"{protocol}-{step}" / "ckpt"
         save_checkpoint(path, old, tiny_tokenizer)
-        (path / "metrics.json").write_text('{"bpc": 2.5}')
+        (path / "notes.md").write_text("the old one's")
         before[protocol, step] = files_of(path)
         children[protocol, step] = child = savers.Process(
             target=killed_save, args=(path, source, protocol, step)
@@ -510,7 +536,7 @@ def test_a_save_killed_at_each_step_leaves_a_loadable_checkpoint(
     if kill_at in OLD_AT_THE_PATH:
         assert files_of(path) == old_files  # untouched, byte for byte
     assert same_weights(loaded, old if kill_at in OLD_AT_THE_PATH else new)
-    assert (path / "metrics.json").read_text() == '{"bpc": 2.5}'
+    assert (path / "notes.md").read_text() == "the old one's"
     assert hidden(folder) == []  # the load cleaned up after the killed save
 
     newest = random_model("learned", seed=12)
@@ -552,8 +578,8 @@ def test_json_files_change_in_the_same_swap_as_the_weights(saved: Path, tiny_tok
 def test_a_killed_atomic_writes_temporary_file_is_not_carried_along(
     saved: Path, tiny_tokenizer
 ) -> None:
-    (saved / "eval.json").write_text("{}")
+    (saved / "notes.md").write_text("kept")
     (saved / ".eval.json.k1x2.tmp").write_text("half an eval")  # what a killed eval --save left
     save_checkpoint(saved, random_model("t5", seed=4), tiny_tokenizer)
-    assert (saved / "eval.json").read_text() == "{}"
+    assert (saved / "notes.md").read_text() == "kept"
     assert not [file.name for file in saved.iterdir() if file.name.startswith(".")]

@@ -320,10 +320,13 @@ def test_reuse_checks_the_weights_hash_not_file_times(
     model.evaluate.run(eval_args(str(one_checkpoint), "--multiples", "1", "2", "--reuse"))
     assert calls == [one_checkpoint]
 
-    # other weights, eval.json newer than them → evaluated all the same
+    # other weights, eval.json newer than them → evaluated all the same (a save drops the old
+    # eval.json; one copied back beside the new weights, as a sync tool might, is still stale)
+    stale = (one_checkpoint / EVAL_FILE).read_bytes()
     torch.manual_seed(1)
     save_checkpoint(one_checkpoint, Transformer(tiny_config("rope")), tokenizer)
-    os.utime(one_checkpoint / EVAL_FILE)
+    assert not (one_checkpoint / EVAL_FILE).exists()
+    (one_checkpoint / EVAL_FILE).write_bytes(stale)
     second = model.evaluate.run(reuse)[0]
     assert calls == [one_checkpoint, one_checkpoint]
     assert second["weights_sha256"] != first["weights_sha256"]
