@@ -112,12 +112,31 @@ def serve_options(parser: argparse.ArgumentParser) -> None:
         )
 
 
+def force_option(parser: argparse.ArgumentParser, what: str, kind: str) -> None:
+    """``--force``: the one override of where a command may write (``model.files.check_output``),
+    which never extends to what the command reads, a model folder it would write inside, or
+    one it would delete."""
+    parser.add_argument(
+        "--force",
+        action="store_true",
+        help=f"replace {what} even when it is not {kind} (never what this command reads, a "
+        "checkpoint or a folder holding one, nor a path inside one)",
+    )
+
+
 def train_options(parser: argparse.ArgumentParser) -> None:
     """Options of ``ordinal train`` (``model.train.run``)."""
     parser.add_argument(
         "--scheme", required=True, metavar="SCHEME", help="positional scheme: " + ", ".join(SCHEMES)
     )
-    parser.add_argument("--out", required=True, type=Path, help="checkpoint folder to write")
+    parser.add_argument(
+        "--out",
+        required=True,
+        type=Path,
+        help="checkpoint folder to write (an existing checkpoint is replaced, its eval.json "
+        "and metrics.json dropped)",
+    )
+    force_option(parser, "OUT", "a checkpoint")
     parser.add_argument(
         "--preset",
         choices=list(PRESETS),

@@ -8,7 +8,9 @@ individual flags. AdamW, or Muon for the blocks' matrices with AdamW for the res
 and cosine decay (or warmup-stable-decay), optionally a tail average of the weights read out at the
 end (``WeightAverage``), gradient clipping and accumulation; periodic validation; a tqdm bar with
 loss and tokens/s; resumable from the last saved state (``--resume``); the checkpoint folder, the
-metrics JSON and the state are written atomically. ``--init CHECKPOINT`` starts from a trained
+metrics JSON and the state are written atomically, the folder where ``model.files.check_output``
+allows (checked before the run starts: a checkpoint is replaced, anything else only with
+``--force``, never what the run reads). ``--init CHECKPOINT`` starts from a trained
 checkpoint's weights (and tokenizer), all but its positional scheme's: with ``--scheme none`` that
 is DroPE (Gelberg et al. 2025: train with rope, remove it, recalibrate briefly), and metrics.json
 records the origin (``init``). Runs on CPU by default, and unchanged under ``torchrun``
@@ -71,7 +73,7 @@ from model.data import (
     validation_stream,
 )
 from model.device import resolve_device
-from model.files import write_atomic
+from model.files import CHECKPOINT, EVAL_FILE, METRICS_FILE, check_output, write_atomic
 from model.geometry.corpus import measure_corpus
 from model.geometry.metrics import classical_mds
 from model.positional import MdsPositions
@@ -91,7 +93,6 @@ __all__ = ["TrainConfig", "TrainingRun", "configs_from_args", "run"]
 # inputs [B, T], targets [B, T] → the summed loss over the scored targets (see summed_loss).
 LossSum = Callable[[Tensor, Tensor], Tensor]
 
-METRICS_FILE = "metrics.json"
 DEFAULT_TOKENIZER = Path("runs/tokenizer.json")  # shared by the Shakespeare runs
 STATE_FILE = "state.pt"
 
@@ -258,6 +259,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     global batch; rank 0 alone prints and saves.
     """
     model_config, train_config = configs_from_args(args)
+    replacing = check_output(
+        args.out, CHECKPOINT, sources=read_paths(args), force=getattr(args, "force", False)
+    )
+    if replacing and not args.resume and int(os.environ.get("RANK", 0)) == 0:
+        print(
+            f"note: {args.out} is replaced by this run's checkpoint at its first save (without "
+            f"its {EVAL_FILE} or {METRICS_FILE})",
+            file=sys.stderr,
+        )
     device = resolve_device(args.device)
     if train_config.compile and not can_compile_for(device):
         # The shipped recipe compiles; a machine without a C++ compiler still trains it, slower.
@@ -280,6 +290,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         )
     finally:
         dist.destroy_process_group()
+
+
+def read_paths(args: argparse.Namespace) -> list[Path]:
+    """What a run reads, so never its ``--out``: the checkpoint it starts from, its text, its
+    tokenizer, recipe and resumable state (a save swaps the whole folder, so an OUT holding one
+    of them would delete it)."""
+    init, data = getattr(args, "init", None), getattr(args, "data", None)
+    tokenizer = args.tokenizer or (DEFAULT_TOKENIZER if data is None and init is None else None)
+    state = args.state_dir or Path("runs") / args.out.name
+    return [path for path in (init, data, tokenizer, args.config, state) if path is not None]
 
 
 def cpu_compiler() -> str:

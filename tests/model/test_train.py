@@ -43,6 +43,7 @@ from model.tokenizer import load_tokenizer, special_ids
 from model.train import METRICS_FILE, STATE_FILE, prepare_tokenizer, start_from_checkpoint
 from model.transformer import Transformer
 from ordinal import build_parser, main, train_options
+from tests.model.conftest import tree_digest
 
 REPO = Path(__file__).resolve().parents[2]
 # The venv's own torchrun (torch's launcher), else one on PATH.
@@ -481,6 +482,85 @@ def test_init_with_another_architecture_is_a_one_line_error(
     assert "Traceback" not in err and not (tmp_path / "ck").exists()
     assert main([*argv, "--init", str(tmp_path / "nowhere")]) == 2
     assert "is not a checkpoint" in capsys.readouterr().err
+
+
+def short_run(out: Path, tokenizer: Path, state: Path, *extra: str) -> list[str]:
+    """``ordinal train`` arguments: three steps of the tiny model into ``out``."""
+    return [
+        *("train", "--preset", "v2", "--scheme", "rope", "--out", str(out)),
+        *("--state-dir", str(state), "--tokenizer", str(tokenizer), *TINY_MODEL),
+        *("--vocab-size", str(VOCAB), "--context-length", str(CONTEXT), "--steps", "3"),
+        *("--batch-size", str(BATCH), "--eval-every", "3", "--eval-windows", "4"),
+        *("--threads", "1", *extra),
+    ]
+
+
+def test_train_refuses_occupied_or_dangerous_outs_before_it_starts(
+    full_run: tuple[dict[str, Any], Path],
+    tokenizer_path: Path,
+    small_corpus: Corpus,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A user's folder or file, a folder of checkpoints, a path inside a checkpoint, the
+    checkpoint ``--init`` reads, a folder holding the run's own state or its tokenizer: each a
+    one-line refusal, exit 2, and the whole tree byte for byte as it was."""
+    _, run_folder = full_run
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "plan.txt").write_text("a user's folder")
+    (tmp_path / "draft.txt").write_text("a user's file")
+    shutil.copytree(run_folder / "ck", tmp_path / "checkpoints" / "rope")
+    (tmp_path / "runs").mkdir()
+    tokenizer = Path(shutil.copy(tokenizer_path, tmp_path / "runs" / "tok.json"))
+    state = tmp_path / "state"
+    init = ["--init", str(tmp_path / "checkpoints" / "rope")]
+    cases = [  # (OUT, extra flags, refused even with --force)
+        (tmp_path / "notes", [], False),
+        (tmp_path / "draft.txt", [], False),
+        (tmp_path / "checkpoints", [], True),  # would delete every checkpoint in it
+        (tmp_path / "checkpoints" / "rope" / "sub", [], True),
+        (tmp_path / "checkpoints" / "rope", init, True),  # the weights it starts from
+        (tmp_path / "run", ["--state-dir", str(tmp_path / "run" / "state")], True),
+        (tmp_path / "runs", [], True),  # holds the tokenizer
+        (tokenizer, [], True),
+    ]
+    before = tree_digest(tmp_path)
+    for out, extra, always in cases:
+        for force in [[], ["--force"]] if always else [[]]:
+            assert main(short_run(out, tokenizer, state, *extra, *force)) == 2, (out, force)
+            error = capsys.readouterr().err
+            assert error.startswith("ordinal train: error: OUT "), error
+            assert error.count("\n") == 1 and "Traceback" not in error, error
+            assert tree_digest(tmp_path) == before, (out, force)
+
+
+def test_train_force_replaces_a_folder_whole_and_a_checkpoint_without_its_scores(
+    full_run: tuple[dict[str, Any], Path],
+    tokenizer_path: Path,
+    small_corpus: Corpus,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The new model was shown with the old one's eval.json and metrics.json; with --force a
+    user's folder is replaced whole, nothing of it carried into the checkpoint."""
+    _, run_folder = full_run
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "plan.txt").write_text("a user's folder")
+    argv = short_run(tmp_path / "notes", tokenizer_path, tmp_path / "state-notes", "--force")
+    assert main(argv) == 0
+    assert not (tmp_path / "notes" / "plan.txt").exists()
+    assert json.loads((tmp_path / "notes" / METRICS_FILE).read_text())["step"] == 3
+
+    out = tmp_path / "ck"
+    shutil.copytree(run_folder / "ck", out)  # a checkpoint of 30 steps, with metrics.json
+    (out / "eval.json").write_text(json.dumps({"results": {"1x": {"bpc": 1.0}}}))
+    capsys.readouterr()
+    assert main(short_run(out, tokenizer_path, tmp_path / "state-ck")) == 0  # no --force needed
+    assert f"{out} is replaced" in capsys.readouterr().err  # said, not silent
+    assert not (out / "eval.json").exists()
+    metrics = json.loads((out / METRICS_FILE).read_text())
+    assert metrics["step"] == 3 and len(metrics["train_loss"]) == 3  # this run's, not the old
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no staging left
 
 
 @pytest.mark.parametrize(
