@@ -395,8 +395,13 @@ def export_options(parser: argparse.ArgumentParser) -> None:
     """Options of ``ordinal export`` (``model.interop.hf_export.run``)."""
     parser.add_argument("checkpoint", type=Path, metavar="CHECKPOINT", help="checkpoint folder")
     parser.add_argument(
-        "out", type=Path, metavar="OUT", help="folder to write (a .gguf file with --format gguf)"
+        "out",
+        type=Path,
+        metavar="OUT",
+        help="folder to write (a .gguf file with --format gguf); an earlier export there is "
+        "replaced whole, anything else only with --force",
     )
+    force_option(parser, "OUT", "an earlier export")
     parser.add_argument(
         "--format",
         choices=EXPORT_FORMATS,

@@ -24,20 +24,15 @@ from tokenizers import Tokenizer
 
 from model.chat import ChatTemplate
 from model.checkpoint import load_checkpoint
-from model.files import write_atomic
-from model.interop.hf_export import (
-    ExportError,
-    hf_chat_template,
-    nemotron,
-    nemotron_mismatch,
-    refuse_overwriting,
-)
+from model.files import OutputKind, check_output, write_atomic
+from model.interop.hf_export import ExportError, hf_chat_template, nemotron, nemotron_mismatch
 from model.positional.rope import RotaryPositions
 from model.tokenizer import SPECIAL_TOKENS, special_ids
 
 ARCHITECTURE = gguf.MODEL_ARCH.NEMOTRON
 # llama.cpp's pre-tokenizer whose regular expression is GPT-2's, as ByteLevel(use_regex=True).
 PRE_TOKENIZER = "gpt-2"
+GGUF_MAGIC = b"GGUF"  # the first four bytes of every GGUF file
 
 
 def vocabulary(tokenizer: Tokenizer, vocab_size: int) -> tuple[list[str], list[int], list[str]]:
@@ -77,10 +72,20 @@ def gguf_tensors(hf_tensors: dict[str, Any], n_layers: int) -> dict[str, np.ndar
     return out
 
 
-def export_gguf(checkpoint: str | Path, out: str | Path) -> None:
-    """Write the rope checkpoint folder ``checkpoint`` as the GGUF file ``out`` (atomically)."""
+def not_a_gguf(path: Path) -> str | None:
+    """Why the file ``path`` is not a GGUF file, or None."""
+    with open(path, "rb") as file:
+        return None if file.read(len(GGUF_MAGIC)) == GGUF_MAGIC else "it does not start with GGUF"
+
+
+GGUF_FILE = OutputKind("a GGUF file", folder=False, earlier=not_a_gguf)
+
+
+def export_gguf(checkpoint: str | Path, out: str | Path, *, force: bool = False) -> None:
+    """Write the rope checkpoint folder ``checkpoint`` as the GGUF file ``out`` (atomically),
+    where ``model.files.check_output`` allows it (``force``: over a file that is not a GGUF)."""
     checkpoint = Path(checkpoint)
-    refuse_overwriting(checkpoint, out)
+    check_output(out, GGUF_FILE, sources=[checkpoint], force=force)
     model, tokenizer = load_checkpoint(checkpoint, device="cpu", dtype="float32")
     if not isinstance(model.positional, RotaryPositions):
         raise ExportError(

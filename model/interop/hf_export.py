@@ -23,7 +23,8 @@ Every folder also carries ``config.json`` ``ordinal_config`` (the checkpoint's o
 import can restore it), a tokenizer that adds ``<|bos|>`` as ordinal does, and a chat template
 that renders ordinal's scene with Hugging Face's defaults (:func:`hf_chat_template`). Weights
 are float32. The folder is written beside ``OUT`` and swapped in whole
-(``model.checkpoint.staged_folder``).
+(``model.checkpoint.staged_folder``), where ``model.files.check_output`` allows: never over or
+inside a checkpoint, over a folder other than an earlier export only with ``--force``.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ from model.checkpoint import (
     stored_tensors,
 )
 from model.config import ModelConfig
+from model.files import OutputKind, check_output, only_files, read_json_object
 from model.positional import positions_table
 from model.positional.rope import RotaryPositions
 from model.tokenizer import BOS, EOS, PAD, special_ids
@@ -477,18 +479,36 @@ def float32_copies(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
     }
 
 
-def refuse_overwriting(checkpoint: Path, out: str | Path) -> None:
-    """An export written over its own checkpoint would replace it: refused."""
-    if Path(out).resolve() == checkpoint.resolve():
-        raise ExportError(
-            f"OUT is the checkpoint itself ({checkpoint}): write the export elsewhere"
-        )
+# Every file an export folder holds (the remote code only for custom code).
+FOLDER_FILES = (
+    CONFIG_FILE,
+    WEIGHTS_FILE,
+    TOKENIZER_FILE,
+    TOKENIZER_CONFIG_FILE,
+    "special_tokens_map.json",
+    "generation_config.json",
+    *REMOTE_FILES,
+)
 
 
-def export_folder(checkpoint: str | Path, out: str | Path, target: str = "auto") -> Exported:
-    """Write the checkpoint folder ``checkpoint`` as a Hugging Face folder at ``out``."""
+def not_an_export(path: Path) -> str | None:
+    """Why ``path`` is not a folder ``ordinal export`` wrote (and nothing else), or None."""
+    why_not = only_files(path, FOLDER_FILES)
+    if why_not is None and EXPORTED_CONFIG not in (read_json_object(path / CONFIG_FILE) or {}):
+        return f"its {CONFIG_FILE} has no {EXPORTED_CONFIG}"
+    return why_not
+
+
+HF_FOLDER = OutputKind("an ordinal export", folder=True, earlier=not_an_export)
+
+
+def export_folder(
+    checkpoint: str | Path, out: str | Path, target: str = "auto", *, force: bool = False
+) -> Exported:
+    """Write the checkpoint folder ``checkpoint`` as a Hugging Face folder at ``out``, where
+    ``model.files.check_output`` allows it (``force``: over a folder that is not an export)."""
     checkpoint = Path(checkpoint)
-    refuse_overwriting(checkpoint, out)
+    check_output(out, HF_FOLDER, sources=[checkpoint], force=force)
     model, tokenizer = load_checkpoint(checkpoint, device="cpu", dtype="float32")
     exported = export_model(model, tokenizer, target)
     weights = serialise_tensors(float32_copies(exported.tensors), metadata={"format": "pt"})
@@ -505,13 +525,14 @@ def export_folder(checkpoint: str | Path, out: str | Path, target: str = "auto")
 
 
 def run(args: argparse.Namespace) -> None:
-    """``ordinal export CHECKPOINT OUT [--format hf|gguf] [--target auto|native|custom]``."""
+    """``ordinal export CHECKPOINT OUT [--format hf|gguf] [--target auto|native|custom]
+    [--force]``."""
     if args.format == "gguf":
         from model.interop.gguf_export import export_gguf
 
-        export_gguf(args.checkpoint, args.out)
+        export_gguf(args.checkpoint, args.out, force=args.force)
         print(f"{args.out}: llama.cpp GGUF, architecture nemotron")
         return
-    exported = export_folder(args.checkpoint, args.out, args.target)
+    exported = export_folder(args.checkpoint, args.out, args.target, force=args.force)
     how = "native" if exported.native else "custom code, load with trust_remote_code=True"
     print(f"{args.out}: {exported.architecture} ({how}): {exported.reason}")

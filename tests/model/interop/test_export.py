@@ -15,6 +15,7 @@ vocabulary and merges, and every tensor.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -33,8 +34,10 @@ from model.generate import decode_tokens, encode_prompt
 from model.interop.gguf_export import export_gguf
 from model.interop.hf_export import (
     CUSTOM_ARCHITECTURE,
+    FOLDER_FILES,
     FORMATS,
     PORTED_SCHEMES,
+    REMOTE_FILES,
     TARGETS,
     ExportError,
     export_folder,
@@ -43,7 +46,7 @@ from model.interop.hf_export import (
 from model.positional import SCHEMES
 from model.tokenizer import load_tokenizer
 from model.transformer import Transformer
-from tests.model.conftest import random_model
+from tests.model.conftest import random_model, tree_digest
 from tests.test_shipped_checkpoints import SHIPPED_SCHEMES
 
 REPO = Path(__file__).resolve().parents[3]
@@ -260,14 +263,13 @@ def test_the_command_line_writes_the_folder_whole_or_not_at_all(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "rope"
-    out.mkdir()
-    (out / "stale.txt").write_text("from an earlier export")
     assert ordinal.main(["export", str(SHIPPED / "alibi"), str(out), "--target", "native"]) == 2
     assert "ordinal export: error: no native Hugging Face architecture" in capsys.readouterr().err
-    assert (out / "stale.txt").is_file()  # a refused export leaves OUT as it was
+    assert not out.exists()  # a refused export writes nothing
 
     assert ordinal.main(["export", str(SHIPPED / "rope"), str(out)]) == 0
     assert "NemotronForCausalLM (native)" in capsys.readouterr().out
+    first = tree_digest(tmp_path)
     assert sorted(p.name for p in out.iterdir()) == [
         "config.json",
         "generation_config.json",
@@ -275,8 +277,12 @@ def test_the_command_line_writes_the_folder_whole_or_not_at_all(
         "special_tokens_map.json",
         "tokenizer.json",
         "tokenizer_config.json",
-    ]  # swapped in whole: nothing of the old folder is left
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no staging left
+    ]
+    # An earlier export is replaced without --force: the same checkpoint, the same bytes.
+    assert ordinal.main(["export", str(SHIPPED / "none"), str(out)]) == 0
+    assert "GPT2LMHeadModel" in capsys.readouterr().out
+    assert ordinal.main(["export", str(SHIPPED / "rope"), str(out)]) == 0
+    assert tree_digest(tmp_path) == first  # swapped in whole: no staging left, nothing of none's
 
 
 def test_the_command_line_knows_the_exports_choices_and_refuses_to_overwrite_its_input(
@@ -285,12 +291,96 @@ def test_the_command_line_knows_the_exports_choices_and_refuses_to_overwrite_its
     assert (ordinal.EXPORT_TARGETS, ordinal.EXPORT_FORMATS) == (TARGETS, FORMATS)
     checkpoint = tmp_path / "rope"
     save_checkpoint(checkpoint, *load_checkpoint(SHIPPED / "rope", device="cpu"))
-    before = sorted(p.name for p in checkpoint.iterdir())
-    for extra in ([], ["--format", "gguf"]):
+    before = tree_digest(tmp_path)
+    for extra in ([], ["--format", "gguf"], ["--force"]):
         assert ordinal.main(["export", str(checkpoint), str(checkpoint), *extra]) == 2
-        assert "OUT is the checkpoint itself" in capsys.readouterr().err
-    assert sorted(p.name for p in checkpoint.iterdir()) == before
+        assert "is what this command reads" in capsys.readouterr().err
+    assert tree_digest(tmp_path) == before
     assert load_checkpoint(checkpoint, device="cpu")  # still a checkpoint
+
+
+@pytest.fixture
+def rope_copy(tmp_path: Path) -> Path:
+    """A copy of the shipped rope checkpoint, with the eval.json and metrics.json it ships."""
+    checkpoint = tmp_path / "ckpt" / "rope"
+    shutil.copytree(SHIPPED / "rope", checkpoint)
+    return checkpoint
+
+
+def occupy(root: Path) -> dict[str, list[str]]:
+    """Folders and files under ``root`` that an export must not replace, and the ``ordinal
+    export`` arguments (after the checkpoint) that aim at each: name → arguments."""
+    (root / "notes").mkdir()
+    (root / "notes" / "plan.txt").write_text("a user's folder")
+    (root / "draft.gguf").write_text("a user's file, not a GGUF")
+    shutil.copytree(root / "ckpt" / "rope", root / "other")  # another checkpoint
+    (root / "links").mkdir()
+    (root / "links" / "out").symlink_to(root / "notes")
+    gguf = ["--format", "gguf"]
+    return {
+        "a user's folder": [str(root / "notes")],
+        "a user's file": [str(root / "draft.gguf"), *gguf],
+        "the checkpoint's own weights": [str(root / "ckpt" / "rope" / "model.safetensors"), *gguf],
+        "the checkpoint's folder": [str(root / "ckpt" / "rope")],
+        "a folder inside the checkpoint": [str(root / "ckpt" / "rope" / "hf")],
+        "the folder of checkpoints (every shipped model)": [str(root / "ckpt")],
+        "another checkpoint": [str(root / "other")],
+        "a file inside another checkpoint": [str(root / "other" / "rope.gguf"), *gguf],
+        "a symlink to a user's folder": [str(root / "links" / "out")],
+    }
+
+
+FORCE_REPLACES = {"a user's folder", "a user's file"}  # what --force is for; never the rest
+
+
+@pytest.mark.parametrize("force", [False, True], ids=["plain", "force"])
+def test_export_refuses_every_occupied_or_dangerous_out_and_changes_nothing(
+    rope_copy: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], force: bool
+) -> None:
+    """The issue's reports (``export ckpt/rope checkpoints`` deleted every shipped model, a
+    GGUF written over ``ckpt/rope/model.safetensors``, user folders and files replaced without
+    a word): each a one-line refusal, exit 2, the whole tree byte for byte as it was."""
+    targets = occupy(tmp_path)
+    before = tree_digest(tmp_path)
+    for what, out in targets.items():
+        if force and what in FORCE_REPLACES:
+            continue
+        argv = ["export", str(rope_copy), *out, *(["--force"] if force else [])]
+        assert ordinal.main(argv) == 2, what
+        error = capsys.readouterr().err
+        assert error.startswith("ordinal export: error: OUT "), (what, error)
+        assert error.count("\n") == 1 and "Traceback" not in error, what
+        assert tree_digest(tmp_path) == before, what
+
+
+def test_force_replaces_a_user_folder_or_file_whole_and_atomically(
+    rope_copy: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch
+) -> None:
+    occupy(tmp_path)
+    notes, draft = tmp_path / "notes", tmp_path / "draft.gguf"
+    # Killed while writing the new folder: the old one stays whole, nothing half-written beside.
+    before = tree_digest(tmp_path)
+
+    def interrupted(*args: Any) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("model.interop.hf_export.hf_tokenizer", interrupted)
+    assert ordinal.main(["export", str(rope_copy), str(notes), "--force"]) == 130
+    assert tree_digest(tmp_path) == before
+    monkeypatch.undo()
+
+    assert ordinal.main(["export", str(rope_copy), str(notes), "--force"]) == 0
+    assert {p.name for p in notes.iterdir()} == set(FOLDER_FILES) - set(REMOTE_FILES)  # native
+    # nothing of the user's folder is left in the export
+    assert load_hf(notes) is not None
+    assert ordinal.main(["export", str(rope_copy), str(draft), "--format", "gguf", "--force"]) == 0
+    assert gguf_field(gguf.GGUFReader(draft), "general.architecture") == "nemotron"
+    after = tree_digest(tmp_path)
+    assert not [name for name in after if name.split("/")[-1].startswith(".")]  # no staging
+    # Earlier outputs of the same kind are written again without --force.
+    assert ordinal.main(["export", str(rope_copy), str(notes)]) == 0
+    assert ordinal.main(["export", str(rope_copy), str(draft), "--format", "gguf"]) == 0
+    assert tree_digest(tmp_path) == after
 
 
 def gguf_field(reader: gguf.GGUFReader, key: str) -> Any:
