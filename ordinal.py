@@ -381,7 +381,14 @@ def import_options(parser: argparse.ArgumentParser) -> None:
         "checkpoint); a hub name (owner/model) is downloaded only if no such "
         "folder exists and the hub can be reached",
     )
-    parser.add_argument("out", type=Path, metavar="OUT", help="checkpoint folder to write")
+    parser.add_argument(
+        "out",
+        type=Path,
+        metavar="OUT",
+        help="checkpoint folder to write (an existing checkpoint is replaced, its eval.json and "
+        "metrics.json dropped; never the source folder)",
+    )
+    force_option(parser, "OUT", "a checkpoint")
     parser.add_argument(
         "--dtype",
         choices=DTYPES,

@@ -17,7 +17,10 @@ activation the family does not use, a tensor the core has no place for. Weights 
 config.json's ids), are recorded in the checkpoint's own tokenizer_config.json, where
 ``model.tokenizer.load_tokenizer`` finds them. Its post-processor is dropped: ordinal places the
 bos token itself. A hub name ("owner/model") is downloaded only when no such folder exists and
-``huggingface_hub`` can reach the hub.
+``huggingface_hub`` can reach the hub. Every file read must lie inside the folder once its
+symlinks are followed (:class:`SourceFolder`): a symlink or an index entry leading out of it is
+refused, never read. The checkpoint is written where ``model.files.check_output`` allows: never
+over the folder read, over something other than a checkpoint only with ``--force``.
 
 A folder ``ordinal export`` wrote (config.json holds ``ordinal_config``) imports back as the
 checkpoint it came from: that config, and every tensor equal bit for bit (:func:`import_export`).
@@ -34,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,6 +53,7 @@ from model.chat import DEFAULT_TEMPLATE, default_tokenizer_config
 from model.checkpoint import TOKENIZER_FILE, save_checkpoint
 from model.config import ModelConfig
 from model.device import DTYPES, resolve_dtype
+from model.files import CHECKPOINT, WEIGHTS_RECORDS, check_output, not_a_checkpoint
 from model.interop.hf_export import (
     CUSTOM_ARCHITECTURE,
     EXPORTED_CONFIG,
@@ -87,12 +92,16 @@ class Family:
     weights: Callable[[_Tensors, ModelConfig], dict[str, Tensor]]
 
 
-def import_model(source: str | Path, out: Path, dtype: str | None = None) -> ModelConfig:
+def import_model(
+    source: str | Path, out: Path, dtype: str | None = None, *, force: bool = False
+) -> ModelConfig:
     """Convert the Hugging Face model at ``source`` (a folder, or a hub name) into the
-    checkpoint folder ``out`` (written atomically), its weights stored in ``dtype`` (default:
+    checkpoint folder ``out`` (written atomically where ``model.files.check_output`` allows,
+    ``force`` over a folder that is no checkpoint), its weights stored in ``dtype`` (default:
     the folder's; an export's: its checkpoint's); returns its config."""
     folder = resolve_folder(str(source))
-    hf_config = _read_json(folder / HF_CONFIG_FILE)
+    check_output(out, CHECKPOINT, sources=[folder.path], force=force)
+    hf_config = _read_json(folder.file(HF_CONFIG_FILE))
     if EXPORTED_CONFIG in hf_config:
         return import_export(folder, hf_config, out, dtype)
     architecture = _architecture(hf_config)
@@ -106,7 +115,8 @@ def import_model(source: str | Path, out: Path, dtype: str | None = None) -> Mod
     tokenizer, tokenizer_config = read_tokenizer(folder, hf_config)
     if tokenizer.get_vocab_size() > config.vocab_size:
         raise UnsupportedModel(
-            f"{folder / TOKENIZER_FILE} has {tokenizer.get_vocab_size()} tokens but the model's "
+            f"{folder.path / TOKENIZER_FILE} has {tokenizer.get_vocab_size()} tokens but the "
+            f"model's "
             f"vocab_size is {config.vocab_size}"
         )
     model = Transformer(config)
@@ -116,12 +126,16 @@ def import_model(source: str | Path, out: Path, dtype: str | None = None) -> Mod
 
 
 def run(args: argparse.Namespace) -> None:
-    """``ordinal import SOURCE OUT``."""
-    config = import_model(args.source, args.out, args.dtype)
+    """``ordinal import SOURCE OUT [--dtype DTYPE] [--force]``."""
+    replaced = not_a_checkpoint(args.out) is None
+    config = import_model(args.source, args.out, args.dtype, force=args.force)
     print(
         f"imported {args.source} → {args.out}: {config.scheme}, {config.n_layers} layers, "
         f"d_model {config.d_model}, {config.n_heads} heads ({config.key_value_heads} key/value)"
     )
+    if replaced:  # said, not silent: the old model's scores went with it
+        dropped = " and ".join(WEIGHTS_RECORDS)
+        print(f"note: this replaced the checkpoint at {args.out} (without its {dropped})")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -286,7 +300,7 @@ SAVE_METADATA = ("transformers_version", "_name_or_path")
 
 
 def import_export(
-    folder: Path, hf_config: dict[str, Any], out: Path, dtype: str | None
+    folder: SourceFolder, hf_config: dict[str, Any], out: Path, dtype: str | None
 ) -> ModelConfig:
     """The checkpoint ``ordinal export`` wrote ``folder`` from, at ``out``: its config (stored
     in ``dtype``, default its own) and every tensor exactly, or an UnsupportedModel saying why
@@ -329,7 +343,7 @@ def import_export(
 
 
 def _check_exports_as(
-    folder: Path,
+    folder: SourceFolder,
     hf_config: dict[str, Any],
     tensors: dict[str, Tensor],
     model: Transformer,
@@ -343,7 +357,7 @@ def _check_exports_as(
     except ValueError as error:
         message = f"{EXPORTED_CONFIG} exports as no {target} folder: {error}"
         raise UnsupportedModel(message) from None
-    not_export = f"{folder} is not what ordinal export writes for its {EXPORTED_CONFIG}"
+    not_export = f"{folder.path} is not what ordinal export writes for its {EXPORTED_CONFIG}"
     if again.architecture != hf_config["architectures"][0]:
         raise UnsupportedModel(f"{not_export}: that exports as {again.architecture}")
     for key in sorted(set(hf_config) | set(again.config)):
@@ -438,12 +452,51 @@ EXPORT_INVERSES: dict[str, Callable[[_Tensors, ModelConfig], dict[str, Tensor]]]
 # Reading the folder
 
 
-def resolve_folder(source: str) -> Path:
+@dataclass(frozen=True)
+class SourceFolder:
+    """The folder an import reads, and the folder every file it reads must lie in once its
+    symlinks are followed: the folder itself, or for a hub download its repository's cache
+    folder (the snapshot's files are symlinks to the blobs beside it).
+
+    A cloned model repository keeps its symlinks, and an index may name any path: followed
+    blindly, a ``chat_template.jinja`` linked to a private file would be published inside the
+    checkpoint. So every path goes through :meth:`file`."""
+
+    path: Path
+    root: Path
+
+    @classmethod
+    def local(cls, path: Path) -> SourceFolder:
+        return cls(path, path.resolve())
+
+    def file(self, name: str) -> Path:
+        """``path / name``, or an UnsupportedModel when ``name`` is absolute or it (a ``..``,
+        a symlink on the way) leads out of ``root``."""
+        if Path(name).is_absolute():
+            raise UnsupportedModel(
+                f"{self.path} names the file {name!r} by an absolute path: an import reads only "
+                "files inside the folder"
+            )
+        path = self.path / name
+        if not path.resolve().is_relative_to(self.root):
+            raise UnsupportedModel(
+                f"{path} leads outside {self.path} (a symlink or '..'): an import reads only "
+                "files inside the folder"
+            )
+        return path
+
+    def has(self, name: str) -> bool:
+        """Whether the folder has an entry ``name`` (a symlink counts, wherever it points:
+        :meth:`file` then refuses one that leads out)."""
+        return os.path.lexists(self.path / name)
+
+
+def resolve_folder(source: str) -> SourceFolder:
     """``source`` as a local folder; a hub name ("owner/model") with no such folder is
     downloaded (config, safetensors and tokenizer files only) when the hub can be reached."""
     path = Path(source).expanduser()
     if path.is_dir():
-        return path
+        return SourceFolder.local(path)
     looks_like_hub_name = source.count("/") == 1 and not source.startswith((".", "/", "~"))
     if path.exists() or not looks_like_hub_name:
         raise UnsupportedModel(f"{source} is not a folder (give a Hugging Face model folder)")
@@ -454,11 +507,13 @@ def resolve_folder(source: str) -> Path:
             f"no folder {source}, and huggingface_hub is not installed to fetch it from the hub"
         ) from None
     try:
-        return Path(snapshot_download(source, allow_patterns=HUB_FILES))
+        snapshot = Path(snapshot_download(source, allow_patterns=HUB_FILES))
     except Exception as error:  # offline, unknown repository, gated, ...: all the user's to fix
         raise UnsupportedModel(
             f"no folder {source}, and fetching it from the Hugging Face hub failed: {error}"
         ) from None
+    # The hub's cache: REPO/snapshots/REVISION/NAME → REPO/blobs/HASH, links the hub made.
+    return SourceFolder(snapshot, snapshot.parent.parent.resolve())
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -497,24 +552,30 @@ def _storage_dtype(hf: dict[str, Any]) -> str:
     return dtype if dtype in DTYPES else "float32"
 
 
-def read_safetensors(folder: Path) -> dict[str, Tensor]:
-    """Every tensor of the folder: ``model.safetensors``, or the shards its index names."""
-    index = folder / HF_WEIGHTS_INDEX
-    if index.is_file():
-        files = sorted(set(_read_json(index).get("weight_map", {}).values()))
-    elif (folder / HF_WEIGHTS_FILE).is_file():
+def read_safetensors(folder: SourceFolder) -> dict[str, Tensor]:
+    """Every tensor of the folder: ``model.safetensors``, or the shards its index names (each
+    a file inside the folder)."""
+    if folder.has(HF_WEIGHTS_INDEX):
+        weight_map = _read_json(folder.file(HF_WEIGHTS_INDEX)).get("weight_map", {})
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(name, str) for name in weight_map.values()
+        ):
+            raise UnsupportedModel(f"{folder.path / HF_WEIGHTS_INDEX}: weight_map must map names")
+        files = sorted(set(weight_map.values()))
+    elif folder.has(HF_WEIGHTS_FILE):
         files = [HF_WEIGHTS_FILE]
     else:
         raise UnsupportedModel(
-            f"{folder} has no {HF_WEIGHTS_FILE} (only safetensors weights import; "
+            f"{folder.path} has no {HF_WEIGHTS_FILE} (only safetensors weights import; "
             f"pytorch_model.bin is not read)"
         )
+    paths = [folder.file(name) for name in files]  # every one checked before any is read
     tensors: dict[str, Tensor] = {}
-    for name in files:
+    for path in paths:
         try:
-            tensors |= load_file(folder / name)
+            tensors |= load_file(path)
         except (SafetensorError, OSError) as error:
-            message = f"{folder / name} is not a readable safetensors file: {error}"
+            message = f"{path} is not a readable safetensors file: {error}"
             raise UnsupportedModel(message) from None
     return tensors
 
@@ -560,12 +621,14 @@ def _load_exactly(model: Transformer, state: dict[str, Tensor]) -> None:
     model.load_state_dict(state)
 
 
-def read_tokenizer(folder: Path, hf_config: dict[str, Any]) -> tuple[Tokenizer, dict[str, Any]]:
+def read_tokenizer(
+    folder: SourceFolder, hf_config: dict[str, Any]
+) -> tuple[Tokenizer, dict[str, Any]]:
     """The folder's tokenizer, ready for ordinal, and the tokenizer_config.json to record with
     it: its bos, eos and pad tokens and the folder's chat template (else ordinal's)."""
-    path = folder / TOKENIZER_FILE
-    if not path.is_file():
-        raise UnsupportedModel(f"{folder} has no {TOKENIZER_FILE} (the fast tokenizer's file)")
+    if not folder.has(TOKENIZER_FILE):
+        raise UnsupportedModel(f"{folder.path} has no {TOKENIZER_FILE} (the fast tokenizer's file)")
+    path = folder.file(TOKENIZER_FILE)
     data = _read_json(path)
     # ordinal places bos itself and never truncates or pads a prompt behind the caller's back.
     data.update(post_processor=None, truncation=None, padding=None)
@@ -574,7 +637,7 @@ def read_tokenizer(folder: Path, hf_config: dict[str, Any]) -> tuple[Tokenizer, 
     except Exception as error:  # tokenizers raises a bare Exception
         raise UnsupportedModel(f"{path} is not a valid tokenizer file: {error}") from None
     hf_tokenizer_config = (
-        _read_json(folder / HF_TOKENIZER_CONFIG) if (folder / HF_TOKENIZER_CONFIG).is_file() else {}
+        _read_json(folder.file(HF_TOKENIZER_CONFIG)) if folder.has(HF_TOKENIZER_CONFIG) else {}
     )
     names = special_token_names(hf_tokenizer_config) or _special_names_from_ids(
         tokenizer, hf_config
@@ -583,8 +646,8 @@ def read_tokenizer(folder: Path, hf_config: dict[str, Any]) -> tuple[Tokenizer, 
     special_ids(tokenizer)  # each is in the vocabulary
     token_bytes(tokenizer)  # byte-level, so ordinal can decode and stream it
     template = hf_tokenizer_config.get("chat_template")
-    if (folder / HF_CHAT_TEMPLATE).is_file():
-        template = (folder / HF_CHAT_TEMPLATE).read_text(encoding="utf-8")
+    if folder.has(HF_CHAT_TEMPLATE):
+        template = folder.file(HF_CHAT_TEMPLATE).read_text(encoding="utf-8")
     return tokenizer, {  # Hugging Face's keys, the tokenizer's own specials, its template
         **default_tokenizer_config(),
         **special_token_config(tokenizer),

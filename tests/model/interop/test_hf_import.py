@@ -22,11 +22,13 @@ from model.cache import KVCache
 from model.checkpoint import load_checkpoint
 from model.tokenizer import special_ids
 from model.transformer import Transformer
+from tests.model.conftest import tree_digest
 from tests.server.conftest import running_server, sse_events, test_settings
 
 transformers = pytest.importorskip("transformers")
 from tests.model.interop.hf_models import gpt2, llama  # noqa: E402 (needs transformers)
 
+REPO = Path(__file__).resolve().parents[3]
 LENGTHS = (11, 4, 8)  # a ragged batch: rows of different lengths, right-padded
 TOLERANCE = 1e-4  # float32
 
@@ -262,3 +264,144 @@ def test_without_named_specials_the_config_ids_name_them(
     tokenizer = load_checkpoint(tmp_path / "out", device="cpu").tokenizer
     ids = special_ids(tokenizer)
     assert ids.bos == ids.eos == ids.pad == tokenizer.token_to_id("<|endoftext|>") == 0
+
+
+# ----------------------------------------------------------------------------------------------
+# Where an import writes, and what it reads
+
+
+def import_refused(argv: list[str], root: Path, capsys: pytest.CaptureFixture[str]) -> str:
+    """Run ``ordinal import ARGV``: refused with one line on stderr, exit 2, and the whole
+    tree under ``root`` byte for byte as before. Returns the message."""
+    before = tree_digest(root)
+    assert ordinal.main(["import", *argv]) == 2, argv
+    error = capsys.readouterr().err
+    assert error.startswith("ordinal import: error: "), error
+    assert error.count("\n") == 1 and "Traceback" not in error, error
+    assert tree_digest(root) == before, argv
+    return error
+
+
+def test_import_refuses_occupied_or_dangerous_outs(
+    imported: dict[str, tuple[Path, Path]], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``import hf hf`` replaced the source folder itself; a user's folder, an export and a
+    folder of checkpoints were replaced without a word."""
+    source = tmp_path / "hf"
+    shutil.copytree(imported["gpt2"][0], source)
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "plan.txt").write_text("a user's folder")
+    exported = tmp_path / "exported" / "hf"
+    assert ordinal.main(["export", str(REPO / "checkpoints" / "rope"), str(exported)]) == 0
+    shutil.copytree(imported["llama-gqa"][1], tmp_path / "checkpoints" / "llama")
+    capsys.readouterr()
+    for out, force_too in [
+        (source, True),  # the source itself
+        (source / "ck", True),  # inside the source
+        (tmp_path, True),  # the folder holding the source
+        (tmp_path / "checkpoints", True),  # a folder of checkpoints
+        (tmp_path / "checkpoints" / "llama" / "ck", True),  # inside a checkpoint
+        (tmp_path / "notes", False),  # a user's folder
+        (exported, False),  # an export, not a checkpoint
+    ]:
+        for force in [[], ["--force"]] if force_too else [[]]:
+            import_refused([str(source), str(out), *force], tmp_path, capsys)
+
+    assert ordinal.main(["import", str(source), str(tmp_path / "notes"), "--force"]) == 0
+    assert not (tmp_path / "notes" / "plan.txt").exists()  # replaced whole, nothing carried
+    assert load_checkpoint(tmp_path / "notes", device="cpu").model.config.scheme == "learned"
+
+
+def test_import_over_a_checkpoint_keeps_neither_its_scores_nor_its_metrics(
+    imported: dict[str, tuple[Path, Path]], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The new model was shown with the old one's eval.json and metrics.json."""
+    out = tmp_path / "ck"
+    shutil.copytree(REPO / "checkpoints" / "rope", out)
+    assert {"eval.json", "metrics.json"} <= {p.name for p in out.iterdir()}
+    (out / "notes.md").write_text("a user's notes on this folder")
+    assert ordinal.main(["import", str(imported["gpt2"][0]), str(out)]) == 0
+    assert "replaced the checkpoint" in capsys.readouterr().out
+    assert not (out / "eval.json").exists() and not (out / "metrics.json").exists()
+    assert (out / "notes.md").is_file()  # a user's own file beside a checkpoint is kept
+    assert load_checkpoint(out, device="cpu").model.config.scheme == "learned"
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no staging left
+
+
+def escape(source: Path, outside: Path, name: str) -> None:
+    """Move ``source/name`` out of the folder, to ``outside``, and link it back in."""
+    shutil.move(source / name, outside)
+    (source / name).symlink_to(outside)
+
+
+def write_index(source: Path, shard: str) -> None:
+    """Replace the weights by an index that names ``shard`` for every tensor."""
+    from safetensors import safe_open
+
+    with safe_open(source / "model.safetensors", framework="pt") as weights:
+        names = list(weights.keys())
+    (source / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": dict.fromkeys(names, shard)})
+    )
+
+
+ESCAPES: dict[str, Callable[[Path, Path], None]] = {
+    # a private file published as the checkpoint's chat template
+    "chat_template.jinja": lambda source, outside: (
+        (outside / "secret.txt").write_text("{{ 'a private file' }}"),
+        (source / "chat_template.jinja").symlink_to(outside / "secret.txt"),
+    ),
+    "model.safetensors": lambda source, outside: escape(
+        source, outside / "w.safetensors", "model.safetensors"
+    ),
+    "tokenizer.json": lambda source, outside: escape(source, outside / "t.json", "tokenizer.json"),
+    "tokenizer_config.json": lambda source, outside: escape(
+        source, outside / "tc.json", "tokenizer_config.json"
+    ),
+    "config.json": lambda source, outside: escape(source, outside / "c.json", "config.json"),
+    "../../x": lambda source, outside: (
+        shutil.copy(source / "model.safetensors", outside / "x"),
+        write_index(source, "../../x"),
+    ),
+    "absolute": lambda source, outside: (
+        shutil.copy(source / "model.safetensors", outside / "x"),
+        write_index(source, str(outside / "x")),
+    ),
+}
+
+
+@pytest.mark.parametrize("attack", ESCAPES)
+def test_import_reads_nothing_outside_the_folder(
+    imported: dict[str, tuple[Path, Path]],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    attack: str,
+) -> None:
+    """A cloned repository keeps its symlinks, and an index may name any path: each would put
+    a local file into a published checkpoint. Refused, naming the file, nothing written."""
+    outside = tmp_path / "repo"  # beside the model folder: ../../x from its files
+    source = outside / "models" / "hf"
+    shutil.copytree(imported["gpt2"][0], source)
+    ESCAPES[attack](source, outside)
+    error = import_refused([str(source), str(tmp_path / "out")], tmp_path, capsys)
+    assert "outside" in error or "absolute path" in error
+    assert not (tmp_path / "out").exists()
+
+
+def test_links_and_shards_inside_the_folder_still_import(
+    imported: dict[str, tuple[Path, Path]], tmp_path: Path
+) -> None:
+    """The check follows where a path leads, not whether it is a link: inside, it imports."""
+    source = tmp_path / "hf"
+    shutil.copytree(imported["gpt2"][0], source)
+    (source / "shards").mkdir()
+    shutil.move(source / "model.safetensors", source / "shards" / "all.safetensors")
+    (source / "model.safetensors").symlink_to(Path("shards") / "all.safetensors")
+    (source / "tokenizer.json").rename(source / "tok.json")
+    (source / "tokenizer.json").symlink_to(source / "tok.json")  # absolute, yet inside
+    write_index(source, "shards/../shards/all.safetensors")
+    assert ordinal.main(["import", str(source), str(tmp_path / "out")]) == 0
+    ours = load_checkpoint(tmp_path / "out", device="cpu").model
+    theirs = load_checkpoint(imported["gpt2"][1], device="cpu").model
+    for name, tensor in theirs.state_dict().items():
+        assert torch.equal(ours.state_dict()[name], tensor), name
