@@ -270,6 +270,7 @@ def eval_options(parser: argparse.ArgumentParser) -> None:
         "weights (SCALING+FACTOR: linear, ntk, dynamic or yarn; e.g. yarn4,ntk4)",
     )
     parser.add_argument("--table", type=Path, help="write a markdown table of the results here")
+    force_option(parser, "the --plot and --table files", "an earlier plot or table")
     parser.add_argument(
         "--save",
         action="store_true",
@@ -295,7 +296,13 @@ def eval_options(parser: argparse.ArgumentParser) -> None:
 
 def geometry_options(parser: argparse.ArgumentParser) -> None:
     """Options of ``ordinal geometry`` (``model.geometry.report.run``)."""
-    parser.add_argument("--out", required=True, type=Path, help="folder for report.json and PNGs")
+    parser.add_argument(
+        "--out",
+        required=True,
+        type=Path,
+        help="folder for report.json and PNGs (written whole: an earlier report is replaced)",
+    )
+    force_option(parser, "OUT", "an earlier report")
     parser.add_argument(
         "--corpus",
         default=CORPORA[0],

@@ -16,7 +16,9 @@ training sequences run on past a speech's end (``running_windows``): the model i
 scored token's loss changes, and every window that does not run off the end of the stream has a
 target at every position.
 
-Nothing is written into a checkpoint unless asked (``--save``), and then eval.json is left
+``--plot`` and ``--table`` are written where ``model.files.check_output`` allows (never inside a
+checkpoint; over a file that is not such a plot or table only with ``--force``). Nothing is
+written into a checkpoint unless asked (``--save``), and then eval.json is left
 byte-identical when it was made from the same weights and the new figures agree with it to
 float rounding (threads and batch sizes change the last bits of a sum). Each eval.json records
 ``weights_sha256``, the SHA-256 of the tensors in model.safetensors (its data section, the same
@@ -30,6 +32,7 @@ import argparse
 import json
 import math
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -42,12 +45,19 @@ from model.corpus import load_corpus
 from model.curves import checkpoint_label, series_colour
 from model.data import IGNORE_INDEX, ValidationStream, validation_stream
 from model.device import resolve_device
-from model.files import CONFIG_FILE, write_figure_atomic, write_json_atomic, write_text_atomic
+from model.files import (
+    CONFIG_FILE,
+    EVAL_FILE,
+    OutputKind,
+    check_output,
+    write_figure_atomic,
+    write_json_atomic,
+    write_text_atomic,
+)
 from model.markdown import markdown_table
 from model.text_corpus import load_text_corpus
 from model.transformer import Transformer
 
-EVAL_FILE = "eval.json"
 RopeVariant = tuple[str, str, float]  # ("yarn4", "yarn", 4.0): name, rope scaling, its factor
 MULTIPLES = (1, 2, 4)
 # Relative difference under which a new figure counts as the saved one (float rounding).
@@ -344,6 +354,27 @@ def results_table(reports: list[dict[str, Any]]) -> str:
     return "\n".join(markdown_table(header, rows)) + "\n"
 
 
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"  # the first eight bytes of every PNG
+TABLE_START = "| scheme | parameters |"  # the first line of every results_table
+
+
+def _not_starting_with(start: bytes) -> Callable[[Path], str | None]:
+    """Why a file is not one that starts with ``start``, or None."""
+
+    def why_not(path: Path) -> str | None:
+        with open(path, "rb") as file:
+            return None if file.read(len(start)) == start else f"it does not start {start!r}"
+
+    return why_not
+
+
+# --plot and --table: a file there is replaced only when it is such a plot or table.
+PLOT = OutputKind("a PNG", folder=False, earlier=_not_starting_with(PNG_MAGIC))
+TABLE = OutputKind(
+    "a results table", folder=False, earlier=_not_starting_with(TABLE_START.encode())
+)
+
+
 def checkpoint_folders(paths: list[Path]) -> list[Path]:
     """The checkpoint folders among ``paths``; files (checkpoints/README.md, a PNG) and folders
     without a config.json (checkpoints/next, which holds checkpoints of its own) are skipped with
@@ -379,8 +410,14 @@ def _summary(report: dict[str, Any]) -> str:
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     """``ordinal eval``: score each checkpoint (or reuse its eval.json), print a line per
     checkpoint, then write what was asked: eval.json files, the plot, the table."""
+    folders = checkpoint_folders(args.checkpoints)
+    read = [*folders, getattr(args, "data", None)]
+    force = getattr(args, "force", False)
+    for out, kind in ((args.plot, PLOT), (args.table, TABLE)):
+        if out is not None:  # checked before any checkpoint is scored, so a refusal is quick
+            check_output(out, kind, sources=read, force=force)
     reports = []
-    for path in checkpoint_folders(args.checkpoints):
+    for path in folders:
         data = getattr(args, "data", None)
         report = saved_report(path, args.multiples, data) if args.reuse else None
         reused = report is not None

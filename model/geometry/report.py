@@ -10,11 +10,16 @@ given checkpoints), and writes report.json plus six figures into one folder:
 - stress.png: raw and scale-free stress of every scheme against the corpus geometry;
 - dot_products.png: mean PE_i·PE_j against the offset j − i, per scheme;
 - requirements.png: the five requirements, measured, per scheme.
+
+The folder (report.json, report.md and the figures) is written beside ``--out`` and swapped in
+whole (``model.checkpoint.staged_folder``), where ``model.files.check_output`` allows: an
+earlier report is replaced, a folder holding anything else only with ``--force``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 from collections.abc import Sequence
 from pathlib import Path
@@ -25,10 +30,11 @@ import torch
 from matplotlib.figure import Figure
 from tqdm import tqdm
 
+from model.checkpoint import staged_folder
 from model.config import ModelConfig
 from model.curves import series_colour
 from model.data import boundary_sequences, encode_documents
-from model.files import write_figure_atomic, write_json_atomic, write_text_atomic
+from model.files import OutputKind, check_output, only_files
 from model.geometry.corpus import CorpusGeometry, measure_corpus
 from model.geometry.metrics import (
     GeometryInputError,
@@ -55,6 +61,21 @@ from model.positional import MdsPositions, PositionalScheme, PositionOutOfRange
 
 CORPORA = ("synthetic", "shakespeare")
 REPORT_FILE = "report.json"
+REPORT_PAGE = "report.md"
+FIGURES = (
+    "hellinger.png",
+    "eigenspectrum.png",
+    "mds_scatter.png",
+    "stress.png",
+    "dot_products.png",
+    "requirements.png",
+)
+# An earlier report: a folder of nothing but what write_report writes.
+REPORT = OutputKind(
+    "an earlier geometry report",
+    folder=True,
+    earlier=lambda path: only_files(path, {REPORT_FILE, REPORT_PAGE, *FIGURES}),
+)
 DEFAULT_N_POSITIONS = {"synthetic": 32, "shakespeare": 128}
 TEXT_N_POSITIONS = 128  # the default for a corpus of your own
 REQUIREMENTS = ("bounded", "unique", "length_independent", "smooth", "relative_recoverable")
@@ -337,8 +358,6 @@ def write_report(
     Returns the report (the content of report.json).
     """
     check_corpus(corpus)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     # One bar over the stages (on stderr); the corpus and the schemes take most of the time.
     progress = tqdm(total=len(GEOMETRY_STAGES), desc="geometry", unit="stage", leave=False)
     progress.set_postfix_str(GEOMETRY_STAGES[0])
@@ -381,22 +400,29 @@ def write_report(
             for name, paper in PAPER_FIGURES.items()
         }
 
-    figures = {
-        "hellinger.png": _plot_hellinger(geometry),
-        "eigenspectrum.png": _plot_eigenspectrum(mds.eigenvalues),
-        "mds_scatter.png": _plot_mds_scatter(mds.positions[:, :2]),
-        "stress.png": _plot_stress(diagnostics),
-        "dot_products.png": _plot_dot_products(diagnostics),
-        "requirements.png": _plot_requirements(requirements, [label for label, _ in labelled]),
-    }
-    for name, figure in figures.items():
-        write_figure_atomic(out / name, figure)
-    _advance(progress)
-    progress.close()
+    figures = dict(
+        zip(
+            FIGURES,
+            (
+                _plot_hellinger(geometry),
+                _plot_eigenspectrum(mds.eigenvalues),
+                _plot_mds_scatter(mds.positions[:, :2]),
+                _plot_stress(diagnostics),
+                _plot_dot_products(diagnostics),
+                _plot_requirements(requirements, [label for label, _ in labelled]),
+            ),
+            strict=True,
+        )
+    )
     report["figures"] = sorted(figures)
     report = _json_ready(report)
-    write_json_atomic(out / REPORT_FILE, report)
-    write_text_atomic(out / "report.md", report_markdown(report))
+    with staged_folder(out_dir) as staging:  # the folder whole, or the old one untouched
+        for name, figure in figures.items():
+            figure.savefig(staging / name, format="png", dpi=100)
+        (staging / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n")
+        (staging / REPORT_PAGE).write_text(report_markdown(report))
+    _advance(progress)
+    progress.close()
     return report
 
 
@@ -493,6 +519,9 @@ def report_markdown(report: dict[str, Any]) -> str:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Write the report per ``args`` (``ordinal geometry``'s options) and print where it went."""
+    corpus_path = None if args.corpus in CORPORA else args.corpus
+    read = [*args.checkpoints, corpus_path, args.tokenizer]
+    check_output(args.out, REPORT, sources=read, force=getattr(args, "force", False))
     report = write_report(
         args.out,
         args.corpus,

@@ -28,11 +28,12 @@ from model.checkpoint import data_section, save_checkpoint
 from model.corpus import Corpus, load_corpus
 from model.data import IGNORE_INDEX, validation_stream
 from model.evaluate import EVAL_FILE, running_windows, token_losses
+from model.files import OutputError
 from model.positional import TABLE_SCHEMES
 from model.tokenizer import count_characters, special_ids, train_tokenizer
 from model.transformer import Transformer
 from ordinal import eval_options
-from tests.model.conftest import tiny_config
+from tests.model.conftest import tiny_config, tree_digest
 
 CONTEXT = tiny_config().context_length
 UNBOUNDED_SCHEMES = ("rope", "alibi")
@@ -413,3 +414,29 @@ def test_the_table_names_renamed_checkpoints_and_states_a_bases_budget(tmp_path:
         "| prope (rope) | 1,000 | 0.4 M | 1.0 min | 2.500 |",
         "| drope (none) | 1,000 | 8.2 M + 0.4 M | 10.0 min + 1.0 min | 2.500 |",
     ]
+
+
+def test_plot_and_table_never_replace_a_checkpoints_files_or_a_users(
+    one_checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--plot`` and ``--table`` follow the rule of every OUT (``model.files.check_output``):
+    refused before anything is scored, the tree unchanged; --force only for a user's file."""
+    readme = tmp_path / "README.md"
+    weights = one_checkpoint / "model.safetensors"
+    before = tree_digest(tmp_path)
+    for argv in (
+        ["--plot", str(weights)],  # the checkpoint's own weights
+        ["--table", str(one_checkpoint / "results.md"), "--force"],  # inside a checkpoint
+        ["--table", str(readme)],  # a user's file that is no results table
+        ["--plot", str(readme)],
+        ["--plot", str(tmp_path)],  # the folder holding the checkpoint
+    ):
+        with pytest.raises(OutputError):
+            model.evaluate.run(eval_args(str(one_checkpoint), "--multiples", "1", *argv))
+        assert tree_digest(tmp_path) == before, argv
+    assert capsys.readouterr().out == ""  # nothing was scored
+
+    args = ["--multiples", "1", "--table", str(readme), "--plot", str(tmp_path / "loss.png")]
+    model.evaluate.run(eval_args(str(one_checkpoint), *args, "--force"))
+    assert readme.read_text().startswith(model.evaluate.TABLE_START)
+    model.evaluate.run(eval_args(str(one_checkpoint), *args))  # earlier outputs: no --force

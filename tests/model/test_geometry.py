@@ -29,7 +29,7 @@ from model.geometry.metrics import (
     stress,
     variance_captured,
 )
-from model.geometry.report import REPORT_FILE, run, write_report
+from model.geometry.report import FIGURES, REPORT_FILE, run, write_report
 from model.geometry.representations import scheme_representation
 from model.geometry.requirements import (
     RequirementRow,
@@ -48,8 +48,8 @@ from model.geometry.synthetic import (
 from model.positional import SCHEMES, TABLE_SCHEMES, PositionalScheme, build_scheme
 from model.positional.sinusoidal import sinusoidal_table
 from model.transformer import Transformer
-from ordinal import geometry_options
-from tests.model.conftest import tiny_config
+from ordinal import geometry_options, main
+from tests.model.conftest import tiny_config, tree_digest
 
 SEEDS = range(5)
 
@@ -452,6 +452,24 @@ def test_geometry_report_writes_json_and_figures(tmp_path: Path) -> None:
     assert by_scheme["mds"]["stress"] < 1e-10
     assert by_scheme["sinusoidal"]["stress"] > 1.0
     assert "paper_comparison" not in report  # only at the paper's n = 32
+
+
+def test_geometry_out_is_written_whole_and_never_over_a_users_folder(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "report"
+    out.mkdir()
+    (out / "notes.md").write_text("a user's folder")
+    argv = ["geometry", "--out", str(out), "--n-positions", "8", "--d-model", "16"]
+    before = tree_digest(tmp_path)
+    assert main(argv) == 2
+    error = capsys.readouterr().err
+    assert error.startswith("ordinal geometry: error: OUT ") and "--force" in error
+    assert tree_digest(tmp_path) == before
+    assert main([*argv, "--force"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == sorted(["report.json", "report.md", *FIGURES])
+    assert main(argv) == 0  # an earlier report: replaced without --force
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no staging left
 
 
 def test_geometry_report_rejects_unknown_corpus(tmp_path: Path) -> None:
