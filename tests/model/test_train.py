@@ -612,9 +612,15 @@ def test_torchrun_two_processes_follow_one_process_loss_curve(
     two = json.loads((tmp_path / "two" / "ck" / METRICS_FILE).read_text())
 
     assert [step for step, _ in two["train_loss"]] == list(range(1, 9))
-    np.testing.assert_allclose(losses(two), losses(one), atol=2e-4)  # rounded to 4 places
+    # AdamW: float32 all the way, so the curves agree to the 4 places they are rounded to. Muon
+    # orthogonalises each update in bfloat16 (below), so the all-reduce's float32 rounding, which
+    # differs from one process's sum in an order that varies by CPU, can flip a bfloat16 rounding
+    # of the update: the losses then agree to that precision, 2⁻⁸ of an update's effect (after
+    # 8 steps, 3e-4 apart on an AMD EPYC, within 2e-4 on a Xeon).
+    tolerance = 2e-4 if optimizer == "adamw" else 2e-3
+    np.testing.assert_allclose(losses(two), losses(one), atol=tolerance)
     np.testing.assert_allclose(
-        [v for _, v in two["val_loss"]], [v for _, v in one["val_loss"]], atol=2e-4
+        [v for _, v in two["val_loss"]], [v for _, v in one["val_loss"]], atol=tolerance
     )
     assert two["tokens_seen"] == one["tokens_seen"]
     one_model, _ = load_checkpoint(tmp_path / "one" / "ck", device="cpu")
