@@ -144,6 +144,7 @@ def check_output(
     kind: OutputKind,
     *,
     sources: Iterable[str | os.PathLike[str] | None] = (),
+    kept: Iterable[str | os.PathLike[str] | None] = (),
     force: bool = False,
 ) -> bool:
     """The rule every command that writes a checkpoint, an export or a report follows before it
@@ -153,7 +154,9 @@ def check_output(
     Refused with an :class:`OutputError`, whatever ``force`` says:
 
     - ``out`` is, is inside, or holds one of ``sources`` (what the command reads: the
-      checkpoint exported, the folder imported, training's data, tokenizer and state);
+      checkpoint exported, the folder imported, training's data and tokenizer);
+    - ``out`` is or holds one of ``kept`` (folders the command keeps, which ``out`` may lie in:
+      training's state folder);
     - ``out`` is inside a model folder (a checkpoint or an export): a GGUF written over
       ``ckpt/rope/model.safetensors`` would replace the checkpoint's own weights;
     - ``out`` holds a model folder (``checkpoints``, every shipped model), or is a checkpoint
@@ -166,6 +169,12 @@ def check_output(
     """
     given = Path(out)
     target = given.resolve()
+    for folder in kept:
+        if folder is not None and Path(folder).resolve().is_relative_to(target):
+            raise OutputError(
+                f"OUT {given} holds {folder}, which this command keeps: replacing OUT would "
+                "delete it"
+            )
     for source in sources:
         if source is None:  # an option not given
             continue

@@ -259,8 +259,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     global batch; rank 0 alone prints and saves.
     """
     model_config, train_config = configs_from_args(args)
+    state = args.state_dir or Path("runs") / args.out.name
     replacing = check_output(
-        args.out, CHECKPOINT, sources=read_paths(args), force=getattr(args, "force", False)
+        args.out,
+        CHECKPOINT,
+        sources=read_paths(args),
+        kept=[state],
+        force=getattr(args, "force", False),
     )
     if replacing and not args.resume and int(os.environ.get("RANK", 0)) == 0:
         print(
@@ -294,12 +299,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def read_paths(args: argparse.Namespace) -> list[Path]:
     """What a run reads, so never its ``--out``: the checkpoint it starts from, its text, its
-    tokenizer, recipe and resumable state (a save swaps the whole folder, so an OUT holding one
-    of them would delete it)."""
+    tokenizer and recipe (a save swaps the whole folder, so an OUT holding one of them would
+    delete it). Its resumable state folder is kept too, but may hold the OUT (train's
+    check_output)."""
     init, data = getattr(args, "init", None), getattr(args, "data", None)
     tokenizer = args.tokenizer or (DEFAULT_TOKENIZER if data is None and init is None else None)
-    state = args.state_dir or Path("runs") / args.out.name
-    return [path for path in (init, data, tokenizer, args.config, state) if path is not None]
+    return [path for path in (init, data, tokenizer, args.config) if path is not None]
 
 
 def cpu_compiler() -> str:
