@@ -25,7 +25,6 @@ machine that it decodes as the ordinary step does, and only the recording itself
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -33,6 +32,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from model.backend import GRAPHS_SWITCH, graphs_wanted
 from model.cache import KVCache
 from model.transformer import Transformer
 
@@ -41,13 +41,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("ordinal.captured")
 
-SWITCH = "ORDINAL_CUDA_GRAPHS"  # "0": every decode step eager
-
-
-def wanted(device: torch.device) -> bool:
-    """Whether decode steps on ``device`` are captured by default: on a CUDA GPU, unless
-    ``ORDINAL_CUDA_GRAPHS=0``."""
-    return device.type == "cuda" and os.environ.get(SWITCH, "1") != "0"
+SWITCH = GRAPHS_SWITCH  # "0": every decode step eager
+wanted = graphs_wanted  # whether decode steps on a device are captured by default (model.backend)
 
 
 def row_bucket(rows: int, most: int) -> int:

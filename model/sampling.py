@@ -216,9 +216,10 @@ class SamplingBatch:
             (i, row.constraint) for i, row in enumerate(self.rows) if row.constraint is not None
         ]
         paths = [_path(p) for p in params]
-        # Every row tempered and nothing to adjust: the draw kernel checks the logits itself.
-        self._tempered_only = set(paths) == {"temperature only"} and not (
-            self._constrained or self.uses_bias or self.uses_penalty or self.uses_counts
+        # Every row tempered and nothing set (no filter, no adjustment): the draw kernel checks
+        # the logits itself.
+        self._tempered_only = set(paths) == {"temperature only"} and not any(
+            p.set_fields() for p in params
         )
         self._groups = [
             self._group([i for i, path in enumerate(paths) if path == kind], kind, device)
@@ -439,15 +440,30 @@ class SamplingBatch:
         return tokens
 
 
-_PATHS = ("greedy", "temperature only", "vocabulary order", "sorted")
+# What each path applies to the logits, in the order rows try them; every path also takes the
+# adjustments (ADJUSTMENTS: applied to every row's logits before its path draws). A row takes
+# the first path that applies every field it sets (SamplingParams.set_fields).
+_PATHS: dict[str, frozenset[str]] = {
+    "greedy": frozenset(),
+    "temperature only": frozenset(),
+    "vocabulary order": frozenset({"min_p"}),
+    "sorted": frozenset({"top_k", "top_p", "min_p"}),
+}
+ADJUSTMENTS = frozenset(
+    {"repetition_penalty", "frequency_penalty", "presence_penalty", "logit_bias", "grammar"}
+)
 
 
 def _path(params: SamplingParams) -> str:
+    """The cheapest path that applies every field ``params`` sets; ValueError if none does (a
+    field in NEUTRAL that no path has learned: never drawn past)."""
+    filters = params.set_fields() - ADJUSTMENTS
     if params.greedy:
-        return "greedy"
-    if params.top_k == 0 and params.top_p == 1:
-        return "temperature only" if params.min_p == 0 else "vocabulary order"
-    return "sorted"
+        return "greedy"  # filters keep the largest logit: greedy draws it with any of them
+    for path, applies in _PATHS.items():
+        if path != "greedy" and filters <= applies:
+            return path
+    raise ValueError(f"no sampling path applies {', '.join(sorted(filters))}")
 
 
 @dataclass(frozen=True)

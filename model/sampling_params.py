@@ -90,3 +90,27 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < MIN_TEMPERATURE
+
+    def set_fields(self) -> frozenset[str]:
+        """The fields that change what this row draws from: those not at their NEUTRAL value."""
+        return frozenset(name for name, off in NEUTRAL.items() if getattr(self, name) != off)
+
+
+# Every field that changes the distribution a row draws from, at the value that leaves it as
+# it is. The sampler's paths (model.sampling) each name the fields they apply, and a row takes
+# the first path that applies every one it sets: so a field added here and to no path cannot be
+# drawn past (the sampler refuses it), and one added to SamplingParams but not here fails
+# tests/model/test_sampling_params.py, which enumerates the fields.
+NEUTRAL: dict[str, object] = {
+    "top_k": 0,
+    "top_p": 1.0,
+    "min_p": 0.0,
+    "repetition_penalty": 1.0,
+    "frequency_penalty": 0.0,
+    "presence_penalty": 0.0,
+    "logit_bias": (),
+    "grammar": None,
+}
+# The fields that say how to draw, not what from: the temperature (every path divides by it;
+# below MIN_TEMPERATURE a row is greedy) and the seed of its uniforms.
+HOW_TO_DRAW = ("temperature", "seed")

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from model.backend import Backend, backend_of
 from model.cache import CacheWrite, KVCache
 from model.config import ModelConfig
 from model.kernels import decode_step
@@ -505,9 +506,15 @@ class Transformer(nn.Module):
             cache,
             plan,
             self.positional.rotation(positions),
-            decode_step.score_bias(self, positions, key_positions),
+            self.positional.kernel_score_bias(positions, key_positions),
             logit_rows,
         )
+
+    @property
+    def decode_backend(self) -> Backend:
+        """Which code runs this model's decode steps here (``model.backend``: chosen once per
+        device, dtype and kernel variant)."""
+        return backend_of(self)
 
     def unembed(self, hidden: Tensor) -> Tensor:
         """The logit lens: residual streams [..., d_model] → logits [..., vocab], read through

@@ -38,9 +38,8 @@ if TYPE_CHECKING:
     from model.transformer import Block, Transformer
 
 MAX_ROWS = 64  # as the projection kernel's: past it MKL's GEMM is as fast
-NORMS = {"layernorm": 0, "rmsnorm": 1}
-MLPS = {"gelu": 0, "gelu_tanh": 1, "relu2": 2, "swiglu": 3}
-OWN_BIAS = {"fox": 1, "cope": 2}  # the data-dependent schemes the kernel computes itself
+NORMS = ("layernorm", "rmsnorm")  # decode_step.cpp's Norm enum, in its order
+MLPS = ("gelu", "gelu_tanh", "relu2", "swiglu")  # decode_step.cpp's Mlp enum, in its order
 
 
 def ready() -> bool:
@@ -89,20 +88,17 @@ def shared_rows() -> tuple[int, int]:
 
 
 def applies(model: Transformer, tokens: Tensor) -> bool:
-    """Whether a cached pass over ``tokens`` [B, T] runs here."""
-    config = model.config
+    """Whether a cached pass over ``tokens`` [B, T] runs here: the model's decode backend is the
+    kernel (``model.backend``, chosen once), and this pass is a decode pass of at most MAX_ROWS
+    rows of one token each, without gradients."""
     return (
         tokens.shape[1] == 1
         and tokens.shape[0] <= MAX_ROWS
         and tokens.dtype is torch.long
         and tokens.is_cpu
-        and decoding_on_cpu(model.lm_head.weight)
         and not model.training
-        and (not model.positional.data_dependent or model.positional.name in OWN_BIAS)
-        and not config.qk_norm
-        and config.norm in NORMS
-        and config.mlp in MLPS
-        and ready()
+        and decoding_on_cpu(model.lm_head.weight)
+        and model.decode_backend == "cpu-kernel"
     )
 
 
@@ -142,14 +138,16 @@ def run_step(
         first_row, _, step = plan.rows.indices(cache.keys.shape[1])
         assert step == 1, "a decode step's rows are consecutive"
         slot_rows = torch.arange(first_row, first_row + rows)
-    code, gate_weight, gate_bias, states, table = own_bias_tensors(model, cache)
+    scheme = model.positional
+    own = scheme.kernel_tensors(cache)
+    assert scheme.kernel_bias is not None, "the backend is the kernel: the scheme declares its bias"
     architecture = [
         model.lm_head.weight.shape[0],
         config.n_heads,
         config.key_value_heads,
-        NORMS[config.norm],
-        MLPS[config.mlp],
-        code,
+        NORMS.index(config.norm),
+        MLPS.index(config.mlp),
+        int(scheme.kernel_bias),
     ]
     return cast(
         Tensor,
@@ -157,57 +155,17 @@ def run_step(
             tokens,
             slot_rows,
             plan.positions,
-            [cache.keys, cache.values, states],
+            [cache.keys, cache.values, own.states],
             model.token_embedding.weight,
             [vectors, cos, sin, flat_bias],
             blocks,
             head,
-            [gate_weight, gate_bias, table],
+            [own.gate_weight, own.gate_bias, own.table],
             architecture,
             eps,
             logit_rows,
         ),
     )
-
-
-def score_bias(model: Transformer, positions: Tensor, key_positions: Tensor) -> Tensor | None:
-    """The scheme's score bias [B|1, H, 1, Tk] for this pass (``positions`` [B, 1] on the host),
-    or None: FIRE's from the kernel (its MLP over every key is ~17 small torch operations, 54 µs
-    a step), any other scheme's as it computes it."""
-    scheme = model.positional
-    if scheme.name != "fire":
-        return scheme.attention_bias(positions, key_positions)
-    kernels = ops()
-    assert kernels is not None, "check applies() first"
-    mlp_in, mlp_out = cast(nn.Linear, scheme.mlp_in), cast(nn.Linear, scheme.mlp_out)
-    threshold = cast(Tensor, scheme.threshold_scale) * cast(float, scheme.threshold)
-    bias: Tensor = kernels.fire_bias(
-        positions[:, 0],
-        key_positions.shape[0],
-        mlp_in.weight.view(-1),
-        mlp_in.bias,
-        mlp_out.weight.contiguous(),
-        mlp_out.bias,
-        float(cast(Tensor, scheme.c).abs()),
-        float(threshold.abs()),
-        scheme.params.log_transform,
-        scheme.params.normalise,
-    )
-    return bias.unsqueeze(2)
-
-
-def own_bias_tensors(
-    model: Transformer, cache: KVCache
-) -> tuple[int, Tensor, Tensor, Tensor, Tensor]:
-    """The kernel's scheme code and what fox's or cope's bias needs: fox's gate weights and
-    biases and the cache's key states, cope's position table; empty otherwise."""
-    scheme, empty = model.positional, torch.empty(0)
-    if scheme.name == "fox":
-        weight, bias = cast(Tensor, scheme.gate_weight), cast(Tensor, scheme.gate_bias)
-        return OWN_BIAS["fox"], weight, bias, cache.states, empty
-    if scheme.name == "cope":
-        return OWN_BIAS["cope"], empty, empty, empty, cast(Tensor, scheme.table)
-    return 0, empty, empty, empty, empty
 
 
 # Bumped whenever any module anywhere registers a parameter or a submodule (an assignment such as

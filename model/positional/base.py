@@ -17,12 +17,18 @@ attention layer, from what that layer sees:
     score bias, from its queries, every key they may see and those keys' states.
 
 The defaults contribute nothing, so ``none`` (NoPE) is the base class itself.
+
+What the CPU decode kernel (``model.kernels.decode_step``) does for a scheme is declared here
+too, never decided by its name: ``kernel_bias`` says where its bias comes from, and
+``kernel_tensors`` and ``kernel_score_bias`` give the kernel what it reads. A scheme that
+declares nothing the kernel knows is decoded by the torch blocks (``model.backend``).
 Schemes are pure tensor code: they know positions and tensors, never tokens, caches or requests.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from enum import IntEnum
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 import torch
@@ -32,11 +38,30 @@ from model.errors import ConfigError
 from model.positional.rotation import Rotation, apply_rotation
 
 if TYPE_CHECKING:
+    from model.cache import KVCache
     from model.config import ModelConfig
 
 
 class PositionOutOfRange(ValueError):
     """A position at or past a table-based scheme's ``max_positions`` was requested."""
+
+
+class KernelBias(IntEnum):
+    """Where a scheme's score bias comes from, as the CPU decode kernel computes it (its values
+    are the kernel's ``Scheme`` enum)."""
+
+    PASS = 0  # the pass's: attention_bias (c), computed once per pass, or none
+    FORGETTING = 1  # FoX's: the sum of the cache's log forget gates after each key
+    CONTEXTUAL = 2  # CoPE's: the table read at each key's counted position
+
+
+class KernelTensors(NamedTuple):
+    """What the decode kernel reads for a scheme's own bias (each empty where unused)."""
+
+    gate_weight: Tensor  # FoX: [layers, H, d_model]
+    gate_bias: Tensor  # FoX: [layers, H]
+    states: Tensor  # FoX: the cache's log gates [layers, rows, H, length]
+    table: Tensor  # CoPE: [layers, n, hd]
 
 
 class LayerBias(NamedTuple):
@@ -67,6 +92,16 @@ class PositionalScheme(nn.Module):
     data_dependent: ClassVar[bool] = False
     # True: key_state gives each token per-head scalars that the KV cache keeps beside its key.
     keeps_key_state: ClassVar[bool] = False
+    # What the CPU decode kernel computes of this scheme's bias; None: the kernel cannot run it
+    # (the torch blocks decode it). PASS for every scheme whose signal is hooks (a)-(c); a
+    # data-dependent scheme's bias is its own, so unless its class names it, None
+    # (__init_subclass__): a new one is never run by a kernel that would leave its bias out.
+    kernel_bias: ClassVar[KernelBias | None] = KernelBias.PASS
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.data_dependent and "kernel_bias" not in cls.__dict__:
+            cls.kernel_bias = None
 
     def __init__(self, config: ModelConfig, params: Any) -> None:
         super().__init__()
@@ -127,6 +162,17 @@ class PositionalScheme(nn.Module):
         ``explain``: also fill LayerBias's other fields, which only the trace reads (the model
         passes False otherwise, and a scheme may then take a faster path to the same bias)."""
         return None
+
+    def kernel_tensors(self, cache: KVCache) -> KernelTensors:
+        """What the decode kernel reads for this scheme's own bias (``kernel_bias``): nothing
+        here; FoX's gates and the cache's log gates, CoPE's table."""
+        empty = torch.empty(0)
+        return KernelTensors(empty, empty, empty, empty)
+
+    def kernel_score_bias(self, q_positions: Tensor, k_positions: Tensor) -> Tensor | None:
+        """``attention_bias`` for a decode kernel pass (one query per row): the same bias, by
+        whatever way is fastest there (FIRE's MLP in the kernel)."""
+        return self.attention_bias(q_positions, k_positions)
 
     def rotate(self, x: Tensor, positions: Tensor) -> Tensor:
         """Apply this scheme's rotation to ``x`` [B, H, T, head_dim] (identity if it has none)."""

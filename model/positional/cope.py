@@ -17,15 +17,27 @@ and decoding on a CPU run the same computation as one C++ op (``model.kernels.co
 equal to these), which takes a compiled step from about twice a T5 step to near one.
 """
 
+from __future__ import annotations
+
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
 
 from model.kernels import cope as cope_kernel
 from model.kernels import decoding_on_cpu
-from model.positional.base import LayerBias, PositionalScheme, sum_back_to_each_key
+from model.positional.base import (
+    KernelBias,
+    KernelTensors,
+    LayerBias,
+    PositionalScheme,
+    sum_back_to_each_key,
+)
+
+if TYPE_CHECKING:
+    from model.cache import KVCache
 
 
 @dataclass(frozen=True)
@@ -66,11 +78,16 @@ class ContextualPositions(PositionalScheme):
     name = "cope"
     Params = CopeParams
     data_dependent = True
+    kernel_bias = KernelBias.CONTEXTUAL
 
     def __init__(self, config, params: CopeParams) -> None:
         super().__init__(config, params)
         rows = params.n_positions or config.context_length
         self.table = nn.Parameter(torch.zeros(config.n_layers, rows, config.head_dim))
+
+    def kernel_tensors(self, cache: KVCache) -> KernelTensors:
+        empty = torch.empty(0)
+        return KernelTensors(empty, empty, empty, self.table)
 
     def layer_bias(
         self,

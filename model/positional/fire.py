@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+import model.kernels as kernels
 from model.positional.base import PositionalScheme
 
 EPSILON = 1e-6  # keeps the divisor ψ(max(L, i)) away from 0 (the paper's eps)
@@ -69,3 +70,24 @@ class FirePositions(PositionalScheme):
         inputs = self.interpolated_distance(q_positions, k_positions).unsqueeze(-1)
         hidden = torch.relu(self.mlp_in(inputs.to(self.mlp_in.weight.dtype)))
         return self.mlp_out(hidden).permute(0, 3, 1, 2)  # [B, Tq, Tk, H] → [B, H, Tq, Tk]
+
+    def kernel_score_bias(self, q_positions: Tensor, k_positions: Tensor) -> Tensor | None:
+        """The bias of one query per row [B, 1] → [B, H, 1, Tk] from the kernels' ``fire_bias``:
+        the MLP over every key is ~17 small torch operations a step, each a dispatch."""
+        ops = kernels.ops()
+        if ops is None:
+            return self.attention_bias(q_positions, k_positions)
+        threshold = self.threshold_scale * self.threshold
+        bias: Tensor = ops.fire_bias(
+            q_positions[:, 0],
+            k_positions.shape[0],
+            self.mlp_in.weight.view(-1),
+            self.mlp_in.bias,
+            self.mlp_out.weight.contiguous(),
+            self.mlp_out.bias,
+            float(self.c.abs()),
+            float(threshold.abs()),
+            self.params.log_transform,
+            self.params.normalise,
+        )
+        return bias.unsqueeze(2)

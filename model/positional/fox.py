@@ -13,14 +13,26 @@ sum along the keys), not a difference of two running totals, which would lose di
 cancellation once the totals grow long.
 """
 
+from __future__ import annotations
+
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from model.kernels import fox as fox_kernel
-from model.positional.base import LayerBias, PositionalScheme, sum_back_to_each_key
+from model.positional.base import (
+    KernelBias,
+    KernelTensors,
+    LayerBias,
+    PositionalScheme,
+    sum_back_to_each_key,
+)
+
+if TYPE_CHECKING:
+    from model.cache import KVCache
 
 
 @dataclass(frozen=True)
@@ -48,6 +60,7 @@ class ForgettingPositions(PositionalScheme):
     Params = FoxParams
     data_dependent = True
     keeps_key_state = True
+    kernel_bias = KernelBias.FORGETTING
 
     def __init__(self, config, params: FoxParams) -> None:
         super().__init__(config, params)
@@ -55,6 +68,9 @@ class ForgettingPositions(PositionalScheme):
         # Every layer has its own gate per head: [layers, heads, d_model] and [layers, heads].
         self.gate_weight = nn.Parameter(torch.randn(layers, heads, config.d_model) * 0.02)
         self.gate_bias = nn.Parameter(torch.full((layers, heads), float(params.bias_init)))
+
+    def kernel_tensors(self, cache: KVCache) -> KernelTensors:
+        return KernelTensors(self.gate_weight, self.gate_bias, cache.states, torch.empty(0))
 
     def key_state(self, layer: int, hidden: Tensor) -> Tensor:
         """log f_t → [B, H, T] in float32 (it is summed over many tokens)."""
