@@ -163,16 +163,17 @@ class RotaryPositions(PositionalScheme):
         # While a step is captured its table was reserved (and reading positions would sync).
         needed = int(positions.max()) + 1 if positions.numel() and not capturing(positions) else 0
         table = self._table
+        length = 0 if table is None else table[0].shape[0]
         stale = (
             self.params.scaling == "dynamic" and self._dynamic_length(needed) != self._table_length
         )
-        if (
-            stale
-            or table is None
-            or table[0].shape[0] < needed
-            or table[0].device != positions.device
-        ):
-            size = max(needed, self.config.context_length, 2 * (table[0].shape[0] if table else 0))
+        if stale or length < needed or table is None or table[0].device != positions.device:
+            # A table too short doubles, so a sequence growing a position a step rebuilds it
+            # O(log n) times. One rebuilt at its length (dynamic's base moved, another device)
+            # keeps that length: dynamic past L rebuilds every step, and doubling there made a
+            # table of 2^k·L rows at the k-th step past L (2^25·128 rows: the engine hung).
+            kept = 2 * length if length < needed else length
+            size = max(needed, self.config.context_length, kept)
             table = self._table = self._build_table(size, needed, positions.device)
         cos, sin = table  # [N, rot]
         return cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)  # [B, 1, T, rot]

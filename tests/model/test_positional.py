@@ -1002,6 +1002,25 @@ def test_dynamic_ntk_keeps_the_trained_base_within_the_context_and_grows_past_it
         assert torch.equal(ours, reference)
 
 
+@pytest.mark.parametrize("scaling", [None, "linear", "ntk", "dynamic", "yarn"])
+def test_decoding_a_position_a_step_keeps_the_rotation_table_within_twice_the_length(
+    scaling: str | None,
+) -> None:
+    """A decode step asks for one more position each time. Dynamic's base moves at every step
+    past L, so its table is rebuilt at every step: at its own length, not doubled (doubling at
+    each rebuild made 2^k·L rows at the k-th step past L, and the engine hung)."""
+    config = tiny_config("rope", positional={"scheme": "rope"})
+    settings = {"scheme": "rope", "scaling": scaling, "scaling_factor": 2.0}
+    scheme = build_scheme(config.replace(positional=settings if scaling else {"scheme": "rope"}))
+    longest = 4 * config.context_length
+    for position in range(longest):
+        cos, _ = scheme.rotation(torch.tensor([[position]]))
+        assert cos.shape[-2] == 1
+        assert scheme._table is not None
+        rows = scheme._table[0].shape[0]
+        assert rows <= 2 * longest, f"{rows} rows at position {position}"
+
+
 def test_yarn_ramp_bounds_are_checked() -> None:
     with pytest.raises(ValueError, match="beta_slow"):
         RopeParams(scaling="yarn", scaling_factor=2.0, beta_fast=1.0, beta_slow=2.0)
