@@ -123,7 +123,8 @@ class SamplingMetadata:
 
 class TokenConstraint(Protocol):
     """Which tokens a row may draw next (``model.grammar.GrammarMatcher`` is one). Each method
-    raises (any exception) when the constraint has failed: the row then fails alone."""
+    raises (any exception) when the constraint has failed: the row then fails alone, with
+    ``FailureReason.GRAMMAR_FAILED`` and the exception's words as its ``RowSampler.failure``."""
 
     def allowed(self) -> bytes:
         """Bit t of the little-endian bitmask set: token t may come next."""
@@ -151,6 +152,7 @@ class RowSampler:
             raise ValueError("params.grammar needs its constraint (a model.grammar matcher)")
         self.params = params
         self.constraint = constraint
+        self.failure: str | None = None  # why its constraint failed, once it has
         self.generator = torch.Generator(device="cpu")
         if params.seed is None:
             self.generator.seed()  # a fresh nondeterministic seed, leaving global RNG alone
@@ -332,9 +334,8 @@ class SamplingBatch:
             try:
                 masks.append(constraint.allowed())
                 masked.append(index)
-            except Exception:
-                logger.exception("row %d: its grammar failed", index)
-                failures[index] = FailureReason.SAMPLING_ERROR
+            except Exception as error:  # the constraint's own failure: its row's alone
+                self._constraint_failed(index, error, failures)
         if not masked:
             return logits
         vocab = logits.shape[-1]
@@ -356,9 +357,16 @@ class SamplingBatch:
                 continue
             try:
                 constraint.advance(token)
-            except Exception:
-                logger.exception("row %d: its grammar refused token %d", index, token)
-                failures[index] = FailureReason.SAMPLING_ERROR
+            except Exception as error:  # the constraint's own failure: its row's alone
+                self._constraint_failed(index, error, failures)
+
+    def _constraint_failed(
+        self, index: int, error: Exception, failures: dict[int, FailureReason]
+    ) -> None:
+        """Row ``index`` fails: its constraint raised ``error``."""
+        logger.warning("row %d: its grammar failed: %s", index, error, exc_info=error)
+        failures[index] = FailureReason.GRAMMAR_FAILED
+        self.rows[index].failure = str(error)
 
     def _uniforms(self, failures: dict[int, FailureReason], device: torch.device) -> Tensor | None:
         """One uniform per row per step, whichever path it draws along (None: all greedy)."""

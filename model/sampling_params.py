@@ -24,6 +24,7 @@ class FailureReason(StrEnum):
 
     NON_FINITE_LOGITS = "non_finite_logits"
     SAMPLING_ERROR = "sampling_error"
+    GRAMMAR_FAILED = "grammar_failed"  # its constraint failed (RowSampler.failure says why)
 
 
 @dataclass(frozen=True)

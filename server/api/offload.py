@@ -1,4 +1,4 @@
-"""Work on a request's text that must not run on the event loop: tokenising and chat templates.
+"""Work on a request that must not run on the event loop: tokenising, chat templates, grammars.
 
 Tokenising a 1 MB prompt takes about half a second, and a checkpoint's chat template is code of
 its own: on the event loop either would hold every stream and ``/health`` meanwhile. They run
@@ -6,7 +6,8 @@ in :data:`POOL` (:func:`token_ids` encodes through ``encode_batch``, which relea
 it works, where ``encode`` holds it throughout; a template is bounded in time and output by
 ``model.chat``), and a request waits at most :data:`TIMEOUT` seconds for its result. A short text
 is tokenised in :data:`SHORT_POOL` (:func:`tokenised`), so it never waits behind a long one,
-and a chat's scene is made in :data:`CHAT_POOL`, so a long template waits only for chats.
+and a chat's scene is made in :data:`CHAT_POOL`, so a long template waits only for chats; a
+structured output's grammar is checked in :data:`GRAMMAR_POOL` (``server.api.structured``).
 What makes the bound hold is the size of the text: a prompt whose UTF-8 is longer than the
 model's context could hold (:func:`check_prompt_size`) is refused before it is tokenised.
 """
@@ -29,7 +30,10 @@ SHORT_POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ordinal-short
 SHORT_TEXT = 8192  # characters: ~2 ms of tokenising, the most a short text waits behind one
 # Chat scenes (a template, then tokens) too: a template may take its whole time bound.
 CHAT_POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ordinal-chat")
-TIMEOUT = 10.0  # seconds a request waits for its text to be tokenised or rendered
+# Grammars too: a check may take model.grammar's compile budget (0.5 s of CPU), so grammar
+# bombs delay only other requests' grammars.
+GRAMMAR_POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ordinal-grammar-check")
+TIMEOUT = 10.0  # seconds a request waits for its text to be tokenised or rendered, or its grammar
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -50,7 +54,8 @@ async def in_lane(
     try:
         return await asyncio.wait_for(future, TIMEOUT)
     except TimeoutError:
-        raise busy(f"tokenising the request took longer than {TIMEOUT:.0f} s", status=503) from None
+        waited = f"preparing the request took longer than {TIMEOUT:.0f} s"
+        raise busy(waited, status=503) from None
 
 
 def token_ids(tokenizer: Tokenizer, text: str, bos: int | None) -> list[int]:

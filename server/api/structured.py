@@ -2,8 +2,9 @@
 llguidance's grammar (a 400 naming the field when llguidance refuses it), and the writer that
 answers a tool call in OpenAI's ``tool_calls`` shape.
 
-Compiling checks the grammar against the model's own tokenizer, off the event loop (a large
-schema takes a tenth of a second); the engine compiles it again for its matcher, off its loop.
+Checking compiles the grammar against the model's own tokenizer, off the event loop, within
+``model.grammar``'s budgets (a large schema takes a tenth of a second), and walks its first
+tokens; the engine compiles it again for its matcher, off its loop.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any
 
 from model.grammar import GrammarError, grammar_error, grammar_of, grammar_tokenizer
 from server.api.errors import APIError
-from server.api.offload import POOL, in_lane
+from server.api.offload import GRAMMAR_POOL, in_lane
 from server.api.schemas import CompletionRequest, Constraint, ToolCall
 from server.api.service import ServedModel
 from server.api.writer import ChatWriter, Piece
@@ -26,7 +27,7 @@ async def compile_constraint(constraint: Constraint | None, served: ServedModel)
         return None
     try:
         grammar = grammar_of(constraint.kind, constraint.spec)
-        error = await in_lane(POOL, _check, grammar, served)
+        error = await in_lane(GRAMMAR_POOL, _check, grammar, served)
     except GrammarError as refused:
         error = str(refused)
     if error is not None:
@@ -35,8 +36,7 @@ async def compile_constraint(constraint: Constraint | None, served: ServedModel)
 
 
 def _check(grammar: str, served: ServedModel) -> str | None:
-    why = grammar_error(grammar, grammar_tokenizer(served.tokenizer, served.eos))
-    return None if why is None else f"llguidance cannot compile it: {why}"
+    return grammar_error(grammar, grammar_tokenizer(served.tokenizer, served.eos))
 
 
 class ToolCallWriter(ChatWriter):

@@ -4,8 +4,10 @@ The API process (``server.api.client``) starts this process and talks to it over
 (``server.messages``). The loop, in the process's main thread:
 
 1. takes the models a loader thread has finished loading (each announced as it is ready);
-2. reads every message that has arrived — blocking only while there is nothing to decode;
-3. runs one step of every model that has work (``server.engine.engine.ModelEngine``);
+2. reads every message that has arrived — blocking only while there is nothing to decode (and
+   at most ``COMPILE_POLL`` while a grammar compiles);
+3. queues the jobs whose grammar has compiled, and runs one step of every model that has work
+   (``server.engine.engine.ModelEngine``);
 4. sends the step's events and metric changes in one frame. With ``stream_interval`` > 0 a
    frame of ordinary tokens may wait up to that long to travel with later ones; a job's first
    and last tokens, failures and answers to cancellations never wait (they leave in a frame of
@@ -36,6 +38,7 @@ from collections.abc import Callable
 import msgspec
 import torch
 
+from model.grammar import GrammarError
 from model.kernels import decode_step
 from server.engine.calls import run_call
 from server.engine.engine import ModelEngine, Outbox
@@ -58,6 +61,9 @@ from server.messages import (
 logger = logging.getLogger("ordinal.engine")
 
 LOAD_POLL = 0.05  # seconds between looks at the loader while nothing decodes
+# Seconds between looks at a compiling grammar while nothing decodes: a few percent of a
+# compile (the shortest take ~1 ms), and a wait the loop spends asleep.
+COMPILE_POLL = 0.002
 
 
 class EngineCore:
@@ -93,6 +99,8 @@ class EngineCore:
                     return
                 self._send()  # answers to cancellations must not wait for a step
                 for engine in list(self.engines.values()):
+                    if engine.compiling:
+                        engine.take_compiled()
                     if not engine.idle:
                         engine.step()
                 self._run_calls()
@@ -103,10 +111,13 @@ class EngineCore:
 
     def _wait(self) -> float | None:
         """How long the loop may wait for a message: not at all while there is work; else
-        until the loader may have news, or a model's cache is due to shrink, or for ever."""
+        until the loader may have news, a grammar may have compiled, or a model's cache is due
+        to shrink, or for ever."""
         if self.busy:
             return 0.0
         waits = [LOAD_POLL] if self._loading else []
+        if any(engine.compiling for engine in self.engines.values()):
+            waits.append(COMPILE_POLL)
         dues = [due for engine in self.engines.values() if (due := engine.shrink_due) is not None]
         if dues:
             waits.append(max(0.0, min(dues) - time.monotonic()))
@@ -177,6 +188,9 @@ class EngineCore:
             return
         try:
             body = run_call(engine.loaded, message.method, message.args)
+        except GrammarError as error:  # the request's grammar, checked by the API, failed here
+            self.outbox.add(Failed(message.id, 400, f"structured output: {error}"), urgent=True)
+            return
         except Exception:
             logger.exception("model '%s': %s failed", message.model, message.method)
             self.outbox.add(Failed(message.id, 500, f"the {message.method} failed"), urgent=True)

@@ -2,6 +2,9 @@
 
 :meth:`ModelEngine.step`:
 
+0. a job with a structured-output constraint waits apart until its grammar is compiled, on a
+   worker (``model.grammar``): it joins the scheduler's queue only then, so no step waits for a
+   compile, and one that fails to compile ends with a 400 before it takes a row;
 1. the scheduler (``server.engine.scheduler``, pure) plans the step: which prompt chunks to prefill,
    which waiting jobs to admit; each admitted job takes its batch row, and the keys and values
    of its prompt's first tokens are copied there from the model's prefix cache
@@ -16,8 +19,9 @@
    finished and failed jobs leave their rows.
 
 Events and metric changes go to an :class:`Outbox`, which the process loop (``server.engine.core``)
-sends to the API process. A row that cannot be sampled fails alone; a step that raises fails
-the jobs in it (500), never the engine.
+sends to the API process. A row that cannot be sampled fails alone (one whose grammar fails or
+passes its budget too: a 400 naming why); a step that raises fails the jobs in it (500), never
+the engine.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from dataclasses import dataclass, field
 
 from model.decode import DecodeBatch, Row, Sampled, Tokens
 from model.generate import SequenceState, StopMatcher
-from model.grammar import constraint_of
+from model.grammar import GrammarError, GrammarMatcher, constraint_of
 from model.prefix_cache import PrefixCache, block_digests
 from model.sampling import RowSampler
 from model.sampling_params import FailureReason
@@ -57,6 +61,8 @@ SAMPLING_FAILURES = {
     "for it were not finite (the other requests in its batch were not affected)",
     FailureReason.SAMPLING_ERROR: "sampling failed for this request (the other requests in "
     "its batch were not affected)",
+    FailureReason.GRAMMAR_FAILED: "structured output failed for this request: {why} (the "
+    "other requests in its batch were not affected)",
 }
 SHUTTING_DOWN = "the server is shutting down"
 # An idle model's KV cache shrinks back after this many seconds without a step, not at once:
@@ -186,11 +192,14 @@ class ModelEngine:
         reusable = self._reusable if self.prefix is not None else None
         self.scheduler: Scheduler[Request] = Scheduler(max_rows, prefill_chunk, reusable)
         self.requests: dict[int, Request] = {}  # every job not yet ended, by id
+        # jobs whose grammar is compiling, with it and their priority: not yet queued
+        self.compiling: dict[int, tuple[Request, GrammarMatcher, int]] = {}
         self.outbox = outbox
         self._last_step = 0.0
 
     @property
     def idle(self) -> bool:
+        """Nothing to step (jobs whose grammar is compiling wait apart: see take_compiled)."""
         return self.scheduler.idle
 
     @property
@@ -206,7 +215,8 @@ class ModelEngine:
             self.batch.shrink()
 
     def stats(self) -> ModelStats:
-        running, waiting = len(self.scheduler.running), len(self.scheduler.waiting)
+        running = len(self.scheduler.running)
+        waiting = len(self.scheduler.waiting) + len(self.compiling)
         stats = self.outbox.stats_of(self.name, running, waiting)
         stats.kv_cache_usage = self.batch.cache.usage
         return stats
@@ -221,11 +231,10 @@ class ModelEngine:
                 stop=StopMatcher(submit.stop),
                 eos_id=submit.eos_id,
             )
+        constraint = constraint_of(submit.params, self.loaded.tokenizer, self.loaded.eos)
         request = Request(
             tokens=state or Tokens(submit.prompt_ids, []),
-            sampler=RowSampler(
-                submit.params, constraint_of(submit.params, self.loaded.tokenizer, self.loaded.eos)
-            ),
+            sampler=RowSampler(submit.params, constraint),
             logprobs=submit.logprobs,
             max_new_tokens=submit.max_tokens,
             submit=submit,
@@ -234,14 +243,36 @@ class ModelEngine:
         if self.prefix is not None and state is not None:
             request.digests = block_digests(submit.prompt_ids, self.prefix.block)
         self.requests[request.id] = request
-        self.scheduler.add(request, submit.priority)
+        if constraint is None:
+            self.scheduler.add(request, submit.priority)
+        else:
+            self.compiling[request.id] = (request, constraint, submit.priority)
+            self.take_compiled()
         self.stats()
+
+    def take_compiled(self) -> None:
+        """Queue the jobs whose grammar has compiled; end those whose grammar failed to (400).
+        Called every turn of the process loop while any compile (``compiling``)."""
+        for job, (request, constraint, priority) in list(self.compiling.items()):
+            if not constraint.ready:
+                continue
+            del self.compiling[job]
+            try:
+                constraint.check()
+            except GrammarError as error:
+                failures = self.stats().failures
+                reason = FailureReason.GRAMMAR_FAILED
+                failures[reason] = failures.get(reason, 0) + 1
+                self._end(request, Failed(job, 400, f"structured output: {error}", reason.value))
+                continue
+            self.scheduler.add(request, priority)
 
     def cancel(self, job: int) -> None:
         """Drop job ``job`` wherever it is (nothing if it has already ended)."""
         request = self.requests.get(job)
         if request is None:
             return
+        self.compiling.pop(job, None)
         phase = self.scheduler.cancel(request)
         if phase in (Phase.PREFILLING, Phase.DECODING):
             self.batch.remove([request])
@@ -266,7 +297,8 @@ class ModelEngine:
 
     def shutdown(self) -> None:
         """Fail every job left (503): the server is stopping."""
-        leftover = self.scheduler.clear()
+        leftover = self.scheduler.clear() + [request for request, *_ in self.compiling.values()]
+        self.compiling.clear()
         self.batch.clear()
         if leftover:
             failures = self.stats().failures
@@ -378,11 +410,19 @@ class ModelEngine:
             row = sampled.rows[position]
             logger.error("model '%s': request failed alone: %s", self.name, reason)
             stats.failures[reason] = stats.failures.get(reason, 0) + 1
-            failure = Failed(row.id, 500, SAMPLING_FAILURES[reason], "sampling_failed")
-            self.outbox.add(failure, urgent=True)
+            self.outbox.add(self._sampling_failure(row, reason), urgent=True)
         for request in leaving:
             request.done = True  # its terminal event is in the outbox
         return leaving
+
+    @staticmethod
+    def _sampling_failure(row: Request, reason: FailureReason) -> Failed:
+        """The event that ends ``row``, which could not be sampled: its grammar's failure is
+        the request's (400, saying why), the others the server's (500)."""
+        message = SAMPLING_FAILURES[reason]
+        if reason == FailureReason.GRAMMAR_FAILED:
+            return Failed(row.id, 400, message.format(why=row.sampler.failure), "grammar_failed")
+        return Failed(row.id, 500, message, "sampling_failed")
 
     def _leave(self, leaving: list[Request]) -> None:
         """``leaving`` give their rows up: their terminal events are sent or in the outbox."""

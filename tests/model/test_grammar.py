@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import random
 import re
+import time
 
 import llguidance
 import pytest
@@ -90,7 +91,8 @@ def test_a_failing_grammar_fails_its_row_alone() -> None:
     rows.append(RowSampler(SamplingParams(temperature=0.7, seed=3)))
     alone = SamplingBatch([RowSampler(SamplingParams(temperature=0.7, seed=3))])
     tokens, failures = SamplingBatch(rows).draw(logits)
-    assert failures == {0: FailureReason.SAMPLING_ERROR}
+    assert failures == {0: FailureReason.GRAMMAR_FAILED}
+    assert rows[0].failure == "broken grammar" and rows[1].failure is None
     assert tokens[1] == alone.sample(logits[1:])[0]
 
 
@@ -104,6 +106,8 @@ def test_what_llguidance_rejects_is_named_and_a_huge_constraint_is_refused(
 ) -> None:
     tokens = grammar_tokenizer(tiny_tokenizer, tiny_tokenizer.token_to_id("<|eos|>"))
     assert "unclosed group" in (grammar_error(grammar_of("regex", "a(b"), tokens) or "")
+    assert grammar_error(grammar_of("json", SCHEMA), tokens) is None
+    assert grammar_error(grammar_of("regex", PATTERN), tokens) is None
     assert "strin" in (grammar_error(grammar_of("json", {"type": "strin"}), tokens) or "")
     assert "foo" in (grammar_error(grammar_of("grammar", "start: foo"), tokens) or "")
     assert grammar_error(grammar_of("grammar", 'root ::= "a" [b-c]+'), tokens) is None  # GBNF
@@ -180,6 +184,7 @@ def test_matchers_sharing_a_memo_see_what_llguidance_sees(
     """Walks of one grammar, meeting and parting, restarted: every mask and every end is what
     a fresh llguidance matcher fed the same tokens says, with the memo roomy or full."""
     monkeypatch.setattr(model.grammar, "MEMO_PLACES", capacity)
+    monkeypatch.setattr(model.grammar, "MASK_BUDGET", 1.0)  # a busy host must not fail a walk
     mask_memo.cache_clear()
     tokens = grammar_tokenizer(tiny_tokenizer, tiny_tokenizer.token_to_id("<|eos|>"))
     grammar = grammar_of(kind, spec)  # type: ignore[arg-type]
@@ -206,8 +211,8 @@ def test_a_path_walked_before_asks_llguidance_nothing(
     path = walk(first, llguidance.LLMatcher(tokens, grammar, log_level=0), random.Random(1), 40)
     places = mask_memo(tokens, grammar).places
     asked: list[int] = []
-    fed = GrammarMatcher._fed
-    monkeypatch.setattr(GrammarMatcher, "_fed", lambda self: asked.append(1) or fed(self))
+    step = model.grammar._step
+    monkeypatch.setattr(model.grammar, "_step", lambda *args: asked.append(1) or step(*args))
     again = GrammarMatcher(tokens, grammar)
     for token in path:
         assert token in allowed_ids(again.allowed())
@@ -219,3 +224,78 @@ def test_a_path_walked_before_asks_llguidance_nothing(
     with pytest.raises(GrammarError, match="not allowed"):  # refused: llguidance says why
         fresh.advance(refused)
     mask_memo.cache_clear()
+
+
+# ---- bounded work: what llguidance may spend on one grammar -----------------------------------
+
+BOMB = "((a{100}){100}){100}"  # 20 bytes; a million-state regular expression
+LOOP = {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}
+
+
+def test_a_grammar_bomb_a_ref_loop_and_a_costly_mask_are_refused_before_they_run(
+    tiny_tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The bomb compiles and gives a first mask, then fails at its first token: the check walks
+    a few tokens, within llguidance's lowered lexer fuel (0.1 s, where the default spent 0.8 s).
+    A $ref loop has a first mask and no way on. A mask over its budget is refused."""
+    tokens = grammar_tokenizer(tiny_tokenizer, tiny_tokenizer.token_to_id("<|eos|>"))
+    started = time.thread_time()
+    why = grammar_error(grammar_of("regex", BOMB), tokens) or ""
+    assert why.startswith("after 1 token(s) of output: ") and "too many expressions" in why
+    assert time.thread_time() - started < model.grammar.COMPILE_BUDGET
+    for loop in (LOOP, {"$ref": "#"}):
+        assert "no output can match it" in (grammar_error(grammar_of("json", loop), tokens) or "")
+    recursive = {"type": "object", "properties": {"next": {"$ref": "#"}}}  # a list: fine
+    assert grammar_error(grammar_of("json", recursive), tokens) is None
+    costly = grammar_of("regex", "((a{80}){80}){4}")  # a few ms of CPU a mask
+    assert grammar_error(costly, tokens) is None
+    monkeypatch.setattr(model.grammar, "MASK_BUDGET", 1e-4)
+    why = grammar_error(costly, tokens) or ""
+    assert re.fullmatch(
+        r"after 1 token\(s\) of output: its token mask took \d+\.\d ms of CPU to compute; at "
+        r"most 0\.1 ms a token are allowed",
+        why,
+    ), why
+    monkeypatch.setattr(model.grammar, "COMPILE_BUDGET", 1e-4)
+    assert "compiling it took" in (grammar_error(costly, tokens) or "")
+
+
+def test_a_matcher_that_fails_after_its_start_fails_at_that_draw_and_stays_failed(
+    tiny_tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The mask after a token is computed as the token is taken, inside the draw's per-row
+    error handling: the bomb fails its row there (before, ``complete`` raised later, outside
+    it, and the whole decode step failed). Every later call raises the same error."""
+    mask_memo.cache_clear()
+    tokens = grammar_tokenizer(tiny_tokenizer, tiny_tokenizer.token_to_id("<|eos|>"))
+    bomb = GrammarMatcher(tokens, grammar_of("regex", BOMB))
+    bomb._future.result()
+    assert bomb.ready
+    a = allowed_ids(bomb.allowed())[0]
+    logits = torch.zeros(2, TINY_VOCAB)
+    rows = [RowSampler(SamplingParams(temperature=0), bomb), RowSampler(SamplingParams())]
+    tokens_, failures = SamplingBatch(rows).draw(logits)
+    assert int(tokens_[0]) == a and failures == {0: FailureReason.GRAMMAR_FAILED}
+    assert "too many expressions" in (rows[0].failure or "") and rows[0].failure == bomb.failure
+    for call in (bomb.allowed, lambda: bomb.complete, lambda: bomb.advance(a)):
+        with pytest.raises(GrammarError, match="too many expressions"):
+            call()
+    monkeypatch.setattr(model.grammar, "MASK_BUDGET", 1e-4)
+    costly = GrammarMatcher(tokens, grammar_of("regex", "((a{80}){80}){4}"))
+    with pytest.raises(GrammarError, match="ms of CPU to compute"):
+        costly.advance(allowed_ids(costly.allowed())[0])
+    mask_memo.cache_clear()
+
+
+def test_a_matcher_is_ready_once_compiled_and_a_compile_error_is_its_failure(
+    tiny_tokenizer: Tokenizer,
+) -> None:
+    tokens = grammar_tokenizer(tiny_tokenizer, tiny_tokenizer.token_to_id("<|eos|>"))
+    loop = GrammarMatcher(tokens, grammar_of("json", LOOP))
+    deadline = time.monotonic() + 10
+    while not loop.ready and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert loop.ready and loop.failure is None  # not taken yet
+    with pytest.raises(GrammarError, match="no output can match it"):
+        loop.allowed()
+    assert loop.failure is not None and "no output can match it" in loop.failure

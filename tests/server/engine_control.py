@@ -9,7 +9,8 @@ boundary:
 - **poison** turns one seeded request's logits NaN once it has generated some tokens;
 - a **failing sampler** makes one seeded request's generator raise on a later draw;
 - **break** makes a model's forward raise (a failed step);
-- **count threads** records the decode kernel's thread count in each forward.
+- **count threads** records the decode kernel's thread count in each forward;
+- **mask budget** sets the CPU time a grammar's mask may take in the engine alone.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import torch
 import server.engine.core
 import server.engine.engine
 import server.engine.loader
+from model import grammar as grammar_module
 from model.kernels import decode_step
 from model.sampling import RowSampler
 from server.engine.core import EngineCore, run_engine_process
@@ -228,6 +230,12 @@ class Controller(threading.Thread):
 
     def shares_large_steps(self) -> bool:
         return decode_step.shares_large_steps()
+
+    def mask_budget(self, seconds: float) -> float:
+        """A grammar's masks may take ``seconds`` of CPU in the engine (the API process checks
+        a grammar with its own ``model.grammar.MASK_BUDGET``); returns the budget it replaces."""
+        replaced, grammar_module.MASK_BUDGET = grammar_module.MASK_BUDGET, seconds
+        return replaced
 
     def idle_shrink(self, seconds: float) -> None:
         """Models' caches shrink after ``seconds`` idle (``server.engine.engine.IDLE_SHRINK``)."""
