@@ -6,14 +6,20 @@
 #
 # For a CUDA build take torch from PyPI, whose Linux wheels bundle the CUDA runtime:
 #   docker build --build-arg TORCH_INDEX_URL=https://pypi.org/simple -t ordinal:cuda .
-FROM python:3.11-slim
+#
+# Two stages: `kernels` compiles the C++ kernels (model/kernels) with g++, every variant of the
+# architecture (on x86-64: avx512, avx2, scalar), and the final image takes the libraries
+# without the compiler. It runs the fastest variant the CPU it lands on has, whatever CPU built
+# it; tests/test_deploy.py runs these steps in a clean folder and checks the kernel decodes.
+FROM python:3.11-slim AS base
 
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
-    PIP_DISABLE_PIP_VERSION_CHECK=1
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    TORCH_EXTENSIONS_DIR=/opt/ordinal/kernels
 
 WORKDIR /app
 
@@ -27,6 +33,17 @@ COPY model ./model
 COPY server ./server
 COPY clients ./clients
 RUN pip install .
+
+FROM base AS kernels
+RUN apt-get update && apt-get install -y --no-install-recommends g++ \
+    && rm -rf /var/lib/apt/lists/*
+RUN python -m model.kernels --all
+
+FROM base
+# The kernels' OpenMP runtime (their only library beyond torch's own).
+RUN apt-get update && apt-get install -y --no-install-recommends libgomp1 \
+    && rm -rf /var/lib/apt/lists/*
+COPY --from=kernels /opt/ordinal/kernels /opt/ordinal/kernels
 
 RUN useradd --create-home --uid 10001 ordinal
 USER ordinal

@@ -120,6 +120,8 @@ class ModelInfo(msgspec.Struct):
     n_heads: int
     parameters: int
     load_seconds: float
+    decode_backend: str  # model.backend's: "cpu-kernel", "cuda-graphs" or "torch"
+    cpu_isa: str | None  # the kernel variant decoding it ("avx2", ...), or None
 
 
 class ModelLoading(msgspec.Struct, tag=True, array_like=True):

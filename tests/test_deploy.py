@@ -15,6 +15,7 @@ import http.server
 import itertools
 import json
 import os
+import platform
 import re
 import shlex
 import shutil
@@ -32,6 +33,7 @@ import jsonschema
 import pytest
 import yaml
 
+import model.kernels as kernels
 from tests.server.conftest import free_socket, sse_events
 
 REPO = Path(__file__).resolve().parents[1]
@@ -285,7 +287,7 @@ def test_every_build_names_a_dockerfile_that_exists() -> None:
 
 def test_dockerfile_installs_cpu_torch_before_the_project() -> None:
     instructions = dockerfile_instructions()
-    assert instructions[0] == ("FROM", "python:3.11-slim")
+    assert instructions[0] == ("FROM", "python:3.11-slim AS base")
     runs = [expand_build_args(instructions, arg) for name, arg in instructions if name == "RUN"]
     torch_at = next(i for i, run in enumerate(runs) if "torch==" in run)
     assert "pip install torch==2.13.0" in runs[torch_at]
@@ -305,7 +307,11 @@ def test_dockerfile_serves_as_a_non_root_user() -> None:
 
 
 def test_image_leaves_out_checkpoints_and_local_state() -> None:
-    copied = [arg.split()[:-1] for name, arg in dockerfile_instructions() if name == "COPY"]
+    copied = [
+        arg.split()[:-1]
+        for name, arg in dockerfile_instructions()
+        if name == "COPY" and not arg.startswith("--from=")  # the build stage's kernels
+    ]
     sources = {Path(source).parts[0] for sources in copied for source in sources}
     assert not sources & {".", "checkpoints", "runs", ".venv"}
     ignored = {line.strip() for line in (REPO / ".dockerignore").read_text().splitlines()}
@@ -317,6 +323,84 @@ def test_serve_command_is_accepted_by_the_cli() -> None:
 
     args = build_parser().parse_args(SERVE_COMMAND[1:])
     assert (args.command, args.host) == ("serve", "0.0.0.0")
+
+
+def dockerfile_stages() -> dict[str, list[tuple[str, str]]]:
+    """The Dockerfile's instructions by stage: its ``AS`` name ("final" for the last, unnamed)."""
+    stages: dict[str, list[tuple[str, str]]] = {}
+    current: list[tuple[str, str]] = []
+    for name, arg in dockerfile_instructions():
+        if name == "FROM":
+            words = arg.split()
+            current = stages.setdefault(words[2] if len(words) == 3 else "final", [])
+        current.append((name, arg))
+    return stages
+
+
+COMPILERS = ("g++", "gcc", "clang", "build-essential")
+
+
+def test_the_images_steps_give_a_server_that_decodes_on_the_kernel(
+    checkpoints: Path, tmp_path: Path
+) -> None:
+    """No Docker engine here, so the image's steps are run in a clean folder: the project
+    installed as ``pip install .`` installs it (not this checkout), the build stage's kernel
+    command, then ``ordinal serve`` as the final stage runs it, with no compiler or ninja on its
+    PATH and the kernels' folder from the build stage. Its models decode on the kernel, in the
+    variant this CPU's fastest: the libraries the build stage made are found and used as they
+    are. (Where it cannot run, the image's decodes fall back to torch; the test fails.)"""
+    stages = dockerfile_stages()
+    assert set(stages) == {"base", "kernels", "final"}
+    environment_lines = [arg for name, arg in stages["base"] if name == "ENV"]
+    folder = re.search(r"TORCH_EXTENSIONS_DIR=(\S+)", " ".join(environment_lines))
+    assert folder, "the base stage names where the kernels are built and found"
+    kernels_folder = folder[1]
+    build_runs = [arg for name, arg in stages["kernels"] if name == "RUN"]
+    assert any(compiler in run for run in build_runs for compiler in COMPILERS)
+    build = next(run for run in build_runs if "-m model.kernels" in run)
+    final_runs = " ".join(arg for name, arg in stages["final"] if name == "RUN")
+    assert not any(compiler in final_runs for compiler in COMPILERS)  # no compiler in the image
+    copies = [arg.split() for name, arg in stages["final"] if name == "COPY"]
+    assert ["--from=kernels", kernels_folder, kernels_folder] in copies
+
+    site = tmp_path / "site"  # RUN pip install . (its dependencies are this environment's)
+    install = ["install", "-q", "--no-deps", "--no-build-isolation", "--target", str(site)]
+    subprocess.run([sys.executable, "-m", "pip", *install, str(REPO)], check=True)
+    built = tmp_path / "kernels"
+    image = {**os.environ, "PYTHONPATH": str(site), "TORCH_EXTENSIONS_DIR": str(built)}
+    command = shlex.split(build)
+    assert command[0] == "python"
+    result = subprocess.run(  # the build stage, from a folder outside this checkout
+        [sys.executable, *command[1:]], cwd=tmp_path, env=image, capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert {path.name.split("_")[1] for path in built.iterdir()} == set(
+        kernels.ARCHITECTURE_ISAS[platform.machine()]
+    )
+    for unity in built.glob("*/unity.cpp"):  # built from the installed copy's sources
+        assert f'#include "{site}/model/kernels/' in unity.read_text()
+
+    port = free_port()
+    final = {**image, "PATH": str(tmp_path / "no-tools"), "CXX": "/no/compiler"}
+    final.pop("ORDINAL_API_KEY", None)
+    serve = ["serve", "--checkpoints", str(checkpoints), "--models", "rope", "--port", str(port)]
+    server = subprocess.Popen(
+        [sys.executable, "-c", REPLICA, *serve, "--device", "cpu", "--threads", "1"],
+        cwd=tmp_path,
+        env=final,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        wait_until_healthy(f"http://127.0.0.1:{port}", server)
+        (entry,) = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=10).json()["data"]
+    finally:
+        server.terminate()
+        _, errors = server.communicate(timeout=30)
+    assert entry["decode_backend"] == "cpu-kernel", errors[-3000:]
+    assert entry["cpu_isa"] == kernels.chosen()
+    assert "could not be built" not in errors
 
 
 class HealthHandler(http.server.BaseHTTPRequestHandler):

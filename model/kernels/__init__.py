@@ -32,9 +32,11 @@ import functools
 import hashlib
 import os
 import platform
+import shutil
+import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -196,38 +198,76 @@ def build_directory(isa: str) -> Path:
     return Path(cpp_extension._get_build_directory(library_name(isa), False))
 
 
-def build_all() -> None:
-    """Build every variant this CPU runs now, in parallel (``make setup``), so that the first
-    ``ordinal serve`` on a machine does not compile before its first model serves."""
-    with ThreadPoolExecutor(max_workers=max(1, len(runnable()))) as pool:
-        list(pool.map(ops, runnable()))
+def build_all(isas: Iterable[str] | None = None) -> None:
+    """Build variants ``isas`` (default: every one this CPU runs) now, in parallel: ``make
+    setup`` builds them so that the first ``ordinal serve`` does not compile before its first
+    model serves, and the Docker image's build stage every x86-64 variant, for whatever CPU
+    runs it (built, not loaded: a CPU may compile a variant it cannot run)."""
+    chosen_isas = list(runnable() if isas is None else isas)
+    unknown = [isa for isa in chosen_isas if isa not in ISA_FLAGS]
+    if unknown:
+        raise IsaError(
+            f"no kernel variant {', '.join(unknown)} (the variants: {', '.join(ISA_FLAGS)})"
+        )
+    with ThreadPoolExecutor(max_workers=max(1, len(chosen_isas))) as pool:
+        list(pool.map(build, chosen_isas))
+
+
+def build(isa: str) -> Path:
+    """Variant ``isa``'s library, built first if it is not there (another process building it
+    is waited for) → its path. Raises what the build raised (no compiler, no ninja, an error)."""
+    from torch.utils import cpp_extension
+    from torch.utils.file_baton import FileBaton
+
+    _find_ninja()
+    name = library_name(isa)
+    directory = build_directory(isa)
+    library = directory / f"{name}.so"
+    directory.mkdir(parents=True, exist_ok=True)
+    while not library.exists():
+        baton = FileBaton(str(directory / "lock"))
+        if not baton.try_acquire():
+            _wait_out_lock(directory)  # another process builds it: its .so is not whole yet
+            continue
+        try:
+            # What cpp_extension.load builds with, without its loading: a variant this CPU
+            # cannot run must not be loaded (its static initialisers may use the ISA).
+            cpp_extension._write_ninja_file_and_build_library(
+                name=name,
+                sources=[str(unity_source(directory))],
+                extra_cflags=flags(isa),
+                extra_cuda_cflags=None,
+                extra_sycl_cflags=None,
+                extra_ldflags=["-fopenmp"],
+                extra_include_paths=None,
+                build_directory=str(directory),
+                verbose=False,
+                with_cuda=False,
+                with_sycl=False,
+            )
+        finally:
+            baton.release()
+    return library
+
+
+def _find_ninja() -> None:
+    """Put the ``ninja`` package's binary on PATH where no ninja is (torch's builder calls
+    ``ninja`` by name; a virtual environment's bin folder is on PATH only when activated)."""
+    if shutil.which("ninja") is None:
+        with contextlib.suppress(ImportError):
+            import ninja
+
+            os.environ["PATH"] = f"{ninja.BIN_DIR}{os.pathsep}{os.environ.get('PATH', '')}"
 
 
 @functools.cache
 def _ops(isa: str) -> Any:
     """Variant ``isa``'s ops (``torch.ops.ordinal_<isa>``), built first if need be, or None
     (with a note) if it cannot be built."""
-    name = library_name(isa)
-    directory = build_directory(isa)
-    library = directory / f"{name}.so"
     try:
-        directory.mkdir(parents=True, exist_ok=True)
-        _wait_out_lock(directory)  # another process building it: its .so is not whole yet
-        if not library.exists():  # a build is its .so: the image's final stage has no compiler
-            from torch.utils import cpp_extension
-
-            cpp_extension.load(
-                name=name,
-                sources=[str(unity_source(directory))],
-                extra_cflags=flags(isa),
-                extra_ldflags=["-fopenmp"],
-                build_directory=str(directory),
-                is_python_module=False,
-            )
-        else:
-            torch.ops.load_library(str(library))
-    except (OSError, RuntimeError, ImportError) as error:  # no compiler, no ninja, build failed
-        text = str(error).strip()
+        torch.ops.load_library(str(build(isa)))
+    except (OSError, RuntimeError, ImportError, subprocess.CalledProcessError) as error:
+        text = str(error).strip()  # no compiler, no ninja, a build that failed
         first_line = text.splitlines()[0] if text else type(error).__name__
         print(
             f"note: the {isa} kernels could not be built ({first_line}); using the torch "

@@ -122,6 +122,8 @@ class ServedModel:
             "max_positions": info.max_positions,  # None: no table, no cap
             "max_context": info.max_context,
             "parameters": info.parameters,
+            "decode_backend": info.decode_backend,  # model.backend: which code decodes it
+            "cpu_isa": info.cpu_isa,  # the kernel variant, on the cpu-kernel backend
         }
 
 
@@ -226,12 +228,14 @@ class Service:
             return
         self.models[info.name] = served
         self.status[info.name] = ModelStatus(ModelState.READY)
+        backend = info.decode_backend + (f" ({info.cpu_isa})" if info.cpu_isa else "")
         logger.info(
-            "model '%s' ready: %s %s, %s parameters, loaded in %.1f s",
+            "model '%s' ready: %s %s, %s parameters, decoded by %s, loaded in %.1f s",
             info.name,
             info.scheme,
             info.positional.get("scaling") or "",
             f"{info.parameters:,}",
+            backend,
             info.load_seconds,
         )
         if self.settled:

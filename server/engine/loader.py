@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
+import model.kernels as kernels
 from model.cache import KVCache
 from model.checkpoint import load_checkpoint, with_positional
 from model.device import resolve_device
@@ -68,6 +69,8 @@ class LoadedModel:
             n_heads=config.n_heads,
             parameters=self.model.num_parameters(),
             load_seconds=self.load_seconds,
+            decode_backend=str(self.model.decode_backend),
+            cpu_isa=kernels.active() if self.model.decode_backend == "cpu-kernel" else None,
         )
 
 
