@@ -190,7 +190,7 @@ def step_tensors(model: Transformer) -> tuple[list[Tensor], list[Tensor]]:
     norm's weight and bias, the logits projection's weight and bias. The parameters themselves,
     a projection's weight as :func:`~model.kernels.linear.packed` lays it out for the kernel.
 
-    Kept on the model between steps (gathering them was ~30 µs of a batch-1 step, 5% at
+    Kept on the model between steps (gathering them was a noticeable share of a batch-1 step at
     4L-256d) and gathered again when a parameter or module was assigned anywhere (the hooks
     above) or a projection weight's :func:`~model.kernels.linear.version_of` changed (the
     packed copy must follow). A norm's parameters and the biases are passed as themselves,
