@@ -119,6 +119,21 @@ class Intervention:
         return gates
 
 
+@dataclass(frozen=True)
+class LayerInputs:
+    """What a block's attention reads besides its input: the pass's rotation and mask, the cache
+    and its planned write (None: an uncached pass), the scheme's per-layer hooks (None: its
+    signal dropped), and for a traced pass the recorder and the heads to silence."""
+
+    rotation: Rotation | None  # (cos, sin) [B, 1, T, rot] each
+    mask: AttentionMask
+    cache: KVCache | None = None
+    plan: CacheWrite | None = None
+    scheme: PositionalScheme | None = None
+    recorder: AttentionRecorder | None = None
+    head_gates: Tensor | None = None  # [H, 1, 1]: 0 for an ablated head, 1 for the others
+
+
 class Linear(nn.Linear):
     """nn.Linear whose decode-sized products at inference on a CPU run ``model.kernels.linear``:
     faster than MKL there, and the same bits for a row alone or in any batch. Its weight is
@@ -239,23 +254,14 @@ class Attention(nn.Module):
             nn.Parameter(torch.ones(2, 1, 1, 1, config.head_dim)) if config.qk_norm else None
         )
 
-    def forward(
-        self,
-        x: Tensor,
-        rotation: Rotation | None,
-        mask: AttentionMask,
-        cache: KVCache | None,
-        plan: CacheWrite | None,
-        layer: int,
-        recorder: AttentionRecorder | None = None,
-        scheme: PositionalScheme | None = None,
-        head_gates: Tensor | None = None,
-    ) -> Tensor:
-        """``x`` [B, T, d_model] → [B, T, d_model]; ``recorder`` keeps the weights if given;
-        ``scheme``'s per-layer hooks (fox, cope) add their bias to ``mask``; ``head_gates``
-        [H, 1, 1] scale each head's output (an Intervention's ablation)."""
+    def forward(self, x: Tensor, inputs: LayerInputs, layer: int) -> Tensor:
+        """``x`` [B, T, d_model] → [B, T, d_model], as layer ``layer`` of a pass (``inputs``):
+        the scheme's per-layer hooks (fox, cope) add their bias to the mask; a recorder keeps
+        what it sees; head gates scale each head's output (an Intervention's ablation)."""
         batch, length, width = x.shape
         heads, kv_heads = self.n_heads, self.n_kv_heads
+        rotation, mask, cache, plan = inputs.rotation, inputs.mask, inputs.cache, inputs.plan
+        scheme, recorder, head_gates = inputs.scheme, inputs.recorder, inputs.head_gates
         qkv = self.qkv(x).view(batch, length, heads + 2 * kv_heads, self.head_dim)
         qkv = qkv.transpose(1, 2)  # [B, H + 2·Hkv, T, hd]
         queries_keys, values = qkv.split([heads + kv_heads, kv_heads], dim=1)
@@ -326,8 +332,9 @@ class Block(nn.Module):
         self.mlp_norm = make_norm(config)
         self.mlp = FeedForward(config)
 
-    def forward(self, x: Tensor, *attention_inputs) -> Tensor:
-        x = x + self.attention(self.attention_norm(x), *attention_inputs)
+    def forward(self, x: Tensor, inputs: LayerInputs, layer: int) -> Tensor:
+        """``x`` [B, T, d_model] → [B, T, d_model], as layer ``layer`` of the pass ``inputs``."""
+        x = x + self.attention(self.attention_norm(x), inputs, layer)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -385,8 +392,6 @@ class Transformer(nn.Module):
         rows: slice | None = None,
         new_counts: Tensor | None = None,
         last_only: bool = False,
-        recorder: AttentionRecorder | None = None,
-        intervention: Intervention | None = None,
         plan: CacheWrite | None = None,
     ) -> Tensor:
         """Logits for ``tokens`` [B, T] → [B, T, vocab] (or [B, vocab] with ``last_only``).
@@ -395,74 +400,98 @@ class Transformer(nn.Module):
         row b continues the sequence stored in cache row ``rows.start + b``: its tokens take the
         next positions, their keys and values are stored, and they attend to everything cached.
         ``new_counts`` [B] marks a ragged batch: row b has only its first new_counts[b] tokens,
-        the rest is right-padding that is neither stored nor attended to.
-        ``recorder`` (tracing) collects each layer's attention weights; see AttentionRecorder.
-        ``intervention`` (tracing, no cache) changes the pass; see Intervention.
-        ``plan``: the cache write planned by the caller (a captured decode step's,
-        ``KVCache.static_plan``), who then advances the rows' lengths itself.
-        """
-        batch, length = tokens.shape
-        device = tokens.device
-        if intervention is not None and cache is not None:
-            raise ValueError("an intervention changes an uncached forward pass only")
+        the rest is right-padding that is neither stored nor attended to. ``plan``: the write
+        planned by the caller (a captured step's), who then advances the lengths itself. On the
+        CPU kernel backend a decode step is one C++ call; :meth:`traced_forward` traces."""
         if plan is not None and cache is None:
             raise ValueError("a planned write needs the cache it was planned for")
-        planned_by_caller = plan is not None
-        if cache is None:
-            positions = torch.arange(length, device=device).unsqueeze(0)  # [1, T]
-            if intervention is not None and intervention.position_offset:
-                positions = positions + intervention.position_offset
-            key_positions = positions[0]
+        given = plan
+        positions, key_positions, plan = self._positions(tokens, cache, rows, new_counts, plan)
+        if cache is not None and decode_step.applies(self, tokens):
+            assert plan is not None  # planned with the cache
+            logits = self._kernel_pass(tokens, cache, plan, key_positions)  # [B, vocab]
+            logits = logits if last_only else logits.unsqueeze(1)
         else:
-            if plan is None:
-                plan = cache.positions(rows or slice(0, batch), length, new_counts)
-            if plan.positions.shape[0] != batch:
-                raise ValueError(
-                    f"rows={rows} selects {plan.positions.shape[0]} cache rows for a batch of "
-                    f"{batch} rows"
-                )
-            positions = plan.positions.to(device)  # [B, T]
-            key_positions = torch.arange(plan.key_length, device=device)
+            x = self.embed(tokens, positions)  # [B, T, d_model]
+            mask = self._attention_mask(positions, key_positions, plan, x.dtype)
+            rotation = self.positional.rotation(positions)  # (cos, sin) [B, 1, T, rot] or None
+            inputs = LayerInputs(rotation, mask, cache, plan, self.positional)
+            for layer, block in enumerate(self.blocks):
+                x = block(x, inputs, layer)  # [B, T, d_model]
+            logits = self.lm_head(self.final_norm(self._last(x, new_counts, last_only)))
+        if cache is not None and given is None:
+            assert plan is not None
+            cache.commit(plan)
+        return logits
 
-        if cache is not None and recorder is None and decode_step.applies(self, tokens):
-            # A CPU decode step: the same arithmetic in one C++ call (model/kernels/decode_step.py).
-            assert plan is not None  # planned above, with the cache
-            logits = self._kernel_pass(tokens, cache, plan, key_positions)
-            if not planned_by_caller:
-                cache.commit(plan)
-            return logits if last_only else logits.unsqueeze(1)
-
-        position_vectors = self.positional.embedding(positions)
-        rotation = self.positional.rotation(positions)
-        x = self.token_embedding(tokens)
-        dropped = frozenset() if intervention is None else intervention.drop_positional
-        if position_vectors is not None and 0 not in dropped:
-            x = x + position_vectors.to(x.dtype)
-        if self.training:
-            x = F.dropout(x, self.config.dropout)
-        mask = self._attention_mask(positions, key_positions, plan, x.dtype)
+    def traced_forward(
+        self,
+        tokens: Tensor,
+        recorder: AttentionRecorder | None = None,
+        intervention: Intervention | None = None,
+    ) -> Tensor:
+        """The trace's uncached pass (``server/engine/trace.py``): ``forward``'s logits for
+        ``tokens`` [B, T] → [B, T, vocab], each layer's attention and residual stream kept by
+        ``recorder``, the pass changed by ``intervention`` (see Intervention)."""
+        change = intervention or Intervention()
+        positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0)  # [1, T]
+        positions = positions + change.position_offset
+        x = self.embed(tokens, positions, with_vector=0 not in change.drop_positional)
+        mask = self._attention_mask(positions, positions[0], None, x.dtype)
+        kept = LayerInputs(self.positional.rotation(positions), mask, scheme=self.positional)
+        dropped = LayerInputs(None, AttentionMask(None, is_causal=True))  # as `none`'s
         for layer, block in enumerate(self.blocks):
-            if intervention is None:  # every decode step: nothing to change
-                x = block(x, rotation, mask, cache, plan, layer, recorder, self.positional)
-            elif layer in dropped:  # uncached: the plain causal mask, as `none`'s
-                gates = intervention.head_gates(layer, self.config.n_heads, device)
-                plain = AttentionMask(None, is_causal=True)
-                x = block(x, None, plain, cache, plan, layer, recorder, None, gates)
-            else:
-                gates = intervention.head_gates(layer, self.config.n_heads, device)
-                x = block(x, rotation, mask, cache, plan, layer, recorder, self.positional, gates)
+            inputs = dropped if layer in change.drop_positional else kept
+            gates = change.head_gates(layer, self.config.n_heads, tokens.device)
+            x = block(x, replace(inputs, recorder=recorder, head_gates=gates), layer)
             if recorder is not None:
                 recorder.residuals.append(x)
-        if cache is not None and not planned_by_caller:
-            assert plan is not None  # planned above, with the cache
-            cache.commit(plan)
+        return self.lm_head(self.final_norm(x))
 
-        x = self.final_norm(x)
-        if last_only and new_counts is not None:
-            x = x[torch.arange(batch, device=device), (new_counts - 1).to(device)]
-        elif last_only:
-            x = x[:, -1]
-        return self.lm_head(x)
+    def embed(self, tokens: Tensor, positions: Tensor, with_vector: bool = True) -> Tensor:
+        """The residual stream's start: ``tokens`` [B, T] embedded, plus the scheme's position
+        vectors for ``positions`` [B|1, T] (absolute schemes; ``with_vector`` False: left out)
+        → [B, T, d_model]."""
+        x = self.token_embedding(tokens)
+        vectors = self.positional.embedding(positions) if with_vector else None
+        if vectors is not None:
+            x = x + vectors.to(x.dtype)
+        return F.dropout(x, self.config.dropout) if self.training else x
+
+    def _positions(
+        self,
+        tokens: Tensor,
+        cache: KVCache | None,
+        rows: slice | None,
+        new_counts: Tensor | None,
+        plan: CacheWrite | None,
+    ) -> tuple[Tensor, Tensor, CacheWrite | None]:
+        """The pass's query positions [B|1, T], key positions [Tk], and its cache write: the
+        one given, else planned for ``rows`` (None without a cache)."""
+        batch, length = tokens.shape
+        device = tokens.device
+        if cache is None:
+            positions = torch.arange(length, device=device).unsqueeze(0)  # [1, T]
+            return positions, positions[0], None
+        if plan is None:
+            plan = cache.positions(rows or slice(0, batch), length, new_counts)
+        if plan.positions.shape[0] != batch:
+            raise ValueError(
+                f"rows={rows} selects {plan.positions.shape[0]} cache rows for a batch of "
+                f"{batch} rows"
+            )
+        key_positions = torch.arange(plan.key_length, device=device)
+        return plan.positions.to(device), key_positions, plan
+
+    @staticmethod
+    def _last(x: Tensor, new_counts: Tensor | None, last_only: bool) -> Tensor:
+        """``x`` [B, T, d] as it is, or with ``last_only`` each row's last real token → [B, d]."""
+        if not last_only:
+            return x
+        if new_counts is None:
+            return x[:, -1]
+        rows = torch.arange(x.shape[0], device=x.device)
+        return x[rows, (new_counts - 1).to(x.device)]
 
     def decode_entries(
         self, tokens: Tensor, cache: KVCache, plan: CacheWrite, logit_rows: Tensor | None = None

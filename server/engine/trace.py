@@ -82,7 +82,7 @@ def trace_document(
         )
     with torch.inference_mode():
         recorder = AttentionRecorder(weights=attention)
-        logits = model(ids.unsqueeze(0), recorder=recorder, intervention=intervention)
+        logits = model.traced_forward(ids.unsqueeze(0), recorder, intervention)
         logits = logits[0, :, :vocab].float()  # [T, V]
         token_vectors = model.token_embedding(ids).float()  # [T, d_model]
         # The scheme's pieces as the changed pass used them: an added vector enters before

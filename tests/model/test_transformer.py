@@ -283,15 +283,19 @@ def test_grouped_query_attention_shares_each_key_head_between_its_query_heads() 
         torch.testing.assert_close(grouped(tokens), multi_head(tokens), atol=1e-5, rtol=0)
 
 
-def test_an_intervention_changes_only_an_uncached_pass() -> None:
-    """The interventions (tracing) have no meaning for a cached decode: refused, not ignored."""
-    model = random_model("rope", seed=6)
+def test_the_traced_pass_is_the_plain_pass_until_changed() -> None:
+    """The trace's pass (uncached: an intervention has no meaning for a cached decode) is the
+    plain forward bit for bit, with or without an empty intervention; an offset changes an
+    absolute scheme's."""
+    model = random_model("sinusoidal", seed=6)
     tokens = random_tokens(1, 8, seed=7)
-    change = Intervention(position_offset=3)
-    with pytest.raises(ValueError, match="uncached"):
-        model(tokens, KVCache(model.config, 1, 8), intervention=change)
-    with torch.no_grad():  # an empty intervention is the plain pass, bit for bit
-        torch.testing.assert_close(model(tokens, intervention=Intervention()), model(tokens))
+    with torch.no_grad():
+        plain = model(tokens)
+        torch.testing.assert_close(model.traced_forward(tokens), plain, atol=0, rtol=0)
+        traced = model.traced_forward(tokens, AttentionRecorder(), Intervention())
+        torch.testing.assert_close(traced, plain, atol=0, rtol=0)
+        moved = model.traced_forward(tokens, intervention=Intervention(position_offset=3))
+    assert not torch.allclose(moved, plain)
 
 
 def test_the_logit_lens_of_the_last_block_is_the_logits() -> None:
@@ -299,7 +303,7 @@ def test_the_logit_lens_of_the_last_block_is_the_logits() -> None:
     tokens = random_tokens(2, 9, seed=9)
     recorder = AttentionRecorder()
     with torch.no_grad():
-        logits = model(tokens, recorder=recorder)
+        logits = model.traced_forward(tokens, recorder)
         lens = model.unembed(torch.stack(recorder.residuals))  # [L, B, T, V]
     assert len(recorder.residuals) == model.config.n_layers
     torch.testing.assert_close(lens[-1], logits, atol=0, rtol=0)
