@@ -69,6 +69,7 @@ class EngineConfig(msgspec.Struct, tag=True):
     prefix_cache_tokens: int = 0  # per model; 0: no prefix cache
     cuda_graphs: bool = True  # on a GPU, decode steps replayed from CUDA graphs
     attention_helper: bool = False  # on a CPU, large steps share their attention with a thread
+    priority_aging: float = 0.0  # seconds of waiting worth one level of priority; 0: none
 
 
 class Submit(msgspec.Struct, tag=True, array_like=True):

@@ -60,9 +60,8 @@ def create_app(settings: Settings | None = None, launcher: Launcher | None = Non
     # add_middleware wraps: the last added runs first.
     app.add_middleware(LimitBody, max_bytes=settings.max_body_bytes)
     if settings.api_key is not None:
-        app.add_middleware(
-            RequireApiKey, key=settings.api_key.get_secret_value(), scope=settings.auth_scope
-        )
+        keys = [settings.api_key.get_secret_value(), *(k for k, _ in service.priorities.keys)]
+        app.add_middleware(RequireApiKey, keys=keys, scope=settings.auth_scope)
     if settings.cors_origins:
         app.add_middleware(
             CORSMiddleware,

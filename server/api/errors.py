@@ -26,6 +26,7 @@ logger = logging.getLogger("ordinal.server")
 ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
+    403: "permission_error",
     404: "invalid_request_error",
     405: "invalid_request_error",
     413: "invalid_request_error",
@@ -49,6 +50,7 @@ class ErrorBody(BaseModel):
 ERROR_DESCRIPTIONS = {
     400: "Invalid request: a field is wrong (``param`` names it) or the body is not JSON",
     401: "Missing or wrong API key (only when the server has one)",
+    403: "A priority more urgent than the caller may claim (--max-priority, --priority-keys)",
     404: "No such model (or route)",
     413: "The request body is larger than the server's limit",
     429: "The model's queue is full; retry after the Retry-After header's seconds",

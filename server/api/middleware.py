@@ -73,13 +73,15 @@ class CatchUnexpected:
 
 
 class RequireApiKey:
-    """401 for a protected request without ``Authorization: Bearer <key>``, before its body is
-    read. ``scope`` "api" protects /v1/*; "all" every path but /health, which probes need, and
-    the playground's page and static files (``GET /``, ``/static/*``: files of this repository,
-    no data), which then ask for the key and send it with every request they make."""
+    """401 for a protected request without ``Authorization: Bearer <key>``, one of ``keys``
+    (the API key, and the priority keys), before its body is read. ``scope`` "api" protects
+    /v1/*; "all" every path but /health, which probes need, and the playground's page and
+    static files (``GET /``, ``/static/*``: files of this repository, no data), which then ask
+    for the key and send it with every request they make."""
 
-    def __init__(self, app: ASGIApp, key: str, scope: str = "api") -> None:
-        self.app, self.expected, self.everything = app, f"Bearer {key}".encode(), scope == "all"
+    def __init__(self, app: ASGIApp, keys: list[str], scope: str = "api") -> None:
+        self.app, self.everything = app, scope == "all"
+        self.expected = [f"Bearer {key}".encode() for key in keys]
 
     def _protects(self, path: str) -> bool:
         if self.everything:
@@ -89,7 +91,7 @@ class RequireApiKey:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and self._protects(scope["path"]):
             given = Headers(scope=scope).get("authorization", "").encode()
-            if not secrets.compare_digest(given, self.expected):
+            if not any([secrets.compare_digest(given, key) for key in self.expected]):
                 error = APIError(
                     401,
                     "missing or wrong API key: send 'Authorization: Bearer <key>'",

@@ -154,21 +154,27 @@ async def tokenizer_info(request: Request, model: str | None = None) -> Response
 
 GENERATION_RESPONSES: dict[int | str, dict[str, Any]] = {
     200: {"content": {"text/event-stream": {"schema": SSE_EVENT}}},
-    **error_responses(400, 401, 404, 413, 429, 500, 503, 504),
+    **error_responses(400, 401, 403, 404, 413, 429, 500, 503, 504),
 }
 
 
 @router.post("/v1/completions", response_model=None, responses=GENERATION_RESPONSES)
 async def completions(body: CompletionRequest, request: Request) -> Response:
-    return await create_completion(body, request, _service(request))
+    service = _service(request)
+    service.priorities.check(body.priority, request.headers)
+    return await create_completion(body, request, service)
 
 
 @router.post("/v1/chat/completions", response_model=None, responses=GENERATION_RESPONSES)
 async def chat_completions(body: ChatRequest, request: Request) -> Response:
-    return await create_chat_completion(body, request, _service(request))
+    service = _service(request)
+    service.priorities.check(body.priority, request.headers)
+    return await create_chat_completion(body, request, service)
 
 
 @router.post("/v1/responses", response_model=None, responses=GENERATION_RESPONSES)
 async def responses(body: ResponsesRequest, request: Request) -> Response:
     """OpenAI's Responses API, stateless (``server.api.responses``)."""
-    return await create_response(body, request, _service(request))
+    service = _service(request)
+    service.priorities.check(body.priority, request.headers)
+    return await create_response(body, request, service)

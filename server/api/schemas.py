@@ -257,7 +257,9 @@ class OpenAIHints(StrictBody):
 
 class Queued(StrictBody):
     """How a generating request is queued: vLLM's ``priority``, lower served sooner (a request
-    of priority -1 is admitted before every waiting one of 0; arrival order among equals)."""
+    of priority -1 is admitted before every waiting one of 0 that arrived less than
+    ``--priority-aging`` s before it; arrival order among equals). Who may claim which priority:
+    ``server.api.priority``."""
 
     priority: int = Field(0, ge=-(2**31), lt=2**31)
 

@@ -24,6 +24,7 @@ from server.api.client import EngineClient, Launcher, ModelClient
 from server.api.errors import APIError, busy
 from server.api.metrics import Metrics
 from server.api.offload import most_prompt_bytes
+from server.api.priority import PriorityScopes
 from server.api.settings import Settings
 from server.messages import EngineConfig, ModelInfo, failure_message
 
@@ -154,6 +155,7 @@ class Service:
     def __init__(self, settings: Settings, launcher: Launcher | None = None) -> None:
         self.settings = settings
         self.metrics = Metrics()
+        self.priorities = PriorityScopes(settings)  # who may claim which priority
         self.models: dict[str, ServedModel] = {}  # the ready models, added as each loads
         self.status: dict[str, ModelStatus] = {}  # every model to serve, ready or not
         self.default_model = ""
@@ -202,6 +204,7 @@ class Service:
             prefix_cache_tokens=settings.prefix_cache_tokens,
             cuda_graphs=settings.cuda_graphs,
             attention_helper=settings.attention_helper,
+            priority_aging=settings.priority_aging,
         )
         capacity = settings.max_batch_size + settings.max_queue
         self.engine = EngineClient(

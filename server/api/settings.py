@@ -17,6 +17,7 @@ from model.device import Device, Dtype
 from server.messages import parse_rope_variant
 
 CommaList = Annotated[list[str], NoDecode]  # NoDecode: parsed by _split_commas, not as JSON
+SecretList = Annotated[list[SecretStr], NoDecode]
 
 
 class Settings(BaseSettings):
@@ -101,6 +102,33 @@ class Settings(BaseSettings):
     max_queue: int = Field(
         64, ge=0, description="requests that may wait for a free batch row, per model"
     )
+    priority_aging: float = Field(
+        1.0,
+        ge=0,
+        description=(
+            "seconds of waiting that improve a queued request's priority by one, so that "
+            "requests of a lower priority (more urgent, vLLM's polarity) hold it back for a "
+            "bounded time: a priority 0 request goes before every -1 that arrives this long "
+            "after it (0 = vLLM's strict order, where a stream of -1s holds a 0 back forever)"
+        ),
+    )
+    max_priority: int | None = Field(
+        None,
+        ge=-(2**31),
+        lt=2**31,
+        description=(
+            "the most urgent priority (the lowest number) a request may claim without one of "
+            "priority_keys; a lower one is a 403 naming priority (default: any, as vLLM)"
+        ),
+    )
+    priority_keys: SecretList = Field(
+        default_factory=list,
+        description=(
+            "API keys that may claim their own range of priorities, each KEY:LOWEST (e.g. "
+            "ops-key:-10): 'Authorization: Bearer KEY' may claim LOWEST and above, in place of "
+            "max_priority; each is also accepted where api_key is required (prefer the env var)"
+        ),
+    )
     max_context: int | None = Field(
         None,
         ge=2,
@@ -183,6 +211,14 @@ class Settings(BaseSettings):
             )
         return value
 
+    @field_validator("priority_keys")
+    @classmethod
+    def _keys_with_levels(cls, value: list[SecretStr]) -> list[SecretStr]:
+        keys = [parse_priority_key(entry.get_secret_value()) for entry in value]
+        if len({key for key, _ in keys}) < len(keys):
+            raise ValueError("names one key twice")
+        return value
+
     @field_validator("rope_variants")
     @classmethod
     def _known_variants(cls, value: list[str]) -> list[str]:
@@ -190,9 +226,25 @@ class Settings(BaseSettings):
             parse_rope_variant(variant)
         return value
 
-    @field_validator("models", "cors_origins", "rope_variants", "allowed_hosts", mode="before")
+    @field_validator(
+        "models", "cors_origins", "rope_variants", "allowed_hosts", "priority_keys", mode="before"
+    )
     @classmethod
     def _split_commas(cls, value: Any) -> Any:
         if isinstance(value, str):
             return [part.strip() for part in value.split(",") if part.strip()]
         return value
+
+
+def parse_priority_key(entry: str) -> tuple[str, int]:
+    """``KEY:LOWEST`` → (KEY, LOWEST); a ValueError that never shows the key."""
+    key, _, level = entry.rpartition(":")
+    try:
+        lowest = int(level)
+    except ValueError:
+        raise ValueError("each entry must be KEY:LOWEST, LOWEST an integer priority") from None
+    if not key.strip():
+        raise ValueError("an entry has an empty or blank key")
+    if not -(2**31) <= lowest < 2**31:
+        raise ValueError(f"a priority of {lowest} is outside [-2**31, 2**31)")
+    return key, lowest

@@ -152,6 +152,7 @@ class EngineCore:
                     self.outbox,
                     self.config.prefix_cache_tokens,
                     self.config.cuda_graphs,
+                    self.config.priority_aging,
                 )
                 self.channel.send(ModelLoaded(result.info()))
                 # A full collection walks every tracked object: with fifteen models loaded, 300k of

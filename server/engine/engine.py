@@ -168,10 +168,12 @@ class ModelEngine:
         outbox: Outbox,
         prefix_cache_tokens: int = 0,
         cuda_graphs: bool = True,
+        priority_aging: float = 0.0,
     ) -> None:
         """``prefix_cache_tokens``: the most prompt tokens whose keys and values are kept for
         reuse (0: no prefix cache; none either for a scheme that is not ``prefix_stable``).
-        ``cuda_graphs``: False decodes every step eagerly on a GPU too (``model.captured``)."""
+        ``cuda_graphs``: False decodes every step eagerly on a GPU too (``model.captured``).
+        ``priority_aging``: seconds of waiting worth one level of priority (the scheduler's)."""
         self.loaded = loaded
         self.name = loaded.name
         self.batch: DecodeBatch[Request] = DecodeBatch(
@@ -190,10 +192,13 @@ class ModelEngine:
                 loaded.model.config, prefix_cache_tokens, cache.keys.device, cache.keys.dtype
             )
         reusable = self._reusable if self.prefix is not None else None
-        self.scheduler: Scheduler[Request] = Scheduler(max_rows, prefill_chunk, reusable)
+        self.scheduler: Scheduler[Request] = Scheduler(
+            max_rows, prefill_chunk, reusable, priority_aging
+        )
         self.requests: dict[int, Request] = {}  # every job not yet ended, by id
-        # jobs whose grammar is compiling, with it and their priority: not yet queued
-        self.compiling: dict[int, tuple[Request, GrammarMatcher, int]] = {}
+        # jobs whose grammar is compiling, with it, their priority and their submission time:
+        # not yet queued
+        self.compiling: dict[int, tuple[Request, GrammarMatcher, int, float]] = {}
         self.outbox = outbox
         self._last_step = 0.0
 
@@ -244,16 +249,21 @@ class ModelEngine:
             request.digests = block_digests(submit.prompt_ids, self.prefix.block)
         self.requests[request.id] = request
         if constraint is None:
-            self.scheduler.add(request, submit.priority)
+            self.scheduler.add(request, submit.priority, submit.submitted_at)
         else:
-            self.compiling[request.id] = (request, constraint, submit.priority)
+            self.compiling[request.id] = (
+                request,
+                constraint,
+                submit.priority,
+                submit.submitted_at,
+            )
             self.take_compiled()
         self.stats()
 
     def take_compiled(self) -> None:
         """Queue the jobs whose grammar has compiled; end those whose grammar failed to (400).
         Called every turn of the process loop while any compile (``compiling``)."""
-        for job, (request, constraint, priority) in list(self.compiling.items()):
+        for job, (request, constraint, priority, submitted_at) in list(self.compiling.items()):
             if not constraint.ready:
                 continue
             del self.compiling[job]
@@ -265,7 +275,7 @@ class ModelEngine:
                 failures[reason] = failures.get(reason, 0) + 1
                 self._end(request, Failed(job, 400, f"structured output: {error}", reason.value))
                 continue
-            self.scheduler.add(request, priority)
+            self.scheduler.add(request, priority, submitted_at)
 
     def cancel(self, job: int) -> None:
         """Drop job ``job`` wherever it is (nothing if it has already ended)."""

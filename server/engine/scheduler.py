@@ -14,6 +14,14 @@ chunks); one that fits the step's budget but not what is left of it waits for th
 The prompt budget is at least one token, so a waiting prompt is never starved by decoding rows.
 A request that only scores its prompt (``needs_row`` False) takes no row.
 
+With ``aging`` (seconds), a waiting request's priority improves by one for every ``aging``
+seconds it has waited, so that a stream of more urgent arrivals holds a request back for a
+bounded time: a ``priority: 0`` request is admitted before every ``-1`` that arrives more than
+``aging`` s after it. Every waiting request ages at the same rate, so the order of the queue
+never changes while it waits: a request is placed once, when it arrives, by ``priority +
+arrived / aging`` (``arrived``: its arrival on the caller's clock, the same for every
+request). Without aging (0, vLLM's strict policy) it is placed by ``priority`` alone.
+
 With ``cached`` (the engine's prefix cache), a request's first ``cached(request)`` prompt
 tokens are reused rather than prefilled: asked when a row is free for it (the cache may have
 changed while it waited), they cost no budget, and ``StepPlan.reused`` says how many the engine
@@ -71,36 +79,46 @@ class Scheduler(Generic[R]):
     """Admission by priority, then arrival, into ``max_rows`` rows, at most ``prefill_chunk``
     tokens a step (decoding rows and prompt tokens together). A request already holding a row
     keeps it (no preemption). ``cached``: how many of a request's first prompt tokens need no
-    prefill (None: none ever)."""
+    prefill (None: none ever). ``aging``: seconds of waiting worth one level of priority (0:
+    none)."""
 
     def __init__(
-        self, max_rows: int, prefill_chunk: int, cached: Callable[[R], int] | None = None
+        self,
+        max_rows: int,
+        prefill_chunk: int,
+        cached: Callable[[R], int] | None = None,
+        aging: float = 0.0,
     ) -> None:
         if max_rows < 1 or prefill_chunk < 1:
             raise ValueError(f"max_rows and prefill_chunk must be ≥ 1: {max_rows}, {prefill_chunk}")
+        if not aging >= 0:
+            raise ValueError(f"aging must be ≥ 0 seconds: {aging}")
         self.max_rows = max_rows
         self.prefill_chunk = prefill_chunk
         self.cached = cached
+        self.aging = aging
         self.waiting: deque[R] = deque()
         self.running: list[R] = []  # holding a row, in admission order
         self._prefilled: dict[int, int] = {}  # id(request) → prompt tokens planned so far
-        self._priority: dict[int, int] = {}  # id(request) → its priority, while it waits
+        self._rank: dict[int, float] = {}  # id(request) → its place in the queue, while it waits
 
     @property
     def idle(self) -> bool:
         return not self.waiting and not self.running
 
-    def add(self, request: R, priority: int = 0) -> None:
-        """Queue ``request`` behind every waiting request of its ``priority`` or a lower one,
-        ahead of those of a higher one."""
-        self._priority[id(request)] = priority
-        behind = sum(1 for other in self.waiting if self._priority[id(other)] <= priority)
+    def add(self, request: R, priority: int = 0, arrived: float = 0.0) -> None:
+        """Queue ``request`` behind every waiting request of its rank or a lower one, ahead of
+        those of a higher one. Its rank is ``priority + arrived / aging`` (``priority`` without
+        aging), ``arrived`` in seconds on the caller's clock, the same for every request."""
+        rank = priority + arrived / self.aging if self.aging else float(priority)
+        self._rank[id(request)] = rank
+        behind = sum(1 for other in self.waiting if self._rank[id(other)] <= rank)
         # the waiting queue is kept sorted, so those are exactly the first ``behind``
         self.waiting.insert(behind, request)
 
     def _admit(self) -> R:
         request = self.waiting.popleft()
-        del self._priority[id(request)]
+        del self._rank[id(request)]
         return request
 
     def phase(self, request: R) -> Phase:
@@ -114,7 +132,7 @@ class Scheduler(Generic[R]):
         phase = self.phase(request)
         if phase == Phase.WAITING:
             self.waiting.remove(request)
-            del self._priority[id(request)]
+            del self._rank[id(request)]
         elif phase != Phase.GONE:
             self.finish([request])
         return phase
@@ -135,7 +153,7 @@ class Scheduler(Generic[R]):
         """Everything leaves (shutdown): the running requests, then the waiting ones."""
         everyone = [*self.clear_running(), *self.waiting]
         self.waiting.clear()
-        self._priority.clear()
+        self._rank.clear()
         return everyone
 
     def schedule(self) -> StepPlan[R]:

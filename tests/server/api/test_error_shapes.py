@@ -37,6 +37,7 @@ from server.api.settings import Settings
 EXPECTED_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
+    403: "permission_error",
     404: "invalid_request_error",
     405: "invalid_request_error",
     413: "invalid_request_error",

@@ -223,3 +223,68 @@ def test_cancelling_a_queued_request_forgets_its_priority() -> None:
     assert scheduler.cancel(first) == Phase.GONE
     assert plan_of(scheduler.schedule()) == [("r1", 3)]
     assert scheduler.waiting == deque()
+
+
+def test_aging_lets_a_waiting_request_pass_later_more_urgent_arrivals() -> None:
+    """With aging 1 s, a priority 0 request that has waited goes before every -1 arriving
+    over 1 s after it, and after those arriving sooner; without aging, after all of them."""
+    for aging, expected in [
+        (1.0, ["early", "waiter", "late", "later"]),
+        (0.0, ["early", "late", "later", "waiter"]),
+    ]:
+        scheduler: Scheduler[Ask] = Scheduler(max_rows=1, prefill_chunk=100, aging=aging)
+        holder = Ask(3, name="holder")
+        scheduler.add(holder, arrived=100.0)
+        scheduler.schedule()
+        waiter, early, late, later = (Ask(2, name=n) for n in ["waiter", "early", "late", "later"])
+        scheduler.add(waiter, priority=0, arrived=100.0)
+        scheduler.add(early, priority=-1, arrived=100.5)  # 0.5 s after: still ahead of it
+        scheduler.add(late, priority=-1, arrived=101.5)  # 1.5 s after: behind it
+        scheduler.add(later, priority=-1, arrived=109.0)
+        order, running = [], holder
+        while not scheduler.idle:
+            scheduler.finish([running])
+            (running, _), *_ = scheduler.schedule().prefill
+            order.append(running.name)
+            if len(order) == 4:
+                scheduler.finish([running])
+        assert order == expected, aging
+
+
+def test_aging_bounds_the_wait_under_a_flood_of_more_urgent_requests() -> None:
+    """Issue 55's flood, scripted: two rows, six clients each sending a priority -1 request of
+    0.3 s as soon as their last one ends, for a minute. A priority 0 request arriving at 1 s is
+    never admitted without aging; with aging it waits ``aging`` s for each level it lacks, then
+    for the two -1s running and the four queued by then (three rounds of 0.3 s at most): every
+    later -1 goes after it."""
+
+    def admitted_at(aging: float, priority: int = 0) -> float | None:
+        scheduler: Scheduler[Ask] = Scheduler(max_rows=2, prefill_chunk=100, aging=aging)
+        waiter = Ask(1, name="waiter")
+        ends: dict[int, float] = {}  # id(running request) → when it ends
+        for client in range(6):
+            scheduler.add(Ask(1, name=f"client{client}"), priority=-1, arrived=0.0)
+        for tick in range(1200):
+            now = tick / 20
+            if tick == 20:
+                scheduler.add(waiter, priority=priority, arrived=now)
+            done = [r for r in scheduler.running if ends[id(r)] <= now]
+            scheduler.finish(done)
+            for request in done:  # its client sends the next one at once
+                scheduler.add(Ask(1, name=request.name), priority=-1, arrived=now)
+            for request in scheduler.schedule().admitted:
+                if request is waiter:
+                    return now
+                ends[id(request)] = now + 0.3
+        return None
+
+    assert admitted_at(aging=0.0) is None  # starved for the whole minute
+    for aging, levels in [(1.0, 1), (2.0, 1), (1.0, 4)]:
+        waited = admitted_at(aging, priority=levels - 1)
+        assert waited is not None
+        assert 1.0 + levels * aging <= waited <= 1.0 + levels * aging + 3 * 0.3 + 0.05
+
+
+def test_aging_must_not_be_negative() -> None:
+    with pytest.raises(ValueError, match="aging"):
+        Scheduler(max_rows=1, prefill_chunk=1, aging=-1.0)
