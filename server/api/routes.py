@@ -24,7 +24,7 @@ from server.api.schemas import (
     ResponsesRequest,
     TokenizeRequest,
 )
-from server.api.service import Service
+from server.api.service import ServedModel, Service
 
 router = APIRouter()
 
@@ -106,12 +106,38 @@ async def get_model(model_id: str, request: Request) -> Response:
     "/v1/tokenize", response_model=None, responses=error_responses(400, 401, 404, 413, 503)
 )
 async def tokenize(body: TokenizeRequest, request: Request) -> Response:
+    """The ids a prompt becomes in a completion (``<|bos|>`` first unless
+    ``add_special_tokens`` is false), with the model's ``max_context``."""
     served = _service(request).get(body.model)
-    tokenizer = served.tokenizer
     bos = served.bos if body.add_special_tokens else None
-    ids = await tokenised(tokenizer, body.prompt, bos)
+    ids = await tokenised(served.tokenizer, body.prompt, bos)
     limit = served.max_context
-    return _json({"model": served.name, "tokens": ids, "count": len(ids), "max_context": limit})
+    answer = {"model": served.name, "tokens": ids, "count": len(ids), "max_context": limit}
+    return _json(answer | _token_strs(served, ids, body.return_token_strs))
+
+
+@router.post("/tokenize", response_model=None, responses=error_responses(400, 401, 404, 413, 503))
+async def tokenize_vllm(body: TokenizeRequest, request: Request) -> Response:
+    """vLLM's ``/tokenize``, in its shapes (``count``, ``max_model_len``, ``tokens``,
+    ``token_strs``), for clients that find the tokenizer there (lm-evaluation-harness's remote
+    tokenizer). As vLLM's (Hugging Face's) tokenizers do, a special token's name in the text is
+    that token, so a client finds ``<|bos|>``'s id by tokenising its name; a completion's text
+    prompt never reads them (``/v1/tokenize``). Any other text gives ``/v1/tokenize``'s ids."""
+    served = _service(request).get(body.model)
+    bos = served.bos if body.add_special_tokens else None
+    ids = await tokenised(served.tokenizer, body.prompt, bos, served.special_names)
+    answer = {"count": len(ids), "max_model_len": served.max_context, "tokens": ids}
+    return _json(answer | _token_strs(served, ids, body.return_token_strs, always=True))
+
+
+def _token_strs(
+    served: ServedModel, ids: list[int], wanted: bool | None, always: bool = False
+) -> dict[str, list[str] | None]:
+    """vLLM's ``token_strs`` (the vocabulary's own strings) when ``wanted``; ``always``: null
+    when not, as vLLM answers."""
+    if wanted:
+        return {"token_strs": [served.tokenizer.id_to_token(token) or "" for token in ids]}
+    return {"token_strs": None} if always else {}
 
 
 @router.post(
@@ -119,6 +145,17 @@ async def tokenize(body: TokenizeRequest, request: Request) -> Response:
 )
 async def detokenize(body: DetokenizeRequest, request: Request) -> Response:
     """The text token ids stand for (special tokens have none), as vLLM's /detokenize."""
+    served, text = _detokenized(body, request)
+    return _json({"model": served.name, "prompt": text})
+
+
+@router.post("/detokenize", response_model=None, responses=error_responses(400, 401, 404, 413, 503))
+async def detokenize_vllm(body: DetokenizeRequest, request: Request) -> Response:
+    """vLLM's ``/detokenize``, in its shape: ``{"prompt": text}``."""
+    return _json({"prompt": _detokenized(body, request)[1]})
+
+
+def _detokenized(body: DetokenizeRequest, request: Request) -> tuple[ServedModel, str]:
     served = _service(request).get(body.model)
     outside = [token for token in body.tokens if token >= served.vocab]
     if outside:
@@ -128,8 +165,7 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> Response:
             f"[0, {served.vocab})",
             param="tokens",
         )
-    text = b"".join(served.token_bytes[token] for token in body.tokens).decode("utf-8", "replace")
-    return _json({"model": served.name, "prompt": text})
+    return served, b"".join(served.token_bytes[t] for t in body.tokens).decode("utf-8", "replace")
 
 
 @router.get("/tokenizer_info", response_model=None, responses=error_responses(401, 404, 503))

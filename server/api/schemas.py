@@ -643,11 +643,13 @@ class HealthDocument(BaseModel):
 
 
 class TokenizeRequest(StrictBody):
-    """``POST /v1/tokenize``: the ids a prompt becomes (with ``<|bos|>`` unless told not to)."""
+    """``POST /v1/tokenize`` and vLLM's ``POST /tokenize``: the ids a prompt becomes (with
+    ``<|bos|>`` unless told not to), and vLLM's ``token_strs`` when asked."""
 
     model: Text | None = None
     prompt: Text
     add_special_tokens: bool = True
+    return_token_strs: bool | None = False
 
 
 # A longer trace prompt is a 400 (context_length_exceeded): the response grows as T².
@@ -714,7 +716,7 @@ class TraceRequest(PromptRequest, Structured):
 
 
 class DetokenizeRequest(StrictBody):
-    """``POST /v1/detokenize``: the text of token ids."""
+    """``POST /v1/detokenize`` and vLLM's ``POST /detokenize``: the text of token ids."""
 
     model: Text | None = None
     tokens: list[TokenId] = Field(max_length=1_000_000)

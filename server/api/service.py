@@ -109,6 +109,14 @@ class ServedModel:
         specials = [self.token_strings[token] for token in special_ids(self.tokenizer)]
         return most_prompt_bytes(self.max_context, self.token_bytes, specials)
 
+    @functools.cached_property
+    def special_names(self) -> dict[str, int]:
+        """Each special token's name → its id: the bos, eos and pad tokens, and any other the
+        tokenizer marks special."""
+        added = self.tokenizer.get_added_tokens_decoder()
+        names = {token.content: id_ for id_, token in added.items() if token.special}
+        return names | {self.token_strings[id_]: id_ for id_ in special_ids(self.tokenizer)}
+
     def describe(self) -> dict[str, Any]:
         """The model's entry in ``GET /v1/models``."""
         info = self.info
