@@ -91,7 +91,7 @@ from model.files import (
     write_json_atomic,
 )
 from model.positional import build_scheme
-from model.tokenizer import load_tokenizer, special_token_config
+from model.tokenizer import load_tokenizer, save_tokenizer, special_token_config
 from model.transformer import Transformer
 
 CHECKPOINT_FILES = (CONFIG_FILE, WEIGHTS_FILE, TOKENIZER_FILE)
@@ -167,7 +167,7 @@ def save_checkpoint(
     with staged_folder(path, on_step) as staging:
         config.save(staging / CONFIG_FILE)
         _write_file(staging / WEIGHTS_FILE, weights)
-        tokenizer.save(str(staging / TOKENIZER_FILE))
+        save_tokenizer(tokenizer, staging / TOKENIZER_FILE)
         for name, data in (json_files or {}).items():
             write_json_atomic(staging / name, data)
         if not_a_checkpoint(path) is None:  # a folder forced over (--force) is replaced whole

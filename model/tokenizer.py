@@ -4,6 +4,11 @@ Byte-level means every id stands for a run of raw UTF-8 bytes and the 256 single
 in the vocabulary, so any text encodes and decodes back exactly. One id can hold part of a
 multi-byte character; :class:`IncrementalDecoder` deals with that when streaming text out.
 
+A tokenizer in memory adds no special token: ordinal places ``<|bos|>`` itself
+(:func:`encode_prompt`, the server's prompts, training data). Its ``tokenizer.json`` does, in a
+post-processor (:func:`with_bos`), so that Hugging Face's ``AutoTokenizer`` on a checkpoint folder
+encodes a text to the ids the server prompts with; :func:`load_tokenizer` drops it again.
+
 Special tokens (ids 0, 1, 2 in a tokenizer trained here):
 ``<|bos|>`` begins every sequence, ``<|eos|>`` ends every document (speech), ``<|pad|>`` fills
 batches. Text that happens to contain the string ``"<|eos|>"`` encodes as ordinary bytes, so user
@@ -22,7 +27,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from model.files import write_text_atomic
 
@@ -223,16 +228,30 @@ def vocabulary_tables(tokenizer: Tokenizer) -> VocabularyTables:
     return VocabularyTables(table, strings, specials.bos, specials.eos)
 
 
+def with_bos(tokenizer: Tokenizer) -> Tokenizer:
+    """A copy of ``tokenizer`` whose encode starts with its bos token, as ordinal's prompts do
+    (a TemplateProcessing post-processor, Hugging Face's way; a pair gets one bos)."""
+    copy = Tokenizer.from_str(tokenizer.to_str())
+    bos = special_ids(tokenizer).bos
+    name = tokenizer.id_to_token(bos) or BOS
+    copy.post_processor = processors.TemplateProcessing(
+        single=f"{name} $A", pair=f"{name} $A $B:1", special_tokens=[(name, bos)]
+    )
+    return copy
+
+
 def save_tokenizer(tokenizer: Tokenizer, path: str | os.PathLike[str]) -> None:
-    """Write the tokenizer as JSON to ``path`` atomically."""
-    write_text_atomic(path, tokenizer.to_str())
+    """Write the tokenizer as JSON to ``path`` atomically, with its bos post-processor
+    (:func:`with_bos`)."""
+    write_text_atomic(path, with_bos(tokenizer).to_str(pretty=True))
 
 
 def load_tokenizer(path: str | os.PathLike[str]) -> Tokenizer:
     """Read a tokenizer saved by :func:`save_tokenizer`; checks that the specials are there.
 
     Where the ``tokenizer_config.json`` beside it names a bos and an eos token, those are the
-    specials (``special_tokens``; an imported model's), else ordinal's own.
+    specials (``special_tokens``; an imported model's), else ordinal's own. The file's
+    post-processor is dropped: ordinal places the bos itself, and once is enough.
     """
     path = Path(path)
     text = path.read_text(encoding="utf-8")
@@ -244,6 +263,7 @@ def load_tokenizer(path: str | os.PathLike[str]) -> Tokenizer:
     if names is not None:
         name_special_tokens(tokenizer, names)
     special_ids(tokenizer)
+    tokenizer.post_processor = None
     # Not part of the saved JSON, so restore it here.
     tokenizer.encode_special_tokens = True
     return tokenizer

@@ -39,7 +39,7 @@ from typing import Any, cast
 
 import torch
 from safetensors.torch import save as serialise_tensors
-from tokenizers import Tokenizer, processors
+from tokenizers import Tokenizer
 from torch import Tensor
 
 from model.chat import DEFAULT_SPEAKERS, TOKENIZER_CONFIG_FILE, ChatTemplate
@@ -55,7 +55,7 @@ from model.config import ModelConfig
 from model.files import OutputKind, check_output, only_files, read_json_object
 from model.positional import positions_table
 from model.positional.rope import RotaryPositions
-from model.tokenizer import BOS, EOS, PAD, special_ids
+from model.tokenizer import BOS, EOS, PAD, special_ids, with_bos
 from model.transformer import Block, Transformer
 
 TARGETS = ("auto", "native", "custom")
@@ -394,13 +394,9 @@ def export_model(model: Transformer, tokenizer: Tokenizer, target: str = "auto")
 
 
 def hf_tokenizer(tokenizer: Tokenizer) -> Tokenizer:
-    """A copy of ``tokenizer`` whose encode starts with <|bos|>, as ordinal's prompts do."""
-    copy = Tokenizer.from_str(tokenizer.to_str())
-    bos = special_ids(tokenizer).bos
-    copy.post_processor = processors.TemplateProcessing(
-        single=f"{BOS} $A", pair=f"{BOS} $A $B:1", special_tokens=[(BOS, bos)]
-    )
-    return copy
+    """A copy of ``tokenizer`` whose encode starts with <|bos|>, as ordinal's prompts do (as
+    every saved tokenizer.json: ``model.tokenizer.with_bos``)."""
+    return with_bos(tokenizer)
 
 
 def hf_chat_template(source: str) -> str:

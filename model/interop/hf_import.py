@@ -15,8 +15,8 @@ activation the family does not use, a tensor the core has no place for. Weights 
 ``safetensors`` (transformers is not needed). The tokenizer is the folder's ``tokenizer.json``
 (byte-level BPE, as ordinal decodes); its bos and eos tokens, from ``tokenizer_config.json`` (or
 config.json's ids), are recorded in the checkpoint's own tokenizer_config.json, where
-``model.tokenizer.load_tokenizer`` finds them. Its post-processor is dropped: ordinal places the
-bos token itself. A hub name ("owner/model") is downloaded only when no such folder exists and
+``model.tokenizer.load_tokenizer`` finds them. Its post-processor is replaced by ordinal's: the
+bos token first. A hub name ("owner/model") is downloaded only when no such folder exists and
 ``huggingface_hub`` can reach the hub. Every file read must lie inside the folder once its
 symlinks are followed (:class:`SourceFolder`): a symlink or an index entry leading out of it is
 refused, never read. The checkpoint is written where ``model.files.check_output`` allows: never

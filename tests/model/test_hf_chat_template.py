@@ -11,7 +11,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from model.chat import TOKENIZER_CONFIG_FILE, ChatTemplate, Message, default_tokenizer_config
-from model.tokenizer import load_tokenizer
+from model.tokenizer import encode_prompt, load_tokenizer, special_ids
 
 SHIPPED = Path(__file__).resolve().parents[2] / "checkpoints"
 FOLDERS = sorted(folder for folder in SHIPPED.iterdir() if (folder / "tokenizer.json").is_file())
@@ -55,3 +55,24 @@ def test_apply_chat_template_renders_the_servers_scene(folder: Path) -> None:
 def test_shipped_tokenizer_config_is_the_default(folder: Path) -> None:
     config = json.loads((folder / TOKENIZER_CONFIG_FILE).read_text())
     assert config == default_tokenizer_config()
+
+
+TEXTS = [
+    "ROMEO: But soft, what light through yonder window breaks?",
+    "Ça va, naïve café — ¿sí? 🎭\n\n  two spaces",
+    " a leading space",
+]
+
+
+@pytest.mark.parametrize("folder", FOLDERS, ids=[folder.name for folder in FOLDERS])
+def test_auto_tokenizer_encodes_a_text_as_the_server_prompts_it(folder: Path) -> None:
+    """``AutoTokenizer`` with its defaults gives a text the server's prompt ids, <|bos|> first
+    (the shipped tokenizer.json's post-processor); ordinal's own tokenizer adds it once."""
+    hf = AutoTokenizer.from_pretrained(folder)
+    ours = load_tokenizer(folder / "tokenizer.json")
+    for text in TEXTS:
+        prompt = encode_prompt(ours, text)
+        assert prompt[0] == special_ids(ours).bos and prompt[1] != prompt[0]  # one bos, not two
+        assert hf(text)["input_ids"] == prompt, text
+        assert hf(text, add_special_tokens=False)["input_ids"] == prompt[1:]
+        assert hf.decode(prompt, skip_special_tokens=True) == text

@@ -239,6 +239,20 @@ def test_tokenize(client: httpx.Client, server: Running) -> None:
     assert tokenizer.decode(bare["tokens"]) == text
 
 
+def test_auto_tokenizer_on_a_saved_checkpoint_gives_the_servers_ids(
+    client: httpx.Client, checkpoints: Path
+) -> None:
+    """A checkpoint written by ``save_checkpoint`` (training's and import's save) encodes under
+    Hugging Face's ``AutoTokenizer`` to the ids the server prompts with: <|bos|> once, first."""
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(checkpoints / "rope")
+    for text in ("To be, or not to be", "Ça va, naïve café — ¿sí? 🎭", "  spaced  "):
+        served = client.post("/v1/tokenize", json={"model": "rope", "prompt": text}).json()
+        assert hf(text)["input_ids"] == served["tokens"], text
+        assert served["tokens"].count(hf.bos_token_id) == 1
+
+
 def test_settings_come_from_flags_over_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ORDINAL_MODELS", "rope, alibi")
     monkeypatch.setenv("ORDINAL_MAX_BATCH_SIZE", "3")
