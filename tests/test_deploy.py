@@ -267,7 +267,7 @@ def test_compose_tool_accepts_the_file(tool: str) -> None:
         if tool == "docker-compose" and os.environ.get("CI"):
             pytest.fail("docker-compose is not installed (CI is set: `make test` installs it)")
         pytest.skip(f"{tool} is not installed; the schema test covers the file")
-    for profile in ("gpu", "scale"):
+    for profile in ("gpu", "scale", "monitoring"):
         result = subprocess.run(
             [*command, "--profile", profile, "config", "-q"],
             cwd=REPO,
@@ -278,11 +278,81 @@ def test_compose_tool_accepts_the_file(tool: str) -> None:
 
 
 def test_every_build_names_a_dockerfile_that_exists() -> None:
-    """compose's ``config`` does not open the Dockerfiles: this does."""
+    """compose's ``config`` does not open the Dockerfiles: this does. A service built from no
+    Dockerfile runs a published image at a pinned version."""
     for name, service in load_compose()["services"].items():
+        if "build" not in service:
+            assert re.fullmatch(r"[\w./-]+:v?\d+\.\d+\.\d+", service["image"]), name
+            continue
         build = service["build"]
         assert "dockerfile_inline" not in build, f"{name}: a key only Compose v2 reads"
         assert (REPO / build["context"] / build["dockerfile"]).is_file(), name
+
+
+# ----------------------------------------------------------------------------------------------
+# The monitoring profile: Prometheus and Grafana with ordinal's dashboard (deploy/grafana/); the
+# dashboard's queries are run against a real /metrics in tests/server/test_vllm_dashboard.py.
+
+DASHBOARD = REPO / "deploy" / "grafana" / "dashboards" / "ordinal.json"
+
+
+def mounts(service: dict[str, Any]) -> dict[str, Path]:
+    """A service's read-only bind mounts: container path → the repository path mounted there."""
+    found = {}
+    for volume in service["volumes"]:
+        source, target, mode = volume.split(":")
+        assert mode == "ro" and source.startswith("./"), volume
+        assert (REPO / source).exists(), volume
+        found[target] = REPO / source
+    return found
+
+
+def in_container(service: dict[str, Any], path: str) -> Path:
+    """The repository file a container of ``service`` sees at ``path``, through its mounts."""
+    for target, source in mounts(service).items():
+        if path == target or path.startswith(target + "/"):
+            return source / path.removeprefix(target).lstrip("/")
+    raise AssertionError(f"{path} is not mounted")
+
+
+def test_monitoring_profile_scrapes_ordinal_and_provisions_the_dashboard() -> None:
+    services = load_compose()["services"]
+    prometheus, grafana = services["prometheus"], services["grafana"]
+    assert prometheus["profiles"] == grafana["profiles"] == ["monitoring"]
+    for service in (prometheus, grafana):  # on loopback only: Grafana lets viewers in unasked
+        assert all(port.startswith("127.0.0.1:") for port in service["ports"])
+    assert prometheus["depends_on"] == ["ordinal"] and grafana["depends_on"] == ["prometheus"]
+
+    # Prometheus scrapes the ordinal service where it listens, at /metrics
+    config = yaml.safe_load(in_container(prometheus, "/etc/prometheus/prometheus.yml").read_text())
+    (job,) = config["scrape_configs"]
+    assert job["metrics_path"] == "/metrics"
+    port = services["ordinal"]["environment"]["ORDINAL_PORT"]
+    assert job["static_configs"] == [{"targets": [f"ordinal:{port}"]}]
+
+    # Grafana: the datasource reaches that Prometheus, under the uid every panel names
+    provisioning = "/etc/grafana/provisioning"
+    sources = yaml.safe_load(
+        in_container(grafana, f"{provisioning}/datasources/prometheus.yml").read_text()
+    )
+    (source,) = sources["datasources"]
+    published = prometheus["ports"][0].rsplit(":", 1)[1]
+    assert (source["type"], source["url"]) == ("prometheus", f"http://prometheus:{published}")
+    dashboard = json.loads(DASHBOARD.read_text())
+    for panel in dashboard["panels"]:
+        for node in (panel, *panel["targets"]):
+            assert node["datasource"] == {"type": "prometheus", "uid": source["uid"]}
+    variable = dashboard["templating"]["list"][0]
+    assert variable["datasource"]["uid"] == source["uid"]
+
+    # the dashboard provider reads the folder the dashboard is mounted in; it is the home page
+    providers = yaml.safe_load(
+        in_container(grafana, f"{provisioning}/dashboards/ordinal.yml").read_text()
+    )
+    (provider,) = providers["providers"]
+    assert in_container(grafana, provider["options"]["path"]) == DASHBOARD.parent
+    home = grafana["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
+    assert in_container(grafana, home) == DASHBOARD
 
 
 def test_dockerfile_installs_cpu_torch_before_the_project() -> None:

@@ -2,11 +2,18 @@
 ``ordinal_``): every metric their queries read exists, labelled ``model_name`` as vLLM's, and has
 data once the model has served a request. The names are those vLLM's dashboards query (its
 ``examples/observability`` folder): histograms by their ``_bucket`` series, counters by ``_total``.
+Then ordinal's own dashboard (``deploy/grafana/dashboards/ordinal.json``, the compose
+``monitoring`` profile's): every metric each panel's queries name is one ``/metrics`` exports.
 """
 
 from __future__ import annotations
 
+import json
+import re
+from pathlib import Path
+
 import httpx
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.server.conftest import Running, wait_for
@@ -81,3 +88,77 @@ def test_vllm_dashboard_queries_find_data(server: Running, client: httpx.Client)
     assert added["4.0"] == 0 and added["8.0"] == 1
     usage = [v for labels, v in exposed["ordinal_kv_cache_usage_perc"] if labels["model_name"]]
     assert usage and all(0 <= value <= 1 for value in usage)
+
+
+# ---- ordinal's own dashboard ------------------------------------------------------------------
+
+DASHBOARD = (
+    Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "dashboards" / "ordinal.json"
+)
+# PromQL's words that are not metrics: the keywords, and the labels of by(...) / without(...)
+# (removed before names are read); a function is a name followed by "(".
+KEYWORDS = {"and", "or", "unless", "bool", "offset", "on", "ignoring", "group_left", "group_right"}
+
+
+def metric_names(expr: str) -> set[str]:
+    """The metrics a PromQL expression reads: every name left once strings, label matchers
+    ``{...}``, ranges ``[...]``, grouping ``by (...)`` and function names are taken out."""
+    bare = re.sub(r'"(?:[^"\\]|\\.)*"|\{[^}]*\}|\[[^\]]*\]', " ", expr)
+    bare = re.sub(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", " ", bare)
+    names = re.findall(r"(?<![\w:.])([A-Za-z_:][\w:]*)(?![\w:])(?!\s*\()", bare)
+    return set(names) - KEYWORDS
+
+
+def test_metric_names_reads_promql() -> None:
+    expr = (
+        'histogram_quantile(0.99, sum by(le, model_name) (rate(ordinal_x_bucket{model_name=~"$m"}'
+        "[$__rate_interval]))) / sum without (le) (ordinal_y_total offset 5m) and on(job) up"
+    )
+    assert metric_names(expr) == {"ordinal_x_bucket", "ordinal_y_total", "up"}
+
+
+def dashboard_queries() -> dict[str, list[str]]:
+    """Each panel's title → its queries' expressions; the model variable's query too."""
+    dashboard = json.loads(DASHBOARD.read_text())
+    queries = {
+        panel["title"]: [t["expr"] for t in panel["targets"]] for panel in dashboard["panels"]
+    }
+    for variable in dashboard["templating"]["list"]:
+        call = re.fullmatch(r"label_values\((\w+), (\w+)\)", variable["query"]["query"])
+        assert call, variable["query"]
+        queries[f"variable ${variable['name']}"] = [call[1]]
+    return queries
+
+
+def test_every_panel_of_ordinals_dashboard_queries_metrics_that_exist(
+    server: Running, client: httpx.Client
+) -> None:
+    body = {"model": MODEL, "prompt": "To be", "max_tokens": 2, "ignore_eos": True}
+    assert client.post("/v1/completions", json=body).status_code == 200  # every series bound
+    wait_for(lambda: server.engine(MODEL).in_flight == 0, "the request to finish")
+    exposed = samples(client)
+    read: set[str] = set()
+    for title, expressions in dashboard_queries().items():
+        assert expressions, f"{title}: no query"
+        for expr in expressions:
+            names = metric_names(expr)
+            assert names, f"{title}: {expr!r} reads no metric"
+            missing = names - set(exposed)
+            assert not missing, f"{title}: {sorted(missing)} not in /metrics"
+            read |= names
+    # and every metric family of ordinal's own is on some panel
+    exported = {family(name) for name in exposed if name.startswith("ordinal_")}
+    unread = exported - {family(name) for name in read}
+    assert not unread, f"metrics on no panel: {sorted(unread)}"
+
+
+def family(name: str) -> str:
+    """The metric a series belongs to: ``x_bucket``, ``x_sum``, ``x_total`` … → ``x``."""
+    return re.sub(r"_(bucket|sum|count|total|created)$", "", name)
+
+
+@pytest.mark.parametrize("wrong", ["ordinal_num_requests_runing", "vllm:num_requests_running"])
+def test_a_misspelt_metric_fails_the_dashboard_check(wrong: str, client: httpx.Client) -> None:
+    """The check above can fail: a panel naming a metric that is not exported."""
+    expr = f'sum by(model_name) ({wrong}{{model_name=~"$model_name"}})'
+    assert not metric_names(expr) <= set(samples(client))
