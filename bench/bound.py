@@ -206,11 +206,6 @@ def run(checkpoints: Path, min_time: float = 0.5) -> dict[str, Any]:
     return results
 
 
-def fraction_of_bound(tokens_per_s: float, bound_tokens_per_s: float) -> float:
-    """How much of the overhead-free rate a measured rate reaches (1.0 = all of it)."""
-    return tokens_per_s / bound_tokens_per_s
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--checkpoints", type=Path, default=Path("checkpoints"))

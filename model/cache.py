@@ -134,10 +134,6 @@ class KVCache:
             allocated_length = min(self.max_length, max(length, 2 * allocated_length))
         self._allocate(allocated_rows, allocated_length)
 
-    def reserve_rows(self, rows: int) -> None:
-        """Make room for ``rows`` sequences (≤ the most it holds)."""
-        self.reserve(rows, 0)
-
     def release(self) -> None:
         """Shrink back to the first reservation; only while no row holds a sequence."""
         if self.grown and not bool(self.lengths.any()):

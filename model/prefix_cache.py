@@ -65,10 +65,6 @@ class PrefixCache:
         self._within = torch.arange(block)
 
     @property
-    def held_tokens(self) -> int:
-        return len(self._slots) * self.block
-
-    @property
     def allocated_tokens(self) -> int:
         return self.keys.shape[2] if self.keys.numel() else 0
 

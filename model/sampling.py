@@ -573,18 +573,6 @@ def _check_seen(seen: Tensor, logits: Tensor) -> None:
         )
 
 
-def filtered_probs(logits: Tensor, **columns: Tensor) -> Tensor:
-    """The distribution each row samples from, after steps 2-5 of the module docstring.
-
-    logits [B, V]; ``columns``: any of :class:`SamplingMetadata`'s [B] columns (``temperature``,
-    ``top_k``, ...), the others off. Returns [B, V] float32 in vocabulary order, each row summing
-    to 1 (one-hot at the argmax where temperature is 0).
-    """
-    meta = SamplingMetadata.filled(logits.shape[0], logits.device, **columns)
-    stages, sorted_ids = _sorted_stages(logits, meta)
-    return torch.zeros_like(stages[-1].probs).scatter(-1, sorted_ids, stages[-1].probs)
-
-
 def token_logprobs(logits: Tensor, tokens: Tensor, top_n: int) -> tuple[Tensor, Tensor, Tensor]:
     """Log-probabilities under the raw model distribution (no penalty, temperature or filters).
 

@@ -433,9 +433,15 @@ def test_the_images_steps_give_a_server_that_decodes_on_the_kernel(
     copies = [arg.split() for name, arg in stages["final"] if name == "COPY"]
     assert ["--from=kernels", kernels_folder, kernels_folder] in copies
 
-    site = tmp_path / "site"  # RUN pip install . (its dependencies are this environment's)
+    app = tmp_path / "app"  # the base stage's COPY lines, then RUN pip install . from there
+    app.mkdir()
+    for sources in (arg.split() for name, arg in stages["base"] if name == "COPY"):
+        for source in sources[:-1]:
+            copy = shutil.copytree if (REPO / source).is_dir() else shutil.copy
+            copy(REPO / source, app / (source if sources[-1].endswith("/") else sources[-1]))
+    site = tmp_path / "site"  # its dependencies are this environment's
     install = ["install", "-q", "--no-deps", "--no-build-isolation", "--target", str(site)]
-    subprocess.run([sys.executable, "-m", "pip", *install, str(REPO)], check=True)
+    subprocess.run([sys.executable, "-m", "pip", *install, str(app)], check=True)
     built = tmp_path / "kernels"
     image = {**os.environ, "PYTHONPATH": str(site), "TORCH_EXTENSIONS_DIR": str(built)}
     command = shlex.split(build)

@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from model.positional.base import PositionalScheme, capturing, positions_table
-from model.positional.rotation import Rotation, apply_rotation
+from model.positional.rotation import Rotation
 from model.positional.sinusoidal import position_angles
 
 SCALINGS = (None, "linear", "ntk", "dynamic", "yarn")
@@ -113,11 +113,6 @@ def yarn_inverse_frequencies(
 def yarn_attention_factor(factor: float) -> float:
     """YaRN's attention temperature 0.1·ln s + 1 (1 for s ≤ 1), applied to cos and sin."""
     return 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
-
-
-def apply_rope(x: Tensor, positions: Tensor, base: float = 10000.0) -> Tensor:
-    """Rotate every dim of ``x`` [..., T, head_dim] at ``positions`` (broadcastable to [..., T])."""
-    return apply_rotation(x, *rope_angles(positions, x.shape[-1], base))
 
 
 class RotaryPositions(PositionalScheme):

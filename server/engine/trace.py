@@ -17,11 +17,10 @@ from __future__ import annotations
 import base64
 import math
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from tokenizers import Tokenizer
 from torch import Tensor
 
 from model.grammar import constraint_of
@@ -30,25 +29,14 @@ from model.sampling import sampling_stages
 from model.sampling_params import SamplingParams
 from model.transformer import AttentionRecorder, Intervention, Transformer
 
+if TYPE_CHECKING:
+    from server.engine.loader import LoadedModel
+
 SIGNIFICANT_DIGITS = 4  # of the attention weights, the biases and the positional vectors
 
 
-class Traceable(Protocol):
-    """A model as this process holds it (``server.engine.loader.LoadedModel``)."""
-
-    name: str
-    model: Transformer
-    tokenizer: Tokenizer
-    token_strings: list[str]
-    eos: int
-    max_context: int
-
-    @property
-    def vocab(self) -> int: ...
-
-
 def trace_document(
-    served: Traceable,
+    served: LoadedModel,
     prompt_ids: list[int],
     params: SamplingParams,
     attention: bool,

@@ -266,7 +266,7 @@ def test_a_growing_cache_holds_what_a_full_one_holds_and_shrinks_when_empty() ->
     assert growing.keys.shape == (LAYERS, 1, HEADS, 2, HEAD_DIM)
     seen = {}
     for step, (rows, length) in enumerate([(1, 3), (3, 1), (3, 4), (4, 1)]):
-        growing.reserve_rows(rows)
+        growing.reserve(rows, 0)
         keys, values = entries(rows, length, offset=1000.0 * step)
         for name, cache in (("full", full), ("growing", growing)):
             plan = cache.positions(slice(0, rows), length)
@@ -379,7 +379,7 @@ def test_a_key_state_is_kept_like_the_keys_through_writes_growth_and_moves() -> 
     assert KVCache(CONFIG, 3, 12).states.numel() == 0
     with pytest.raises(ValueError, match="no key state"):
         KVCache(CONFIG, 3, 12).write_key_state(0, cache.positions(slice(0, 1), 1), torch.ones(1))
-    cache.reserve_rows(3)
+    cache.reserve(3, 0)
     written = torch.zeros(3, HEADS, 12)
     for counts in ([3, 1, 5], [1, 1, 1], [2, 4, 0]):
         start = cache.lengths.clone()
@@ -439,7 +439,7 @@ def test_allocated_can_be_read_at_every_moment_of_a_shrink(monkeypatch: pytest.M
     """The engine's metrics (another thread) read ``allocated`` whenever they like: a shrink
     must swap whole tensors, never leave an empty one behind for that read to trip on."""
     cache = KVCache(CONFIG, 4, 12, reserve=(1, 2))
-    cache.reserve_rows(4)
+    cache.reserve(4, 0)
     cache.positions(slice(0, 4), 6)  # grown to (4, 12); nothing committed, so it may shrink
     assert cache.grown and not cache.lengths.any()
     seen_during: list[tuple[int, int]] = []

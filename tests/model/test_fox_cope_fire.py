@@ -214,7 +214,7 @@ def test_cached_forward_equals_the_full_forward_on_ragged_batches_past_the_train
     model = random_model(scheme, seed=12, positional=positional)
     tokens = random_tokens(4, 64, seed=13)
     cache = KVCache(model.config, 4, 64, reserve=(2, 8))  # grows as it goes
-    cache.reserve_rows(4)
+    cache.reserve(4, 0)
     with torch.no_grad():
         full = model(tokens)
         for counts in ([13, 40, 1, 27], [1, 1, 1, 1], [20, 9, 30, 2], [1, 1, 1, 1]):

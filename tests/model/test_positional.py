@@ -33,10 +33,11 @@ from model.positional.alibi import alibi_slopes
 from model.positional.binary import BinaryParams
 from model.positional.lowrank import LowRankParams
 from model.positional.mds import MdsParams
-from model.positional.rope import RopeParams, apply_rope, rope_angles
+from model.positional.rope import RopeParams, rope_angles
+from model.positional.rotation import apply_rotation
 from model.positional.sinusoidal import position_angles, sinusoidal_encoding, sinusoidal_table
 from model.positional.t5 import T5Params, relative_position_bucket
-from model.transformer import Attention, AttentionMask, Transformer
+from model.transformer import Attention, AttentionMask, LayerInputs, Transformer
 from tests.model.conftest import ALL_SCHEMES, random_model, random_tokens, randomise, tiny_config
 
 NO_MASK = AttentionMask(None, is_causal=False)
@@ -44,12 +45,9 @@ NO_MASK = AttentionMask(None, is_causal=False)
 
 def run_blocks_without_mask(model: Transformer, tokens: torch.Tensor) -> torch.Tensor:
     """The model's layers with full (bidirectional) attention → logits [B, T, V]."""
-    x = model.token_embedding(tokens)
-    vectors = model.positional.embedding(torch.arange(tokens.shape[1]).unsqueeze(0))
-    if vectors is not None:
-        x = x + vectors
+    x = model.embed(tokens, torch.arange(tokens.shape[1]).unsqueeze(0))
     for layer, block in enumerate(model.blocks):
-        x = block(x, None, NO_MASK, None, None, layer)
+        x = block(x, LayerInputs(None, NO_MASK), layer)
     return model.lm_head(model.final_norm(x))
 
 
@@ -78,8 +76,8 @@ class TestTheoremOneForNoPE:
         attention = Attention(tiny_config("none")).eval()
         x = torch.randn(2, 12, 32)
         for perm in random_permutations(12, 5, seed=1):
-            permuted_out = attention(x[:, perm], None, NO_MASK, None, None, 0)
-            out_permuted = attention(x, None, NO_MASK, None, None, 0)[:, perm]
+            permuted_out = attention(x[:, perm], LayerInputs(None, NO_MASK), 0)
+            out_permuted = attention(x, LayerInputs(None, NO_MASK), 0)[:, perm]
             torch.testing.assert_close(permuted_out, out_permuted, atol=1e-5, rtol=0)
             sdpa = torch.nn.functional.scaled_dot_product_attention
             torch.testing.assert_close(
@@ -653,13 +651,15 @@ def test_rope_tables_are_float32_and_rotation_keeps_the_input_dtype() -> None:
 
 @pytest.mark.parametrize("base", [None, 500.0])
 def test_apply_rope_rotates_batched_positions(base: float | None) -> None:
-    """``apply_rope`` (the standalone helper): every dimension, positions broadcast per row, and
-    base 10000 unless told otherwise."""
+    """Rotating at rope's angles (``rope_angles``, as the scheme rotates): every dimension,
+    positions broadcast per row, and base 10000 unless told otherwise."""
     generator = torch.Generator().manual_seed(29)
     x = torch.randn(2, 3, 4, 8, generator=generator)  # [B, H, T, d], interleaved
     positions = torch.tensor([[0, 1, 2, 3], [10, 200, 3000, 40000]])
     extra = {} if base is None else {"base": base}
-    out = apply_rope(half_split(x), positions.unsqueeze(1), **extra)  # positions [B, 1, T]
+    out = apply_rotation(
+        half_split(x), *rope_angles(positions.unsqueeze(1), x.shape[-1], **extra)
+    )  # positions [B, 1, T]
     for b in range(2):
         for h in range(3):
             expected = rope_expected(x[b, h], positions[b].tolist(), base or 10000.0)

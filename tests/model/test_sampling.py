@@ -11,9 +11,10 @@ from model.sampling import (
     UNIFORM_BLOCK,
     RowSampler,
     SamplingBatch,
+    SamplingMetadata,
+    _sorted_stages,
     apply_frequency_presence_penalties,
     apply_repetition_penalty,
-    filtered_probs,
     sampling_stages,
     token_logprobs,
 )
@@ -27,6 +28,15 @@ from model.sampling_params import (
 )
 
 VOCAB = 50
+
+
+def filtered_probs(logits: torch.Tensor, **columns: torch.Tensor) -> torch.Tensor:
+    """The distribution each row samples from, after the filters (model.sampling's steps 2-5):
+    logits [B, V], ``columns`` any of SamplingMetadata's [B] columns → [B, V] in vocabulary
+    order, each row summing to 1 (one-hot at the argmax where temperature is 0)."""
+    meta = SamplingMetadata.filled(logits.shape[0], logits.device, **columns)
+    stages, sorted_ids = _sorted_stages(logits, meta)
+    return torch.zeros_like(stages[-1].probs).scatter(-1, sorted_ids, stages[-1].probs)
 
 
 def columns(batch: int, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0) -> dict[str, torch.Tensor]:
