@@ -168,6 +168,38 @@ def check_output(
     ``kind`` (a user's folder or file, an export where a checkpoint goes, ...).
     """
     given = Path(out)
+    _refuse_what_it_reads_or_keeps(given, sources, kept)
+    target = given.resolve()
+    for folder in target.parents:
+        if is_model_folder(folder):
+            raise OutputError(
+                f"OUT {given} is inside the model folder {folder}: writing there would change "
+                "that model (write elsewhere)"
+            )
+    if given.is_symlink():
+        raise OutputError(f"OUT {given} is a symbolic link: give the path it names instead")
+    if not target.exists() or (target.is_file() and target.stat().st_size == 0):
+        return False
+    if target.is_dir():
+        if not any(target.iterdir()):
+            return False
+        _refuse_a_folder_it_would_destroy(given, target, kind)
+    why_not = kind.earlier(target)
+    if why_not is None or force:
+        return True
+    raise OutputError(
+        f"OUT {given} exists and is not {kind.name} ({why_not}): choose another OUT, or pass "
+        "--force to replace it"
+    )
+
+
+def _refuse_what_it_reads_or_keeps(
+    given: Path,
+    sources: Iterable[str | os.PathLike[str] | None],
+    kept: Iterable[str | os.PathLike[str] | None],
+) -> None:
+    """check_output's first rules: OUT is, is inside or holds a source; OUT is or holds a kept
+    folder (None: an option not given)."""
     target = given.resolve()
     for folder in kept:
         if folder is not None and Path(folder).resolve().is_relative_to(target):
@@ -176,7 +208,7 @@ def check_output(
                 "delete it"
             )
     for source in sources:
-        if source is None:  # an option not given
+        if source is None:
             continue
         read = Path(source).resolve()
         if target == read:
@@ -190,39 +222,21 @@ def check_output(
                 f"OUT {given} holds {source}, which this command reads: replacing OUT would "
                 "delete it"
             )
-    for folder in target.parents:
-        if is_model_folder(folder):
+
+
+def _refuse_a_folder_it_would_destroy(given: Path, target: Path, kind: OutputKind) -> None:
+    """check_output's rules for a non-empty folder at OUT: a file goes there, it holds a model
+    folder, or it is a checkpoint that something else would replace."""
+    if not kind.folder:
+        raise OutputError(f"OUT {given} is a folder: give the path of {kind.name}")
+    for entry in sorted(target.iterdir()):
+        if entry.is_dir() and is_model_folder(entry):
             raise OutputError(
-                f"OUT {given} is inside the model folder {folder}: writing there would change "
-                "that model (write elsewhere)"
-            )
-    if given.is_symlink():
-        raise OutputError(f"OUT {given} is a symbolic link: give the path it names instead")
-    if not target.exists():
-        return False
-    if target.is_dir():
-        entries = sorted(target.iterdir())
-        if not entries:
-            return False
-        if not kind.folder:
-            raise OutputError(f"OUT {given} is a folder: give the path of {kind.name}")
-        for entry in entries:
-            if entry.is_dir() and is_model_folder(entry):
-                raise OutputError(
-                    f"OUT {given} holds the model folder {entry}: replacing OUT would delete "
-                    "it (write elsewhere)"
-                )
-        if kind is not CHECKPOINT and not_a_checkpoint(target) is None:
-            raise OutputError(
-                f"OUT {given} is a checkpoint: {kind.name} written there would replace it "
+                f"OUT {given} holds the model folder {entry}: replacing OUT would delete it "
                 "(write elsewhere)"
             )
-    elif target.stat().st_size == 0:
-        return False
-    why_not = kind.earlier(target)
-    if why_not is None or force:
-        return True
-    raise OutputError(
-        f"OUT {given} exists and is not {kind.name} ({why_not}): choose another OUT, or pass "
-        "--force to replace it"
-    )
+    if kind is not CHECKPOINT and not_a_checkpoint(target) is None:
+        raise OutputError(
+            f"OUT {given} is a checkpoint: {kind.name} written there would replace it "
+            "(write elsewhere)"
+        )

@@ -120,35 +120,15 @@ def run_step(
     logits → [k, vocab] (None: every row's)."""
     kernels = ops()
     assert kernels is not None, "check applies() first"
-    config = model.config
     rows = tokens.shape[0]
-    vectors = cos = sin = flat_bias = torch.empty(0)
-    if position_vectors is not None:
-        vectors = position_vectors.float().expand(rows, 1, -1).reshape(rows, -1).contiguous()
-    if rotation is not None:
-        cos, sin = (table.reshape(rows, -1).float() for table in rotation)
-    if bias is not None:
-        flat_bias = bias.float().expand(rows, -1, -1, -1)[:, :, 0]  # [B, H, Tk]
-    first_norm = cast("list[Block]", model.blocks)[0].attention_norm
-    norm_eps = cast("nn.LayerNorm | nn.RMSNorm", first_norm).eps
-    eps = torch.finfo(torch.float32).eps if norm_eps is None else norm_eps  # RMSNorm's default
-    blocks, head = step_tensors(model)
     slot_rows = plan.slot_rows
     if slot_rows is None:
         first_row, _, step = plan.rows.indices(cache.keys.shape[1])
         assert step == 1, "a decode step's rows are consecutive"
         slot_rows = torch.arange(first_row, first_row + rows)
-    scheme = model.positional
-    own = scheme.kernel_tensors(cache)
-    assert scheme.kernel_bias is not None, "the backend is the kernel: the scheme declares its bias"
-    architecture = [
-        model.lm_head.weight.shape[0],
-        config.n_heads,
-        config.key_value_heads,
-        NORMS.index(config.norm),
-        MLPS.index(config.mlp),
-        int(scheme.kernel_bias),
-    ]
+    own = model.positional.kernel_tensors(cache)
+    blocks, head = step_tensors(model)
+    architecture, eps = _architecture(model)
     return cast(
         Tensor,
         kernels.decode_step(
@@ -157,7 +137,7 @@ def run_step(
             plan.positions,
             [cache.keys, cache.values, own.states],
             model.token_embedding.weight,
-            [vectors, cos, sin, flat_bias],
+            _signal(rows, position_vectors, rotation, bias),
             blocks,
             head,
             [own.gate_weight, own.gate_bias, own.table],
@@ -166,6 +146,40 @@ def run_step(
             logit_rows,
         ),
     )
+
+
+def _signal(
+    rows: int, position_vectors: Tensor | None, rotation: Rotation | None, bias: Tensor | None
+) -> list[Tensor]:
+    """The scheme's signal as the kernel reads it: position vectors [rows, d], cos and sin
+    [rows, rot], the score bias [rows, H, Tk] (float32; empty where the scheme has none)."""
+    vectors = cos = sin = flat_bias = torch.empty(0)
+    if position_vectors is not None:
+        vectors = position_vectors.float().expand(rows, 1, -1).reshape(rows, -1).contiguous()
+    if rotation is not None:
+        cos, sin = (table.reshape(rows, -1).float() for table in rotation)
+    if bias is not None:
+        flat_bias = bias.float().expand(rows, -1, -1, -1)[:, :, 0]  # [B, H, Tk]
+    return [vectors, cos, sin, flat_bias]
+
+
+def _architecture(model: Transformer) -> tuple[list[int], float]:
+    """The kernel's architecture list (vocab, heads, kv_heads, norm, mlp, the scheme's bias:
+    decode_step.cpp's enums) and the norms' epsilon."""
+    config, scheme = model.config, model.positional
+    assert scheme.kernel_bias is not None, "the backend is the kernel: the scheme declares its bias"
+    first_norm = cast("list[Block]", model.blocks)[0].attention_norm
+    norm_eps = cast("nn.LayerNorm | nn.RMSNorm", first_norm).eps
+    eps = torch.finfo(torch.float32).eps if norm_eps is None else norm_eps  # RMSNorm's default
+    architecture = [
+        model.lm_head.weight.shape[0],
+        config.n_heads,
+        config.key_value_heads,
+        NORMS.index(config.norm),
+        MLPS.index(config.mlp),
+        int(scheme.kernel_bias),
+    ]
+    return architecture, eps
 
 
 # Bumped whenever any module anywhere registers a parameter or a submodule (an assignment such as

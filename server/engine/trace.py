@@ -25,6 +25,7 @@ from torch import Tensor
 
 from model.grammar import constraint_of
 from model.positional import positions_table
+from model.positional.rotation import Rotation
 from model.sampling import sampling_stages
 from model.sampling_params import SamplingParams
 from model.transformer import AttentionRecorder, Intervention, Transformer
@@ -60,27 +61,17 @@ def trace_document(
     device = next(model.parameters()).device
     ids = torch.tensor(prompt_ids, device=device)  # [T]
     positions = positions_table(len(prompt_ids), device) + position_offset  # [1, T]
-    scheme = model.positional
-    intervention = None
-    if position_offset or ablate or drop_positional:
-        intervention = Intervention(
-            position_offset=position_offset,
-            ablate=frozenset((layer, head) for layer, head in ablate),
-            drop_positional=frozenset(drop_positional),
-        )
+    intervention = Intervention(
+        position_offset=position_offset,
+        ablate=frozenset((layer, head) for layer, head in ablate),
+        drop_positional=frozenset(drop_positional),
+    )
     with torch.inference_mode():
         recorder = AttentionRecorder(weights=attention)
         logits = model.traced_forward(ids.unsqueeze(0), recorder, intervention)
         logits = logits[0, :, :vocab].float()  # [T, V]
         token_vectors = model.token_embedding(ids).float()  # [T, d_model]
-        # The scheme's pieces as the changed pass used them: an added vector enters before
-        # layer 0, and rotation and bias are gone when every layer drops them.
-        dropped = set(drop_positional)
-        every_layer_dropped = dropped >= set(range(model.config.n_layers))
-        position_vectors = None if 0 in dropped else scheme.embedding(positions)  # [1, T, d]
-        rotation = None if every_layer_dropped else scheme.rotation(positions)  # [1, 1, T, rot]
-        bias = None if every_layer_dropped else scheme.attention_bias(positions, positions[0])
-
+        position_vectors, rotation, bias = _scheme_pieces(model, positions, set(drop_positional))
         seen = torch.zeros(logits.shape[-1], dtype=torch.bool, device=device)
         seen[ids] = True
         constraint = constraint_of(params, served.tokenizer, served.eos)
@@ -118,6 +109,20 @@ def trace_document(
         if logit_lens
         else None,
     }
+
+
+def _scheme_pieces(
+    model: Transformer, positions: Tensor, dropped: set[int]
+) -> tuple[Tensor | None, Rotation | None, Tensor | None]:
+    """The scheme's pieces as the changed pass used them, for ``positions`` [1, T]: its added
+    vectors [1, T, d] (entering before layer 0), its rotation (cos, sin) [1, 1, T, rot] and its
+    bias [1, H, T, T], each None where the scheme has none or every layer drops it."""
+    scheme = model.positional
+    every_layer_dropped = dropped >= set(range(model.config.n_layers))
+    vectors = None if 0 in dropped else scheme.embedding(positions)
+    rotation = None if every_layer_dropped else scheme.rotation(positions)
+    bias = None if every_layer_dropped else scheme.attention_bias(positions, positions[0])
+    return vectors, rotation, bias
 
 
 def _attention(weights: list[Tensor] | None, encoding: str) -> dict[str, Any]:
