@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from model.transformer import Block, Transformer
 
 MAX_ROWS = 64  # as the projection kernel's: past it MKL's GEMM is as fast
+EMPTY = torch.empty(0)  # what the kernel reads as "none" (it reads only its size)
 NORMS = ("layernorm", "rmsnorm")  # decode_step.cpp's Norm enum, in its order
 MLPS = ("gelu", "gelu_tanh", "relu2", "swiglu")  # decode_step.cpp's Mlp enum, in its order
 
@@ -127,8 +128,8 @@ def run_step(
         assert step == 1, "a decode step's rows are consecutive"
         slot_rows = torch.arange(first_row, first_row + rows)
     own = model.positional.kernel_tensors(cache)
-    blocks, head = step_tensors(model)
-    architecture, eps = _architecture(model)
+    kept = _kept_step_tensors(model)
+    blocks, head, architecture, eps = kept.blocks, kept.head, kept.architecture, kept.eps
     return cast(
         Tensor,
         kernels.decode_step(
@@ -153,7 +154,7 @@ def _signal(
 ) -> list[Tensor]:
     """The scheme's signal as the kernel reads it: position vectors [rows, d], cos and sin
     [rows, rot], the score bias [rows, H, Tk] (float32; empty where the scheme has none)."""
-    vectors = cos = sin = flat_bias = torch.empty(0)
+    vectors = cos = sin = flat_bias = EMPTY
     if position_vectors is not None:
         vectors = position_vectors.float().expand(rows, 1, -1).reshape(rows, -1).contiguous()
     if rotation is not None:
@@ -209,16 +210,22 @@ def step_tensors(model: Transformer) -> tuple[list[Tensor], list[Tensor]]:
     above) or a projection weight's :func:`~model.kernels.linear.version_of` changed (the
     packed copy must follow). A norm's parameters and the biases are passed as themselves,
     so their changes need no check."""
+    kept = _kept_step_tensors(model)
+    return kept.blocks, kept.head
+
+
+def _kept_step_tensors(model: Transformer) -> _StepTensors:
+    """step_tensors's kept gathering (with the architecture list), gathered again if stale."""
     kept: _StepTensors | None = model.__dict__.get("_ordinal_step_tensors")
     if (
         kept is not None
         and kept.structure == _structure[0]
         and kept.versions == [version_of(weight) for weight in kept.weights]
     ):
-        return kept.blocks, kept.head
+        return kept
     kept = _gather(model)
     model.__dict__["_ordinal_step_tensors"] = kept
-    return kept.blocks, kept.head
+    return kept
 
 
 @dataclass
@@ -228,10 +235,12 @@ class _StepTensors:
     versions: list[tuple[int, int, tuple[int, ...]]]  # each one's version_of when gathered
     blocks: list[Tensor]
     head: list[Tensor]
+    architecture: list[int]  # _architecture's, with eps: the config's, read once
+    eps: float
 
 
 def _gather(model: Transformer) -> _StepTensors:
-    empty = torch.empty(0)
+    empty = EMPTY
     structure = _structure[0]
     weights: list[Tensor] = []
 
@@ -255,4 +264,5 @@ def _gather(model: Transformer) -> _StepTensors:
             blocks += pair(module)
     head = pair(model.final_norm) + pair(model.lm_head)
     versions = [version_of(weight) for weight in weights]
-    return _StepTensors(structure, weights, versions, blocks, head)
+    architecture, eps = _architecture(model)
+    return _StepTensors(structure, weights, versions, blocks, head, architecture, eps)

@@ -64,6 +64,10 @@ class KernelTensors(NamedTuple):
     table: Tensor  # CoPE: [layers, n, hd]
 
 
+_EMPTY = torch.empty(0)
+_NO_KERNEL_TENSORS = KernelTensors(_EMPTY, _EMPTY, _EMPTY, _EMPTY)
+
+
 class LayerBias(NamedTuple):
     """What a data-dependent scheme adds to one layer's scores, and how it got there (the
     trace shows both; each field is None where the scheme has no such thing)."""
@@ -166,8 +170,7 @@ class PositionalScheme(nn.Module):
     def kernel_tensors(self, cache: KVCache) -> KernelTensors:
         """What the decode kernel reads for this scheme's own bias (``kernel_bias``): nothing
         here; FoX's gates and the cache's log gates, CoPE's table."""
-        empty = torch.empty(0)
-        return KernelTensors(empty, empty, empty, empty)
+        return _NO_KERNEL_TENSORS
 
     def kernel_score_bias(self, q_positions: Tensor, k_positions: Tensor) -> Tensor | None:
         """``attention_bias`` for a decode kernel pass (one query per row): the same bias, by

@@ -29,6 +29,7 @@ from torch import Tensor, nn
 from model.kernels import cope as cope_kernel
 from model.kernels import decoding_on_cpu
 from model.positional.base import (
+    _EMPTY,
     KernelBias,
     KernelTensors,
     LayerBias,
@@ -86,8 +87,7 @@ class ContextualPositions(PositionalScheme):
         self.table = nn.Parameter(torch.zeros(config.n_layers, rows, config.head_dim))
 
     def kernel_tensors(self, cache: KVCache) -> KernelTensors:
-        empty = torch.empty(0)
-        return KernelTensors(empty, empty, empty, self.table)
+        return KernelTensors(_EMPTY, _EMPTY, _EMPTY, self.table)
 
     def layer_bias(
         self,

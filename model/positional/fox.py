@@ -24,6 +24,7 @@ from torch import Tensor, nn
 
 from model.kernels import fox as fox_kernel
 from model.positional.base import (
+    _EMPTY,
     KernelBias,
     KernelTensors,
     LayerBias,
@@ -70,7 +71,7 @@ class ForgettingPositions(PositionalScheme):
         self.gate_bias = nn.Parameter(torch.full((layers, heads), float(params.bias_init)))
 
     def kernel_tensors(self, cache: KVCache) -> KernelTensors:
-        return KernelTensors(self.gate_weight, self.gate_bias, cache.states, torch.empty(0))
+        return KernelTensors(self.gate_weight, self.gate_bias, cache.states, _EMPTY)
 
     def key_state(self, layer: int, hidden: Tensor) -> Tensor:
         """log f_t → [B, H, T] in float32 (it is summed over many tokens)."""
