@@ -483,7 +483,7 @@ COMMANDS: dict[str, Command] = {
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ordinal",
-        description="A text-generation service with ten positional encodings.",
+        description=f"A text-generation service with {len(SCHEMES)} positional schemes.",
         formatter_class=HelpFormatter,
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")

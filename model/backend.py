@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from model import kernels
+from model import cpu, kernels
 from model.kernels import decode_step
 
 if TYPE_CHECKING:
@@ -85,10 +85,10 @@ def kernel_refusal(model: Transformer) -> str | None:
         return f"mlp {config.mlp!r} (not in the kernel)"
     try:
         isa = kernels.active()
-    except kernels.IsaError as error:
+    except cpu.IsaError as error:
         return str(error)
     if isa is None:
-        return f"{kernels.ENVIRONMENT}=torch, or no vector variant for this CPU"
+        return f"{cpu.ENVIRONMENT}=torch, or no vector variant for this CPU"
     if kernels.ops(isa) is None:
         return f"the {isa} kernels could not be built"
     return None
@@ -110,5 +110,5 @@ def backend_of(model: Transformer) -> Backend:
 def _variant() -> str | None:
     try:
         return kernels.active()
-    except kernels.IsaError:
+    except cpu.IsaError:
         return None

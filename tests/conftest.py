@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+import model.cpu as cpu
 import model.kernels as kernels
 from tests.server.conftest import build_checkpoints
 
@@ -19,7 +20,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
-@pytest.fixture(params=kernels.runnable())
+@pytest.fixture(params=cpu.runnable())
 def every_isa(request: pytest.FixtureRequest) -> Iterator[str]:
     """Each kernel variant this CPU runs (``model.kernels``: avx512, avx2 and scalar on an
     AVX-512 machine; avx2 and scalar on an AVX2 one), active in turn for the test."""

@@ -33,7 +33,7 @@ import jsonschema
 import pytest
 import yaml
 
-import model.kernels as kernels
+import model.cpu as cpu
 from tests.server.conftest import free_socket, sse_events
 
 REPO = Path(__file__).resolve().parents[1]
@@ -451,7 +451,7 @@ def test_the_images_steps_give_a_server_that_decodes_on_the_kernel(
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert {path.name.split("_")[1] for path in built.iterdir()} == set(
-        kernels.ARCHITECTURE_ISAS[platform.machine()]
+        cpu.ARCHITECTURE_ISAS[platform.machine()]
     )
     for unity in built.glob("*/unity.cpp"):  # built from the installed copy's sources
         assert f'#include "{site}/model/kernels/' in unity.read_text()
@@ -475,7 +475,7 @@ def test_the_images_steps_give_a_server_that_decodes_on_the_kernel(
         server.terminate()
         _, errors = server.communicate(timeout=30)
     assert entry["decode_backend"] == "cpu-kernel", errors[-3000:]
-    assert entry["cpu_isa"] == kernels.chosen()
+    assert entry["cpu_isa"] == cpu.chosen()
     assert "could not be built" not in errors
 
 

@@ -31,7 +31,6 @@ import contextlib
 import functools
 import hashlib
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -44,9 +43,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from model.cpu import IsaError, chosen, runnable
+
 HERE = Path(__file__).parent
-ENVIRONMENT = "ORDINAL_CPU_ISA"
-NO_KERNELS = "torch"  # ORDINAL_CPU_ISA=torch: the torch code everywhere
 
 # Flags every variant shares. -ffp-contract=off: no variant fuses a product another rounds (the
 # variants compute the same bits; simd.h). -fno-math-errno: sqrt is one instruction. -fopenmp:
@@ -70,60 +69,6 @@ ISA_FLAGS: dict[str, list[str]] = {
     "neon": [],
     "scalar": [],
 }
-CPU_NEEDS: dict[str, frozenset[str]] = {
-    "avx512": frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma", "f16c"}),
-    "avx2": frozenset({"avx2", "fma", "f16c"}),
-    "neon": frozenset(),
-    "scalar": frozenset(),
-}
-ARCHITECTURE_ISAS = {"x86_64": ("avx512", "avx2", "scalar"), "aarch64": ("neon",)}
-
-
-class IsaError(ValueError):
-    """ORDINAL_CPU_ISA names a variant this CPU cannot run, or none there is."""
-
-
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags as Linux reports them (empty where /proc/cpuinfo has none)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return frozenset()
-    for line in text.splitlines():
-        if line.startswith(("flags", "Features")):
-            return frozenset(line.split(":", 1)[1].split())
-    return frozenset()
-
-
-@functools.cache
-def runnable() -> tuple[str, ...]:
-    """The variants this CPU runs, fastest first (none on an architecture without one)."""
-    flags = cpu_flags()
-    isas = ARCHITECTURE_ISAS.get(platform.machine(), ())
-    return tuple(isa for isa in isas if CPU_NEEDS[isa] <= flags)
-
-
-@functools.cache
-def chosen() -> str | None:
-    """The variant this process runs: ``ORDINAL_CPU_ISA``'s, else the fastest vector variant this
-    CPU runs; None for ``ORDINAL_CPU_ISA=torch`` or where none runs. The scalar variant runs only
-    when asked for: without a fused multiply-add instruction its every product is a call into
-    libm (exact, for the same bits), slower than torch's own code on such a CPU. Raises IsaError
-    for a variant the CPU cannot run."""
-    wanted = os.environ.get(ENVIRONMENT, "").strip().lower()
-    if wanted == NO_KERNELS:
-        return None
-    if not wanted:
-        return next((isa for isa in runnable() if isa != "scalar"), None)
-    if wanted not in runnable():
-        known = ", ".join([*ISA_FLAGS, NO_KERNELS])
-        raise IsaError(
-            f"{ENVIRONMENT}={wanted}: this CPU runs {', '.join(runnable()) or 'no variant'} "
-            f"(the variants: {known})"
-        )
-    return wanted
-
-
 _override: list[str | None] = []  # using()'s stack: the tests' and benchmarks' choice
 
 

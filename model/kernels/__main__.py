@@ -12,7 +12,8 @@ import platform
 import subprocess
 import sys
 
-from model.kernels import ARCHITECTURE_ISAS, ISA_FLAGS, IsaError, build_all, runnable
+from model.cpu import ARCHITECTURE_ISAS, IsaError, runnable
+from model.kernels import ISA_FLAGS, build_all
 
 
 def main(argv: list[str] | None = None) -> int:

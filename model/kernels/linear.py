@@ -26,7 +26,8 @@ import os
 import torch
 from torch import Tensor
 
-from model.kernels import active, cpu_flags, decoding_on_cpu, ops
+from model.cpu import cpu_flags
+from model.kernels import active, decoding_on_cpu, ops
 
 # Above this many rows MKL's packing pays for itself (at 64 rows the two are level).
 MAX_ROWS = 64

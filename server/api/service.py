@@ -17,6 +17,7 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
+import model.cpu as cpu
 from model.chat import ChatTemplate
 from model.files import CONFIG_FILE, TOKENIZER_FILE
 from model.tokenizer import load_tokenizer, special_ids, vocabulary_tables
@@ -60,9 +61,11 @@ def choose_default(names: list[str], requested: str | None) -> str:
 
 
 def check_settings(settings: Settings) -> None:
-    """Raise ValueError now for what would otherwise fail only once loading starts."""
+    """Raise ValueError now for what would otherwise fail only once loading starts: the models,
+    and a kernel variant (ORDINAL_CPU_ISA) this CPU cannot run (model.cpu)."""
     names = list(discover_checkpoints(settings.checkpoints, settings.models))
     choose_default(names, settings.default_model)
+    cpu.chosen()
 
 
 @dataclass

@@ -12,7 +12,7 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-import model.kernels as kernels
+import model.cpu as cpu
 from model import captured
 from model.checkpoint import WEIGHTS_FILE, load_checkpoint
 from model.positional import TABLE_SCHEMES
@@ -142,7 +142,7 @@ def test_models_describe_each_scheme(
         assert entry["default"] == (name == "rope")
         # Every scheme declares what the CPU kernel computes for it: the kernel decodes each,
         # with the variant this process chose (model.backend; ORDINAL_CPU_ISA=torch: none).
-        isa = kernels.chosen()
+        isa = cpu.chosen()
         assert entry["decode_backend"] == ("cpu-kernel" if isa else "torch")
         assert entry["cpu_isa"] == isa
     assert listed["binary"]["max_positions"] == 2**8

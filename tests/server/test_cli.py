@@ -17,6 +17,7 @@ from typing import NoReturn
 
 import pytest
 
+import model.cpu as cpu
 import model.evaluate
 import model.tasks
 import model.train
@@ -92,6 +93,30 @@ def test_serve_without_checkpoints(
     assert main(["serve", "--checkpoints", str(checkpoints)]) == 2
     err = one_line_error(capsys, "serve")
     assert str(checkpoints) in err and message in err
+
+
+@pytest.mark.parametrize("variant", ["avx1024", "neon"])
+def test_serve_with_a_kernel_variant_this_cpu_cannot_run(
+    checkpoints: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    variant: str,
+) -> None:
+    """ORDINAL_CPU_ISA naming no variant, or one this CPU cannot run: one line, exit 2, before
+    anything starts (never a server decoding with something else than it was told)."""
+
+    def must_not_serve(*args: object, **kwargs: object) -> NoReturn:
+        raise AssertionError("the server started despite a variant it cannot run")
+
+    monkeypatch.setattr(server.api.app.uvicorn, "run", must_not_serve)
+    monkeypatch.setenv(cpu.ENVIRONMENT, variant)
+    cpu.chosen.cache_clear()
+    try:
+        assert main(["serve", "--checkpoints", str(checkpoints)]) == 2
+    finally:
+        cpu.chosen.cache_clear()
+    err = one_line_error(capsys, "serve")
+    assert f"ORDINAL_CPU_ISA={variant}: this CPU runs" in err
 
 
 def test_ctrl_c_exits_130(monkeypatch: pytest.MonkeyPatch) -> None:

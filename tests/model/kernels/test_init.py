@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+import model.cpu as cpu
 import model.kernels as kernels
 
 
@@ -56,41 +57,41 @@ AVX512 = AVX2 | {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
 def test_the_variants_a_cpu_runs_follow_its_flags(
     monkeypatch: pytest.MonkeyPatch, flags: set[str], expected: tuple[str, ...]
 ) -> None:
-    monkeypatch.setattr(kernels, "cpu_flags", lambda: frozenset(flags))
-    monkeypatch.setattr(kernels.platform, "machine", lambda: "x86_64")
-    kernels.runnable.cache_clear()
-    kernels.chosen.cache_clear()
+    monkeypatch.setattr(cpu, "cpu_flags", lambda: frozenset(flags))
+    monkeypatch.setattr(cpu.platform, "machine", lambda: "x86_64")
+    cpu.runnable.cache_clear()
+    cpu.chosen.cache_clear()
     try:
-        assert kernels.runnable() == expected
+        assert cpu.runnable() == expected
         fastest = expected[0] if expected[0] != "scalar" else None  # torch beats scalar there
-        assert kernels.chosen() == fastest
-        monkeypatch.setenv(kernels.ENVIRONMENT, "scalar")
-        kernels.chosen.cache_clear()
-        assert kernels.chosen() == "scalar"
-        monkeypatch.setenv(kernels.ENVIRONMENT, "torch")  # no kernels at all
-        kernels.chosen.cache_clear()
-        assert kernels.chosen() is None
+        assert cpu.chosen() == fastest
+        monkeypatch.setenv(cpu.ENVIRONMENT, "scalar")
+        cpu.chosen.cache_clear()
+        assert cpu.chosen() == "scalar"
+        monkeypatch.setenv(cpu.ENVIRONMENT, "torch")  # no kernels at all
+        cpu.chosen.cache_clear()
+        assert cpu.chosen() is None
         for wrong in ("avx1024", "neon") + (() if "avx512" in expected else ("avx512",)):
-            monkeypatch.setenv(kernels.ENVIRONMENT, wrong)
-            kernels.chosen.cache_clear()
-            with pytest.raises(kernels.IsaError, match=f"ORDINAL_CPU_ISA={wrong}: this CPU runs"):
-                kernels.chosen()
+            monkeypatch.setenv(cpu.ENVIRONMENT, wrong)
+            cpu.chosen.cache_clear()
+            with pytest.raises(cpu.IsaError, match=f"ORDINAL_CPU_ISA={wrong}: this CPU runs"):
+                cpu.chosen()
     finally:
-        kernels.runnable.cache_clear()
-        kernels.chosen.cache_clear()
+        cpu.runnable.cache_clear()
+        cpu.chosen.cache_clear()
 
 
 def test_the_flags_are_read_from_the_cpu() -> None:
     """On this machine: x86-64 runs scalar at least, and what it runs it reports."""
-    if kernels.platform.machine() == "x86_64":
-        assert "scalar" in kernels.runnable()
-        assert ("avx2" in kernels.runnable()) == ({"avx2", "fma"} <= kernels.cpu_flags())
+    if cpu.platform.machine() == "x86_64":
+        assert "scalar" in cpu.runnable()
+        assert ("avx2" in cpu.runnable()) == ({"avx2", "fma"} <= cpu.cpu_flags())
 
 
 def test_a_built_variant_loads_without_a_compiler(monkeypatch: pytest.MonkeyPatch) -> None:
     """The Docker image's final stage has the built libraries and no compiler: a variant whose
     library exists is loaded as it is, never handed to the builder."""
-    isa = kernels.runnable()[0]
+    isa = cpu.runnable()[0]
     assert kernels.ops(isa) is not None  # built (by make setup or here)
     from torch.utils import cpp_extension
 
@@ -111,9 +112,9 @@ def test_using_switches_the_variant_and_refuses_one_the_cpu_lacks() -> None:
         assert kernels.active() == "scalar" and kernels.ops().isa() == "scalar"
         with kernels.using(None):
             assert kernels.ops() is None
-    assert kernels.active() == kernels.chosen()
-    missing = next(isa for isa in ("avx512", "neon") if isa not in kernels.runnable())
-    with pytest.raises(kernels.IsaError), kernels.using(missing):
+    assert kernels.active() == cpu.chosen()
+    missing = next(isa for isa in ("avx512", "neon") if isa not in cpu.runnable())
+    with pytest.raises(cpu.IsaError), kernels.using(missing):
         pass
 
 
@@ -155,3 +156,10 @@ def test_a_build_running_elsewhere_is_waited_for_and_its_lock_left_to_it(
     lock.unlink()
     waiter.join(5)
     assert not waiter.is_alive()
+
+
+def test_every_variant_has_its_flags_and_its_cpu_needs() -> None:
+    """One list of variants: what each is compiled with (model.kernels) and what the CPU needs
+    to run it (model.cpu), every architecture's variants among them."""
+    assert set(kernels.ISA_FLAGS) == set(cpu.CPU_NEEDS)
+    assert {isa for isas in cpu.ARCHITECTURE_ISAS.values() for isa in isas} == set(cpu.CPU_NEEDS)

@@ -8,13 +8,14 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+import model.cpu as cpu
 import model.kernels as kernels
 from model.kernels import linear as linear_kernel
 from tests.model.kernels.test_linear import column_major_linear
 
 # The tile unit's own tests need its hardware: AMX (Sapphire Rapids and later).
 pytestmark = pytest.mark.skipif(
-    not ({"amx_tile", "amx_bf16"} <= kernels.cpu_flags() and "avx512" in kernels.runnable()),
+    not ({"amx_tile", "amx_bf16"} <= cpu.cpu_flags() and "avx512" in cpu.runnable()),
     reason="the tile path needs a CPU with AMX",
 )
 

@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 
+import model.cpu as cpu
 import model.kernels as kernels
 from model.kernels import argmax as argmax_kernel
 from model.kernels import cope as cope_kernel
@@ -20,7 +21,7 @@ from tests.model.kernels.test_decode_step import narrowed, ragged_batch
 from tests.model.kernels.test_linear import column_major_linear
 
 pytestmark = pytest.mark.skipif(
-    len(kernels.runnable()) < 2, reason="this CPU runs one variant: nothing to compare"
+    len(cpu.runnable()) < 2, reason="this CPU runs one variant: nothing to compare"
 )
 
 
@@ -33,7 +34,7 @@ def vector_path(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 def on_every_variant(run: Callable[[], object]) -> dict[str, object]:
     """``run()``'s result under each variant this CPU runs, and under the fastest first."""
     results = {}
-    for isa in kernels.runnable():
+    for isa in cpu.runnable():
         with kernels.using(isa):
             results[isa] = run()
     return results
