@@ -30,6 +30,8 @@ RUN pip install torch==2.13.0 --index-url "${TORCH_INDEX_URL}"
 # Only what `pip install .` needs; tests, runs and checkpoints stay out of the image.
 COPY pyproject.toml README.md ordinal.py ./
 COPY model ./model
+COPY lab ./lab
+COPY interop ./interop
 COPY server ./server
 COPY clients ./clients
 RUN pip install .

@@ -121,7 +121,7 @@ checkpoints: $(STAMP)
 		$(DROPE_FLAGS) --out $(CHECKPOINT_DIR)/drope --state-dir $(RUNS)/drope)
 	$(ORDINAL) eval $(addprefix $(CHECKPOINT_DIR)/,$(SCHEMES) $(RECIPES)) $(EVAL_FLAGS) \
 		--plot $(CHECKPOINT_DIR)/loss_by_position.png --table $(CHECKPOINT_DIR)/results.md --save
-	$(PY) -m model.curves $(addprefix $(CHECKPOINT_DIR)/,$(SCHEMES) $(RECIPES)) \
+	$(PY) -m lab.curves $(addprefix $(CHECKPOINT_DIR)/,$(SCHEMES) $(RECIPES)) \
 		--out $(CHECKPOINT_DIR)/training_curves.png
 
 # Speed figures into docs/benchmarks.md (transformers is a bench-only extra).

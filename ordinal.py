@@ -39,9 +39,9 @@ from model.config import (
 from model.device import DEVICES, DTYPES
 
 SCHEMES = tuple(model.positional.SCHEMES)  # the registry's names (its classes load on use)
-# model.geometry.report.CORPORA, in its order.
+# lab.geometry.report.CORPORA, in its order.
 CORPORA = ("synthetic", "shakespeare")
-# What --data (and geometry's --corpus PATH) reads: model.text_corpus.
+# What --data (and geometry's --corpus PATH) reads: lab.text_corpus.
 DATA_FORMS = "a text file, a folder of .txt files, or .jsonl with a text field"
 # The recipe's defaults and choices, and the shipped preset's sizes that `ordinal train` takes
 # as flags, read from model.config (torch-free: the schemes load only when a config is built).
@@ -52,16 +52,16 @@ TRAIN_CHOICES = {
     "schedule": SCHEDULES,
 }
 MODEL_SIZE_DEFAULTS = {name: PRESETS[DEFAULT_PRESET].model[name] for name in MODEL_SIZE_FLAGS}
-EVAL_MULTIPLES = (1, 2, 4)  # model.evaluate.MULTIPLES
-# model.tasks.TASKS, in its order, and model.tasks.suite's defaults.
+EVAL_MULTIPLES = (1, 2, 4)  # lab.evaluate.MULTIPLES
+# lab.tasks.TASKS, in its order, and lab.tasks.suite's defaults.
 TASKS = ("recall", "copy", "counting", "flipflop", "longcount", "periodic")
 TASK_DEFAULTS: dict[str, Any] = {"seeds": 3, "jobs": 2, "out": Path("docs/tasks")}
-# model.tasks.entries.ENTRIES (every scheme, then the suite's recipes) and the choices of
-# --longest (model.tasks.training.LONGEST, the first the default); tests/model/test_tasks_report.py
+# lab.tasks.entries.ENTRIES (every scheme, then the suite's recipes) and the choices of
+# --longest (lab.tasks.training.LONGEST, the first the default); tests/model/test_tasks_report.py
 # checks them.
 TASK_ENTRIES = (*SCHEMES, "prope", "drope", "fox-slow")
 TASK_LONGEST = (4, 8)
-# model.interop.hf_export.TARGETS (the first is the default) and the export formats.
+# interop.hf_export.TARGETS (the first is the default) and the export formats.
 EXPORT_TARGETS = ("auto", "native", "custom")
 EXPORT_FORMATS = ("hf", "gguf")
 
@@ -125,7 +125,7 @@ def force_option(parser: argparse.ArgumentParser, what: str, kind: str) -> None:
 
 
 def train_options(parser: argparse.ArgumentParser) -> None:
-    """Options of ``ordinal train`` (``model.train.run``)."""
+    """Options of ``ordinal train`` (``lab.train.run``)."""
     parser.add_argument(
         "--scheme", required=True, metavar="SCHEME", help="positional scheme: " + ", ".join(SCHEMES)
     )
@@ -240,7 +240,7 @@ def _rope_variants(text: str) -> list[tuple[str, str, float]]:
 
 
 def eval_options(parser: argparse.ArgumentParser) -> None:
-    """Options of ``ordinal eval`` (``model.evaluate.run``)."""
+    """Options of ``ordinal eval`` (``lab.evaluate.run``)."""
     parser.add_argument(
         "checkpoints",
         nargs="+",
@@ -295,7 +295,7 @@ def eval_options(parser: argparse.ArgumentParser) -> None:
 
 
 def geometry_options(parser: argparse.ArgumentParser) -> None:
-    """Options of ``ordinal geometry`` (``model.geometry.report.run``)."""
+    """Options of ``ordinal geometry`` (``lab.geometry.report.run``)."""
     parser.add_argument(
         "--out",
         required=True,
@@ -334,7 +334,7 @@ def geometry_options(parser: argparse.ArgumentParser) -> None:
 
 
 def tasks_options(parser: argparse.ArgumentParser) -> None:
-    """Options of ``ordinal tasks`` (``model.tasks.suite.run``)."""
+    """Options of ``ordinal tasks`` (``lab.tasks.suite.run``)."""
     parser.add_argument(
         "--quick",
         action="store_true",
@@ -379,7 +379,7 @@ def tasks_options(parser: argparse.ArgumentParser) -> None:
 
 
 def import_options(parser: argparse.ArgumentParser) -> None:
-    """Options of ``ordinal import`` (``model.interop.hf_import.run``)."""
+    """Options of ``ordinal import`` (``interop.hf_import.run``)."""
     parser.add_argument(
         "source",
         metavar="HF_FOLDER",
@@ -406,7 +406,7 @@ def import_options(parser: argparse.ArgumentParser) -> None:
 
 
 def export_options(parser: argparse.ArgumentParser) -> None:
-    """Options of ``ordinal export`` (``model.interop.hf_export.run``)."""
+    """Options of ``ordinal export`` (``interop.hf_export.run``)."""
     parser.add_argument("checkpoint", type=Path, metavar="CHECKPOINT", help="checkpoint folder")
     parser.add_argument(
         "out",
@@ -450,32 +450,32 @@ COMMANDS: dict[str, Command] = {
     "train": Command(
         "train one checkpoint on the Shakespeare corpus or your own text (also under torchrun)",
         train_options,
-        "model.train:run",
+        "lab.train:run",
     ),
     "eval": Command(
         "validation loss, bits per character and loss by position",
         eval_options,
-        "model.evaluate:run",
+        "lab.evaluate:run",
     ),
     "geometry": Command(
         "positional geometry report of a corpus and schemes",
         geometry_options,
-        "model.geometry.report:run",
+        "lab.geometry.report:run",
     ),
     "tasks": Command(
         "train and test every scheme on synthetic tasks at 1x, 2x, 4x the trained length",
         tasks_options,
-        "model.tasks.suite:run",
+        "lab.tasks.suite:run",
     ),
     "import": Command(
         "convert a Hugging Face GPT-2 or Llama-family model into a checkpoint folder",
         import_options,
-        "model.interop.hf_import:run",
+        "interop.hf_import:run",
     ),
     "export": Command(
         "write a checkpoint as a Hugging Face folder (transformers, vLLM) or a GGUF (llama.cpp)",
         export_options,
-        "model.interop.hf_export:run",
+        "interop.hf_export:run",
     ),
 }
 

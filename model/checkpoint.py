@@ -79,7 +79,6 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save as serialise_tensors
 from tokenizers import Tokenizer
 
-from model.chat import TOKENIZER_CONFIG_FILE, default_tokenizer_config
 from model.config import ConfigError, ModelConfig
 from model.device import resolve_device, resolve_dtype
 from model.files import (
@@ -91,7 +90,12 @@ from model.files import (
     write_json_atomic,
 )
 from model.positional import build_scheme
-from model.tokenizer import load_tokenizer, save_tokenizer, special_token_config
+from model.tokenizer import (
+    TOKENIZER_CONFIG_FILE,
+    load_tokenizer,
+    save_tokenizer,
+    special_token_config,
+)
 from model.transformer import Transformer
 
 CHECKPOINT_FILES = (CONFIG_FILE, WEIGHTS_FILE, TOKENIZER_FILE)
@@ -178,6 +182,10 @@ def save_checkpoint(
         if tokenizer_config is not None:
             write_json_atomic(staging / TOKENIZER_CONFIG_FILE, tokenizer_config)
         elif not (staging / TOKENIZER_CONFIG_FILE).exists():  # a checkpoint's own is kept
+            # Imported here: the template's module brings jinja2, which the engine, loading
+            # checkpoints and never writing one, does without.
+            from model.chat import default_tokenizer_config
+
             default = {**default_tokenizer_config(), **special_token_config(tokenizer)}
             write_json_atomic(staging / TOKENIZER_CONFIG_FILE, default)
 

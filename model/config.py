@@ -33,7 +33,7 @@ MLPS = ("gelu", "gelu_tanh", "swiglu", "relu2")
 # AdamW for the embeddings, gains, biases and positional parameters.
 OPTIMIZERS = ("adamw", "muon")
 # Where a training sequence may start: at a speech (document) boundary only, or also at any
-# line of a speech (see model.data.TrainingSequences).
+# line of a speech (see lab.data.TrainingSequences).
 SEQUENCE_STARTS = ("speech", "line")
 # The learning-rate shape after warmup: cosine decay to min_lr over the remaining steps, or
 # warmup-stable-decay (Hägele et al. 2024): flat at the peak, then a linear cooldown to min_lr
@@ -201,9 +201,9 @@ class TrainConfig:
     ``schedule`` is the shape after warmup (``SCHEDULES``; ``lr_at``). ``ema_decay`` above 0
     keeps an exponential moving average of the weights over the steps after the first
     ``ema_start`` share of them, and the checkpoint written at the last step holds that average
-    instead of the last weights (``model.train.WeightAverage``). ``precision="bfloat16"`` runs
+    instead of the last weights (``lab.train.WeightAverage``). ``precision="bfloat16"`` runs
     the forward and backward under autocast; the weights, optimiser state and loss stay float32
-    (``model.train.summed_loss``). The ``next`` preset uses the average and bfloat16, measured
+    (``lab.train.summed_loss``). The ``next`` preset uses the average and bfloat16, measured
     in checkpoints/README.md's ablations; wsd did not pay there.
     """
 

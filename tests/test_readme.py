@@ -33,9 +33,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-import model.evaluate
-import model.interop.hf_export
-import model.interop.hf_import
+import interop.hf_export
+import interop.hf_import
+import lab.evaluate
 import ordinal
 from model.checkpoint import data_section
 from model.config import ModelConfig
@@ -155,7 +155,7 @@ def check_ordinal(argv: list[str], tmp_path: Path | None = None) -> None:
         assert exit_.code == 0, f"ordinal rejects {argv}"
         return  # --help
     if args.command == "eval":
-        folders = model.evaluate.checkpoint_folders(args.checkpoints)
+        folders = lab.evaluate.checkpoint_folders(args.checkpoints)
         assert folders and all((folder / "model.safetensors").is_file() for folder in folders)
     elif args.command == "geometry":
         assert all((REPO / folder / "config.json").is_file() for folder in args.checkpoints)
@@ -166,7 +166,7 @@ def check_ordinal(argv: list[str], tmp_path: Path | None = None) -> None:
     elif args.command == "export":
         assert tmp_path is not None
         args.checkpoint, args.out = REPO / args.checkpoint, tmp_path / args.out.name
-        model.interop.hf_export.run(args)
+        interop.hf_export.run(args)
         assert args.out.exists()
     elif args.command == "import" and args.source in readme_exports():
         # An import of what a README export writes: that export first, then the import, which
@@ -175,7 +175,7 @@ def check_ordinal(argv: list[str], tmp_path: Path | None = None) -> None:
         export = ordinal.build_parser().parse_args(readme_exports()[args.source])
         check_ordinal(readme_exports()[args.source], tmp_path)
         args.source, args.out = str(tmp_path / export.out.name), tmp_path / args.out.name
-        model.interop.hf_import.run(args)
+        interop.hf_import.run(args)
         exported_from = REPO / export.checkpoint
         assert ModelConfig.load(args.out / "config.json") == ModelConfig.load(
             exported_from / "config.json"
@@ -258,7 +258,7 @@ def check_peer(argv: list[str]) -> None:
 def build_workplace(folder: Path) -> None:
     """What the run sections name: a user's corpus of 200 short documents (not Shakespeare) and
     tiny Hugging Face folders in place of the downloaded ones."""
-    from tests.model.interop.hf_models import gpt2, llama
+    from tests.interop.hf_models import gpt2, llama
 
     words = ["the", "cat", "sat", "on", "a", "mat", "and", "saw", "two", "birds", "fly", "high"]
     rng = random.Random(0)

@@ -1,7 +1,7 @@
 """The information-optimal encoding of the geometry paper: a FIXED matrix A = P_MDS.
 
 A (max_positions × rank) holds the classical-MDS coordinates of the corpus's positional
-distributions under the Hellinger metric (built by ``model.geometry`` when training starts) and is
+distributions under the Hellinger metric (built by ``lab.geometry`` when training starts) and is
 stored in the checkpoint as a buffer, never trained. It enters d_model by ZERO-PADDING (times a
 fixed scale), not by a learned map: padding is an isometry, so the distances between position
 vectors the model sees are exactly the corpus geometry the paper optimises (up to the scale).

@@ -33,7 +33,7 @@ from server.api.trace import TraceResponse, create_trace
 STATIC = Path(__file__).resolve().parents[1] / "static"  # server/static
 # Where `ordinal geometry` reports live in a checkout: one folder per corpus.
 GEOMETRY_REPORTS = Path(__file__).resolve().parents[2] / "docs" / "geometry"
-REPORT_FILE = "report.json"  # model.geometry.report.REPORT_FILE (not imported: matplotlib)
+REPORT_FILE = "report.json"  # lab.geometry.report.REPORT_FILE (not imported: matplotlib)
 
 router = APIRouter()
 
@@ -132,7 +132,7 @@ async def geometry_reports() -> GeometryList:
     response_model=None,
     responses={
         200: {
-            "description": "report.json as `ordinal geometry` wrote it (model/geometry/report.py"
+            "description": "report.json as `ordinal geometry` wrote it (lab/geometry/report.py"
             " documents its fields: corpus, hellinger, mds, rank_stress_table, schemes, "
             "requirements, figures, and paper_comparison for synthetic)",
             "content": {"application/json": {"schema": {"type": "object"}}},

@@ -8,7 +8,7 @@ import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from model.corpus import load_corpus
+from lab.corpus import load_corpus
 from model.tokenizer import (
     SPECIAL_TOKENS,
     IncrementalDecoder,

@@ -17,16 +17,17 @@ from typing import NoReturn
 
 import pytest
 
+import lab.evaluate
+import lab.tasks
+import lab.train
+import model
 import model.cpu as cpu
-import model.evaluate
-import model.tasks
-import model.train
 import ordinal
 import server.api.app
-from model.geometry import report as geometry_report
-from model.geometry.report import REPORT_FILE
+from lab.geometry import report as geometry_report
+from lab.geometry.report import REPORT_FILE
+from lab.tasks import suite as tasks_suite
 from model.positional import SCHEMES
-from model.tasks import suite as tasks_suite
 from ordinal import COMMANDS, build_parser, main
 from server.api.settings import Settings
 
@@ -123,7 +124,7 @@ def test_ctrl_c_exits_130(monkeypatch: pytest.MonkeyPatch) -> None:
     def interrupted(args: argparse.Namespace) -> NoReturn:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(model.evaluate, "run", interrupted)
+    monkeypatch.setattr(lab.evaluate, "run", interrupted)
     assert main(["eval", "anything"]) == 130
 
 
@@ -196,8 +197,8 @@ def test_the_help_states_the_codes_own_defaults() -> None:
     """The lists ordinal.py still writes out (they live beside torch code, which --help must not
     import) are the code's. The schemes, the recipe's defaults, devices and dtypes it imports."""
     assert ordinal.CORPORA == geometry_report.CORPORA
-    assert ordinal.EVAL_MULTIPLES == model.evaluate.MULTIPLES
-    assert tuple(model.tasks.TASKS) == ordinal.TASKS
+    assert ordinal.EVAL_MULTIPLES == lab.evaluate.MULTIPLES
+    assert tuple(lab.tasks.TASKS) == ordinal.TASKS
     suite = {"seeds": tasks_suite.DEFAULT_SEEDS, "jobs": tasks_suite.DEFAULT_JOBS}
     assert {**suite, "out": tasks_suite.DEFAULT_OUT} == ordinal.TASK_DEFAULTS
 

@@ -12,9 +12,9 @@ import httpx
 import pytest
 import torch
 
+from lab.data import IGNORE_INDEX
+from lab.evaluate import token_losses
 from model.checkpoint import load_checkpoint
-from model.data import IGNORE_INDEX
-from model.evaluate import token_losses
 from model.tokenizer import special_ids
 from tests.server.conftest import Running
 

@@ -45,6 +45,13 @@ def test_the_engine_process_imports_no_web_stack() -> None:
     assert imported_after("import server.engine.core", ("torch",))[0] == ["torch"]
 
 
+def test_the_engine_process_imports_no_template_engine_nor_the_lab() -> None:
+    """The engine loads checkpoints and never renders a chat (the API process does) nor trains:
+    neither jinja2 nor the lab nor the doors are in its closure."""
+    found, _ = imported_after("import server.engine.core", ("jinja2", "lab", "interop"))
+    assert found == []
+
+
 def help_of(command: str) -> str:
     """``ordinal COMMAND --help``, run in a fresh interpreter that must import no torch or
     FastAPI; the text with argparse's line wrapping undone."""
