@@ -46,6 +46,11 @@ def alibi_slopes(n_heads: int) -> Tensor:
 
 class AlibiPositions(PositionalScheme):
     name = "alibi"
+    kind = "bias"
+    claim = (
+        "alibi subtracts slope × distance from each score: distances do not change with the "
+        "offset, so nothing should move."
+    )
     Params = AlibiParams
     slopes: Tensor  # a buffer (register_buffer below), declared for the type checker
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 from enum import IntEnum
-from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -40,6 +40,11 @@ from model.positional.rotation import Rotation, apply_rotation
 if TYPE_CHECKING:
     from model.cache import KVCache
     from model.config import ModelConfig
+
+
+# How a scheme tells positions apart, by the hook it fills: "added" (a), "rotation" (b), "bias"
+# (c), "data-dependent" (d, e), or "none" (no hook: the base class itself).
+SchemeKind = Literal["none", "added", "rotation", "bias", "data-dependent"]
 
 
 class PositionOutOfRange(ValueError):
@@ -88,6 +93,11 @@ class PositionalScheme(nn.Module):
 
     name: ClassVar[str] = ""
     Params: ClassVar[type] = NoParams
+    # Which hook carries the position (SchemeKind), and what the scheme predicts one should see
+    # when the prompt is moved or its signal removed: one line, in /v1/models (the playground's
+    # note beside the experiments), so that a new scheme brings its own.
+    kind: ClassVar[SchemeKind] = "none"
+    claim: ClassVar[str] = ""
     # True: one stored row per position, so positions stop at config.max_positions;
     # False: a formula, computed for any position.
     is_table: ClassVar[bool] = False

@@ -25,6 +25,11 @@ class BinaryParams:
 
 class BinaryPositions(PositionalScheme):
     name = "binary"
+    kind = "added"
+    claim = (
+        "binary adds the position's bits: shifted positions have different bits, so the "
+        "prediction moves."
+    )
     Params = BinaryParams
     powers: Tensor  # a buffer (register_buffer below), declared for the type checker
 

@@ -77,6 +77,11 @@ def interpolated_logits(queries: Tensor, table: Tensor, positions: Tensor) -> Te
 
 class ContextualPositions(PositionalScheme):
     name = "cope"
+    kind = "data-dependent"
+    claim = (
+        "cope counts a key's position as the keys its query gates in, σ(q·k), from the "
+        "tokens alone: the offset should change nothing (up to rounding)."
+    )
     Params = CopeParams
     data_dependent = True
     kernel_bias = KernelBias.CONTEXTUAL

@@ -43,6 +43,12 @@ class FireParams:
 
 class FirePositions(PositionalScheme):
     name = "fire"
+    kind = "bias"
+    claim = (
+        "fire adds a learned function of the log distance over the log of the query's "
+        "position, floored at a learned threshold: an offset changes nothing while every "
+        "query stays below that threshold, and moves the prediction once it takes them past."
+    )
     Params = FireParams
 
     def __init__(self, config, params: FireParams) -> None:

@@ -58,6 +58,12 @@ def forgetting_bias(log_gates: Tensor, allowed: Tensor) -> Tensor:
 
 class ForgettingPositions(PositionalScheme):
     name = "fox"
+    kind = "data-dependent"
+    claim = (
+        "fox adds to each score the log forget gates of the tokens after the key, each gate "
+        "computed from its token, never from a position: the offset should change nothing "
+        "(up to rounding)."
+    )
     Params = FoxParams
     data_dependent = True
     keeps_key_state = True

@@ -19,6 +19,11 @@ class IntegerParams:
 
 class IntegerPositions(PositionalScheme):
     name = "integer"
+    kind = "added"
+    claim = (
+        "integer adds the position itself to every dimension: shifting it changes every "
+        "vector, so the prediction moves."
+    )
     Params = IntegerParams
 
     def embedding(self, positions: Tensor) -> Tensor:

@@ -8,6 +8,12 @@ from model.positional.base import PositionalScheme
 
 class LearnedPositions(PositionalScheme):
     name = "learned"
+    kind = "added"
+    claim = (
+        "learned adds a trained vector per position, and stops at its table's last row: an "
+        "offset moves the prediction, and past the table there is nothing to add (the server "
+        "says so)."
+    )
     is_table = True
 
     def __init__(self, config, params) -> None:

@@ -24,6 +24,11 @@ class LowRankParams:
 
 class LowRankPositions(PositionalScheme):
     name = "lowrank"
+    kind = "added"
+    claim = (
+        "lowrank adds a learned low-rank vector per position from a table: an offset moves "
+        "the prediction, and the table has a last row."
+    )
     is_table = True
     Params = LowRankParams
 

@@ -27,6 +27,11 @@ class MdsParams:
 
 class MdsPositions(PositionalScheme):
     name = "mds"
+    kind = "added"
+    claim = (
+        "mds adds fixed coordinates per position from a table: an offset moves the "
+        "prediction, and the table has a last row."
+    )
     is_table = True
     Params = MdsParams
     coordinates: Tensor  # a buffer (register_buffer below), declared for the type checker

@@ -5,3 +5,8 @@ from model.positional.base import PositionalScheme
 
 class NoPositions(PositionalScheme):
     name = "none"
+    kind = "none"
+    claim = (
+        "none has no positional signal at all: the offset cannot change anything, and "
+        "removing it removes nothing."
+    )

@@ -117,6 +117,12 @@ def yarn_attention_factor(factor: float) -> float:
 
 class RotaryPositions(PositionalScheme):
     name = "rope"
+    kind = "rotation"
+    claim = (
+        "rope rotates queries and keys by their positions, and a dot product of two "
+        "rotations depends only on their difference: the offset should change nothing (up to "
+        "rounding)."
+    )
     Params = RopeParams
 
     def __init__(self, config, params: RopeParams) -> None:

@@ -44,6 +44,11 @@ def sinusoidal_table(n_positions: int, d_model: int, base: float = 10000.0) -> T
 
 class SinusoidalPositions(PositionalScheme):
     name = "sinusoidal"
+    kind = "added"
+    claim = (
+        "sinusoidal adds sines and cosines of the position: they are different at every "
+        "position, so the prediction moves."
+    )
     Params = SinusoidalParams
 
     def __init__(self, config, params: SinusoidalParams) -> None:

@@ -67,6 +67,11 @@ def alibi_table(n_heads: int, params: T5Params) -> Tensor:
 
 class T5Positions(PositionalScheme):
     name = "t5"
+    kind = "bias"
+    claim = (
+        "t5 adds a learned value per distance bucket: distances do not change with the "
+        "offset, so nothing should move."
+    )
     Params = T5Params
 
     def __init__(self, config, params: T5Params) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import ast
 import math
 import re
+import typing
 from pathlib import Path
 
 import pytest
@@ -30,6 +31,7 @@ from model.positional import (
 )
 from model.positional import rope as rope_module
 from model.positional.alibi import alibi_slopes
+from model.positional.base import PositionalScheme, SchemeKind
 from model.positional.binary import BinaryParams
 from model.positional.lowrank import LowRankParams
 from model.positional.mds import MdsParams
@@ -394,6 +396,32 @@ def test_every_scheme_keeps_its_config_parameters_and_table_size(scheme: str) ->
         assert built.max_positions == 2 ** config.positional["bits"]
     else:
         assert built.max_positions is None  # formula schemes accept any position
+
+
+# The hook each kind fills (model/positional/base.py's (a)-(e)); "none" fills none.
+KIND_HOOKS = {
+    "added": "embedding",
+    "rotation": "rotation",
+    "bias": "attention_bias",
+    "data-dependent": "layer_bias",
+}
+
+
+@pytest.mark.parametrize("scheme", ALL_SCHEMES)
+def test_every_scheme_declares_its_kind_and_claim_and_the_kind_is_its_hook(scheme: str) -> None:
+    """/v1/models sends both, and the playground shows the claim beside its experiments: each
+    class declares its own (not its base's), the claim one line, the kind the hook it fills."""
+    cls = SCHEMES[scheme]
+    assert "kind" in vars(cls) and "claim" in vars(cls), cls.__name__
+    assert cls.kind in typing.get_args(SchemeKind)
+    assert cls.claim.strip() and "\n" not in cls.claim
+    filled = {
+        kind
+        for kind, hook in KIND_HOOKS.items()
+        if getattr(cls, hook) is not getattr(PositionalScheme, hook)
+    }
+    assert filled == {cls.kind} - {"none"}, (cls.kind, filled)
+    assert cls.data_dependent == (cls.kind == "data-dependent")
 
 
 def test_check_positions_accepts_the_last_row_and_refuses_the_next() -> None:
