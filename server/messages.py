@@ -113,6 +113,8 @@ class ModelInfo(msgspec.Struct):
     name: str
     base: str  # the checkpoint folder's model (``name`` unless a rope variant)
     scheme: str
+    kind: str  # the scheme's model.positional.base.SchemeKind ("added", "rotation", ...)
+    claim: str  # what the scheme predicts one should see, in one line (PositionalScheme.claim)
     positional: dict[str, Any]
     context_length: int  # the length it was trained at
     max_positions: int | None  # the scheme's own cap (None: none)

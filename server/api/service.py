@@ -129,6 +129,8 @@ class ServedModel:
             "created": self.created,
             "owned_by": "ordinal",
             "scheme": info.scheme,
+            "kind": info.kind,  # how the scheme tells positions apart: added, rotation, ...
+            "claim": info.claim,  # what it predicts one should see (the playground's note)
             "positional": info.positional,
             "context_length": info.context_length,
             "max_positions": info.max_positions,  # None: no table, no cap

@@ -61,6 +61,8 @@ class LoadedModel:
             name=self.name,
             base=self.base,
             scheme=config.scheme,
+            kind=self.model.positional.kind,
+            claim=self.model.positional.claim,
             positional=dict(config.positional),
             context_length=config.context_length,
             max_positions=self.model.positional.max_positions,

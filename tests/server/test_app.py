@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 import model.cpu as cpu
 from model import captured
 from model.checkpoint import WEIGHTS_FILE, load_checkpoint
-from model.positional import TABLE_SCHEMES
+from model.positional import SCHEMES, TABLE_SCHEMES
 from model.tokenizer import encode_prompt
 from ordinal import build_parser, main, serve_options
 from server.api.app import settings_from_args
@@ -140,6 +140,9 @@ def test_models_describe_each_scheme(
         assert entry["max_positions"] == stored.positional.max_positions
         assert entry["max_context"] == (MAX_POSITIONS if table else 4 * CONTEXT_LENGTH)
         assert entry["default"] == (name == "rope")
+        # The scheme's own kind and claim (the playground's note), from its class.
+        assert entry["kind"] == SCHEMES[name].kind == stored.positional.kind
+        assert entry["claim"] == SCHEMES[name].claim
         # Every scheme declares what the CPU kernel computes for it: the kernel decodes each,
         # with the variant this process chose (model.backend; ORDINAL_CPU_ISA=torch: none).
         isa = cpu.chosen()
