@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,7 @@ from model.checkpoint import load_checkpoint
 from model.positional import SCHEMES
 from model.positional.t5 import relative_position_bucket
 from model.transformer import Transformer
-from server.api.playground import GEOMETRY_REPORTS
+from server.api.playground import GEOMETRY_REPORTS, STATIC
 from server.api.schemas import MAX_TRACE_TOKENS
 from server.engine.trace import round_significant
 from tests.server.conftest import Running
@@ -34,6 +35,8 @@ PROMPT = "To be, or not to be, that is the question"
 LONG_PROMPT = "All the world's a stage, and all the men and women merely players. All the world's"
 ADDITIVE = ("integer", "binary", "sinusoidal", "learned", "mds", "lowrank")
 ROUNDED = {"rtol": 5e-4, "atol": 1e-6}  # 4 significant digits: half a unit in the 4th digit
+# The playground's modules import each other by relative path: `import { a } from "./b.js";`.
+MODULE_IMPORT = re.compile(r'^import [^;]* from "\./([\w-]+\.js)";$', re.MULTILINE)
 
 
 def trace(client: httpx.Client, **body: Any) -> dict[str, Any]:
@@ -453,6 +456,18 @@ def test_the_playground_and_its_assets_are_served(client: httpx.Client) -> None:
         assert asset in page.text
         assert client.get(asset).status_code == 200, asset
     assert "http://" not in page.text.replace("http://www.w3.org", "")  # nothing from elsewhere
+    # The entry module's imports, followed: each module is served as JavaScript (a browser runs
+    # a module script of no other type), from this server, and every one in the folder is used.
+    served, queue = set(), ["app.js"]
+    while queue:
+        name = queue.pop()
+        if name not in served:
+            served.add(name)
+            module = client.get(f"/static/{name}")
+            assert module.status_code == 200, name
+            assert "javascript" in module.headers["content-type"], name
+            queue.extend(MODULE_IMPORT.findall(module.text))
+    assert served == {path.name for path in STATIC.glob("*.js")}
 
 
 def test_the_schema_is_in_the_openapi_spec(client: httpx.Client) -> None:

@@ -179,7 +179,8 @@ def test_auth_scope_all_serves_a_playground_that_asks_for_the_key(checkpoints: P
         page = client.get("/")
         assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
         assert "<script" in page.text and "/static/app.js" in page.text
-        script = client.get("/static/app.js")
+        assert client.get("/static/app.js").status_code == 200
+        script = client.get("/static/api.js")  # the module that talks to the server
         assert script.status_code == 200
         # On a 401 the page asks for the key, keeps it for the tab and sends it on every call.
         assert "window.prompt(" in script.text and "Authorization: `Bearer ${key}`" in script.text
