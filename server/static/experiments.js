@@ -1,10 +1,11 @@
 // The Inside view's experiments: the controls that change the forward pass (the position
 // offset, a layer's positional signal dropped, heads ablated), the presets, and what moved.
+// Each scheme's claim, what the experiments should show, is the server's (/v1/models).
 /* global d3 */
 
 import { interventions, showSliderValues } from "./controls.js";
 import { $, checkbox, visible } from "./dom.js";
-import { PREDICTIONS } from "./schemes.js";
+import { claimOf } from "./schemes.js";
 import { modelInfo, state } from "./state.js";
 import { restoreExperiment } from "./url.js";
 
@@ -26,7 +27,7 @@ function attentionChange(a, b) {
 }
 
 export function drawEffect(trace, baseline, experiment) {
-  $("prediction").textContent = PREDICTIONS[trace.scheme] ?? "";
+  $("prediction").textContent = claimOf(trace.model);
   const target = $("offset-effect");
   if (!experiment) {
     target.textContent = "No experiment on: move the offset, or tick a layer or a head.";

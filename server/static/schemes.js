@@ -1,18 +1,12 @@
-// What the page says of each scheme: what the experiments should show (PREDICTIONS), and where
-// each scheme's signal is drawn, for the schemes whose panels need a note.
+// What the page says of each scheme. Its claim (what the offset and the other experiments
+// should show) comes from the server: each scheme class declares it, and /v1/models sends it
+// with the scheme's kind, so a new scheme brings its own. The notes below say where each
+// scheme's signal is drawn, for the schemes whose panels need one.
 
-export const PREDICTIONS = {
-  none: "none has no positional signal at all: the offset cannot change anything, and removing it removes nothing.",
-  rope: "rope rotates queries and keys by their positions, and a dot product of two rotations depends only on their difference: the offset should change nothing (up to rounding).",
-  alibi: "alibi subtracts slope × distance from each score: distances do not change with the offset, so nothing should move.",
-  t5: "t5 adds a learned value per distance bucket: distances do not change with the offset, so nothing should move.",
-  integer: "integer adds the position itself to every dimension: shifting it changes every vector, so the prediction moves.",
-  binary: "binary adds the position's bits: shifted positions have different bits, so the prediction moves.",
-  sinusoidal: "sinusoidal adds sines and cosines of the position: they are different at every position, so the prediction moves.",
-  learned: "learned adds a trained vector per position, and stops at its table's last row: an offset moves the prediction, and past the table there is nothing to add (the server says so).",
-  mds: "mds adds fixed coordinates per position from a table: an offset moves the prediction, and the table has a last row.",
-  lowrank: "lowrank adds a learned low-rank vector per position from a table: an offset moves the prediction, and the table has a last row.",
-};
+import { modelInfo } from "./state.js";
+
+// The claim of a served model's scheme ("" for a model the page does not know).
+export const claimOf = (name) => modelInfo(name)?.claim ?? "";
 
 export function positionNote(scheme) {
   return {

@@ -125,6 +125,19 @@ def test_the_offset_slider_moves_learneds_bars_and_not_ropes(
         assert tv < 1e-4 and moved < 0.01, (tv, moved)
 
 
+def test_the_note_beside_the_experiments_is_the_servers_claim_for_each_scheme(
+    watched: Watched, playground: Running
+) -> None:
+    """Each scheme class declares what the experiments should show, and /v1/models sends it:
+    the page shows that (for fox, cope and fire as for the first ten), never a copy of its own."""
+    models = httpx.get(f"{playground.url}/v1/models").json()["data"]
+    claims = {entry["id"]: entry["claim"] for entry in models}
+    page = watched.open()
+    for name in ("fox", "rope"):
+        open_inside(page, name, PROMPT)
+        assert claims[name] and page.inner_text("#prediction") == claims[name]
+
+
 def test_a_sampling_slider_never_refetches_attention(watched: Watched) -> None:
     page = watched.open()
     open_inside(page, "rope", PROMPT)
