@@ -28,8 +28,11 @@ from __future__ import annotations
 import functools
 import importlib.resources
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+from lab.pieces import Part, Piece, document_pieces
 
 VALIDATION_PLAYS = ("the-tempest", "macbeth", "twelfth-night")
 
@@ -70,6 +73,13 @@ class Corpus:
 
     train: tuple[str, ...]
     validation: tuple[str, ...]
+
+    def pieces(self, part: Part) -> Iterator[Piece]:
+        """The documents of ``part`` as pieces for the tokenizer (``lab.pieces``)."""
+        return document_pieces(getattr(self, part))
+
+    def characters_of(self, part: Part) -> int:
+        return sum(map(len, getattr(self, part)))
 
 
 def _play_files() -> list[Path]:

@@ -56,6 +56,8 @@ from model.files import (
     write_json_atomic,
     write_text_atomic,
 )
+from lab.markdown import markdown_table
+from lab.text_corpus import open_text_corpus
 from model.transformer import Transformer
 
 RopeVariant = tuple[str, str, float]  # ("yarn4", "yarn", 4.0): name, rope scaling, its factor
@@ -183,7 +185,11 @@ def evaluate_checkpoint(
     model, tokenizer = load_checkpoint(
         path, device=resolve_device(device), positional_overrides=overrides
     )
-    documents = load_corpus().validation if data is None else load_text_corpus(data).validation
+    documents = (
+        load_corpus().validation
+        if data is None
+        else open_text_corpus(data).documents_of("validation")  # not the training text
+    )
     stream = validation_stream(tokenizer, documents)
     context = model.config.context_length
     limit = model.positional.max_positions

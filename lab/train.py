@@ -33,7 +33,7 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -75,9 +75,23 @@ from model.config import (
     TrainConfig,
     preset,
 )
+from lab.corpus import Corpus, load_corpus
+from lab.data import (
+    IGNORE_INDEX,
+    TokenStream,
+    TrainingSequences,
+    boundary_sequences,
+    encode_stream,
+    first_windows,
+    line_break_ids,
+)
 from model.device import resolve_device
 from model.files import CHECKPOINT, EVAL_FILE, METRICS_FILE, check_output, write_atomic
+from lab.geometry.corpus import measure_corpus
+from lab.geometry.metrics import classical_mds
+from lab.pieces import Piece, PieceSource
 from model.positional import MdsPositions
+from lab.text_corpus import TextSource, open_text_corpus
 from model.tokenizer import (
     SpecialIds,
     load_tokenizer,
@@ -190,27 +204,55 @@ def copy_weights_but_positional(model: Transformer, source: Transformer, what: s
     assert not unexpected and all(name.startswith("positional.") for name in missing)
 
 
-def training_corpus(data: Path | None) -> Corpus:
-    """The Shakespeare corpus, or with ``data`` (``--data``) the user's own text."""
-    return load_corpus() if data is None else load_text_corpus(data)
+def training_corpus(data: Path | None) -> Corpus | TextSource:
+    """The Shakespeare corpus, or with ``data`` (``--data``) the user's own text, streamed."""
+    return load_corpus() if data is None else open_text_corpus(data)
 
 
-def prepare_tokenizer(path: Path | None, vocab_size: int, corpus: Corpus | None = None):
+def prepare_tokenizer(
+    path: Path | None,
+    vocab_size: int,
+    corpus: PieceSource | None = None,
+    progress: bool = False,
+) -> Tokenizer:
     """Load the shared tokenizer at ``path``, training it on the training split the first time
     (the Shakespeare corpus's unless ``corpus``). Without a path the tokenizer is trained on
     ``corpus`` afresh and kept only in the checkpoint (BPE training is deterministic, so runs
-    on the same text share it)."""
+    on the same text share it). ``progress``: a bar over the text read, and a note when the
+    text held fewer distinct tokens than ``vocab_size``."""
     if path is not None and path.exists():
         return load_tokenizer(path)
-    tokenizer = train_tokenizer((corpus or load_corpus()).train, vocab_size)
+    source = corpus or load_corpus()
+    with tqdm(
+        total=source.characters_of("train"),
+        desc="learning the tokenizer",
+        unit="char",
+        unit_scale=True,
+        disable=not progress,
+        mininterval=1.0,
+    ) as bar:
+        tokenizer = train_tokenizer(_counted(source.pieces("train"), bar), vocab_size)
+    if progress and tokenizer.get_vocab_size() < vocab_size:
+        print(
+            f"note: the text holds only {tokenizer.get_vocab_size()} distinct tokens for the "
+            f"{vocab_size} asked (it repeats itself): the rest of the vocabulary stays unused",
+            file=sys.stderr,
+        )
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         save_tokenizer(tokenizer, path)
     return tokenizer
 
 
+def _counted(pieces: Iterable[Piece], bar: tqdm) -> Iterator[str]:
+    """The text of each piece, the bar moved on by its characters."""
+    for piece in pieces:
+        bar.update(len(piece.text))
+        yield piece.text
+
+
 def install_corpus_geometry(
-    model: Transformer, documents: list[list[int]], special: SpecialIds, seed: int
+    model: Transformer, documents: TokenStream, special: SpecialIds, seed: int
 ) -> None:
     """For ``mds``: fill the fixed table with P_MDS of the training split's positional statistics.
 
@@ -332,7 +374,7 @@ class TrainingData:
     metrics.json records of the corpus."""
 
     tokenizer: Tokenizer
-    documents: list[list[int]]
+    documents: TokenStream
     special: SpecialIds
     sequences: TrainingSequences
     val_inputs: torch.Tensor
@@ -345,36 +387,48 @@ def load_training_data(
     model_config: ModelConfig,
     train_config: TrainConfig,
     data: Path | None = None,
+    progress: bool = False,
 ) -> TrainingData:
     """Tokenizer (trained the first time), training sampler and validation windows, of the
     Shakespeare corpus or of the text at ``data``.
 
     The sampler sees the training documents only; ``sequence_starts="line"`` lets its
     sequences start at any line of a document (speech) as well as at its start. No tokenizer
-    path: ``runs/tokenizer.json`` for Shakespeare, one trained on ``data`` for that.
+    path: ``runs/tokenizer.json`` for Shakespeare, one trained on ``data`` for that. The text
+    is streamed (``lab.pieces``): what is held of it is the encoded training stream and one
+    batch being encoded (``lab.data.encode_stream``), and only as much of the validation
+    split is encoded as ``eval_windows`` windows take. ``progress``: bars on stderr while the
+    tokenizer learns and the text is encoded.
     """
     corpus = training_corpus(data)
     if tokenizer_path is None and data is None:
         tokenizer_path = DEFAULT_TOKENIZER
-    tokenizer = prepare_tokenizer(tokenizer_path, model_config.vocab_size, corpus)
-    documents = encode_documents(tokenizer, corpus.train)
+    tokenizer = prepare_tokenizer(tokenizer_path, model_config.vocab_size, corpus, progress)
+    documents = encode_stream(
+        tokenizer,
+        corpus.pieces("train"),
+        characters=corpus.characters_of("train"),
+        progress="tokenizing" if progress else None,
+    )
     special = special_ids(tokenizer)
     line_breaks = line_break_ids(tokenizer) if train_config.sequence_starts == "line" else None
     sequences = TrainingSequences(
         documents, model_config.context_length, train_config.seed, special, line_breaks
     )
-    val_inputs, val_targets = validation_stream(tokenizer, corpus.validation).windows(
-        model_config.context_length
+    val_inputs, val_targets = first_windows(
+        tokenizer,
+        corpus.pieces("validation"),
+        model_config.context_length,
+        train_config.eval_windows,
     )
-    window_count = train_config.eval_windows
     return TrainingData(
         tokenizer,
         documents,
         special,
         sequences,
-        val_inputs[:window_count],
-        val_targets[:window_count],
-        corpus.metadata() if isinstance(corpus, TextCorpus) else {"corpus": "shakespeare"},
+        val_inputs,
+        val_targets,
+        corpus.metadata() if isinstance(corpus, TextSource) else {"corpus": "shakespeare"},
     )
 
 
@@ -616,15 +670,16 @@ class TrainingRun:
         optimisers: everything ``optimise`` needs."""
         _prepare_process(train_config, world)
         init = getattr(args, "init", None)
+        model = Transformer(model_config)
+        # Before the text is read: tokenizing a large one takes minutes, a mismatch no time.
+        origin = start_from_checkpoint(model, init) if init else None
         tokenizer = init / TOKENIZER_FILE if init else args.tokenizer  # the ids it was trained on
         data = load_training_data(
-            tokenizer, model_config, train_config, getattr(args, "data", None)
+            tokenizer, model_config, train_config, getattr(args, "data", None), rank == 0
         )
         if rank == 0 and "split" in data.source:
             print(f"{data.source['path']}: {data.source['split']}", file=sys.stderr)
-        model = Transformer(model_config)
         install_corpus_geometry(model, data.documents, data.special, train_config.seed)
-        origin = start_from_checkpoint(model, init) if init else None
         model.to(device).train()
         trainable: torch.nn.Module = model
         if world > 1:

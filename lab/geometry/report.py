@@ -96,12 +96,16 @@ def load_corpus_geometry(
     if tokenizer_path is None:
         raise GeometryInputError(f"the {corpus} corpus needs a tokenizer (tokenizer_path)")
     from lab.corpus import load_corpus
-    from lab.text_corpus import load_text_corpus
+    from lab.text_corpus import open_text_corpus
     from model.tokenizer import load_tokenizer, special_ids
 
     tokenizer = load_tokenizer(tokenizer_path)
     special = special_ids(tokenizer)
-    texts = load_corpus().train if corpus == "shakespeare" else load_text_corpus(corpus).train
+    texts = (
+        load_corpus().train
+        if corpus == "shakespeare"
+        else open_text_corpus(corpus).documents_of("train")
+    )
     documents = encode_documents(tokenizer, texts)
     inputs = boundary_sequences(documents, n_positions, special)
     return measure_corpus(corpus, inputs, tokenizer.get_vocab_size(), special.pad, seed)

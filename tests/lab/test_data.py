@@ -10,10 +10,12 @@ import numpy as np
 import pytest
 import torch
 
+import lab.data
 from lab.corpus import load_corpus
 from lab.data import (
     IGNORE_INDEX,
     DataError,
+    TokenStream,
     TrainingSequences,
     boundary_sequences,
     encode_documents,
@@ -143,6 +145,22 @@ def test_line_starts_are_every_speech_and_every_line_of_one(line_training, train
     assert starts == expected
     assert line_training.num_starts > 3 * line_training.num_documents  # many more sequences
     assert line_training.num_documents == training.num_documents
+
+
+def test_line_starts_found_a_slice_at_a_time_are_the_same(
+    line_training, train_ids, tokenizer, monkeypatch
+):
+    """Line breaks are looked for 1,000 tokens at a time (16 M in a run): the same starts, in
+    order, each once; and the same from the compact stream ``encode_stream`` makes."""
+    monkeypatch.setattr(lab.data, "_SCAN_TOKENS", 1000)
+    special = special_ids(tokenizer)
+    sliced = TrainingSequences(train_ids, 48, 7, special, line_break_ids(tokenizer))
+    assert len(sliced.stream) > 50 * 1000
+    assert torch.equal(sliced.starts, line_training.starts)
+    stream = TokenStream(line_training.stream.to(torch.int16), line_training.document_starts)
+    compact = TrainingSequences(stream, 48, 7, special, line_break_ids(tokenizer))
+    assert torch.equal(compact.starts, line_training.starts)
+    assert torch.equal(compact.batch(5, 16)[0], line_training.batch(5, 16)[0])
 
 
 def test_line_start_sequences_begin_a_line_of_a_training_speech(line_training, tokenizer, corpus):

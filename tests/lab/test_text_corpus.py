@@ -1,22 +1,30 @@
 """Your own text (``--data``): the three forms read the same documents, validation is held out
 by document (by position when there is only one), bad input is an error naming the file and
 line, and ``ordinal train --data`` on a small text built here trains (tiny preset), records its
-data, evaluates on the held-out documents, enters ``ordinal geometry`` and serves."""
+data, evaluates on the held-out documents, enters ``ordinal geometry`` and serves. The file is
+read in blocks, never whole; a JSON line nested 100,000 deep is one error line, and a megabyte
+of one letter trains in seconds (it never finished)."""
 
 from __future__ import annotations
 
 import json
 import random
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import httpx
 import pytest
 
+import lab.pieces
+import lab.text_corpus
 import ordinal
 from lab.text_corpus import (
     VALIDATION_EVERY,
     TextCorpusError,
     load_text_corpus,
+    open_text_corpus,
     read_documents,
 )
 from lab.train import METRICS_FILE
@@ -93,13 +101,44 @@ def test_one_document_holds_out_its_last_tenth_at_a_line_break(tmp_path: Path) -
     assert "10%" in corpus.split and str(len(validation)) in corpus.split
 
 
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_one_document_read_in_small_blocks_splits_as_a_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Blocks of 97 characters, pieces of 50: the same split and the same text, each piece
+    at most 50 characters; the training part never holds validation text."""
+    text = "\n".join(documents(30))
+    (tmp_path / "book.txt").write_text(text)
+    whole = load_text_corpus(tmp_path / "book.txt")
+    monkeypatch.setattr(lab.text_corpus, "BLOCK_CHARS", 97)
+    monkeypatch.setattr(lab.pieces, "PIECE_CHARS", 50)
+    source = open_text_corpus(tmp_path / "book.txt")
+    assert source.split == whole.split
+    assert source.documents_of("train") == whole.train
+    assert source.documents_of("validation") == whole.validation
+    assert source.characters == {
+        "train": len(whole.train[0]),
+        "validation": len(whole.validation[0]),
+    }
+    assert all(len(piece.text) <= 50 for piece in source.pieces("train"))
+
+
+NESTED = '{"text": "fine"}\n' + "[" * 100_000 + "]" * 100_000 + "\n"
+
+
 @pytest.mark.parametrize(
     ("name", "content", "complaint"),
     [
         ("empty.txt", "  \n", "holds no text"),
         ("bad.jsonl", '{"text": "fine"}\n{"body": "no text"}\n', 'line 2: no "text"'),
         ("broken.jsonl", '{"text": "fine"}\nnot json\n', "line 2: not JSON"),
-        ("latin1.txt", b"caf\xe9", "not UTF-8"),
+        ("latin1.txt", b"caf\xe9", "line 1: not UTF-8"),
+        ("latin1.jsonl", b'{"text": "a"}\n\n{"text": "caf\xe9"}\n', "line 3: not UTF-8"),
+        ("nested.jsonl", NESTED, "line 2: not JSON [(]nested too deeply"),
+        ("digits.jsonl", '{"text": "a", "n": ' + "9" * 5000 + "}\n", "line 1: not JSON"),
+        ("surrogate.jsonl", '{"text": "ok"}\n{"text": "a\\ud800b"}\n', "line 2: .* surrogate"),
     ],
 )
 def test_bad_data_is_named(tmp_path: Path, name: str, content: str | bytes, complaint: str) -> None:
@@ -107,6 +146,48 @@ def test_bad_data_is_named(tmp_path: Path, name: str, content: str | bytes, comp
     path.write_bytes(content if isinstance(content, bytes) else content.encode())
     with pytest.raises(TextCorpusError, match=complaint):
         load_text_corpus(path)
+
+
+def test_a_jsonl_line_too_long_to_parse_is_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(lab.text_corpus, "MAX_LINE_CHARS", 100)
+    path = tmp_path / "long.jsonl"
+    path.write_text('{"text": "short"}\n{"text": "' + "x" * 200 + '"}\n')
+    with pytest.raises(TextCorpusError, match="line 2: longer than 100 characters"):
+        open_text_corpus(path)
+
+
+def test_a_json_line_nested_100000_deep_is_one_error_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It was a RecursionError traceback."""
+    data = tmp_path / "nested.jsonl"
+    data.write_text(NESTED)
+    out = ["train", "--scheme", "rope", "--preset", "tiny", "--out", str(tmp_path / "ck")]
+    assert ordinal.main([*out, "--data", str(data)]) == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and "Traceback" not in error
+    assert error == f"ordinal train: error: {data}, line 2: not JSON (nested too deeply)\n"
+
+
+def test_a_megabyte_of_one_letter_trains_within_30_seconds(tmp_path: Path) -> None:
+    """1 MB of "a" never finished (BPE training's cost grows with the square of a word's
+    length): now it trains, in a process of its own so that a hang fails the test."""
+    data = tmp_path / "a.txt"
+    data.write_text("a" * 1_000_000)
+    command = [sys.executable, str(REPO / "ordinal.py"), "train", "--scheme", "rope"]
+    command += ["--preset", "tiny", "--threads", "1", "--data", str(data)]
+    command += ["--out", str(tmp_path / "ck"), "--state-dir", str(tmp_path / "state")]
+    started = time.monotonic()
+    finished = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    took = time.monotonic() - started
+    assert finished.returncode == 0, finished.stderr
+    assert took <= 30, took
+    assert "tokenizing: 100%" in finished.stderr  # the progress bar
+    assert "distinct tokens" in finished.stderr  # the note: the text repeats itself
+    metrics = json.loads((tmp_path / "ck" / METRICS_FILE).read_text())
+    assert metrics["step"] == 6 and metrics["data"]["characters"]["validation"] == 100_000
 
 
 def test_a_missing_path_is_a_one_line_error(
@@ -125,7 +206,8 @@ def test_train_on_your_own_text_evaluates_and_serves(
     for scheme in ("rope", "learned"):
         flags = ["--scheme", scheme, "--preset", "tiny", "--data", str(data), "--threads", "1"]
         out = checkpoints / scheme
-        assert ordinal.main(["train", *flags, "--out", str(out), "--state-dir", str(tmp_path)]) == 0
+        state = str(tmp_path / "state")
+        assert ordinal.main(["train", *flags, "--out", str(out), "--state-dir", state]) == 0
         assert "every 10th held out" in capsys.readouterr().err  # the split is stated
 
         metrics = json.loads((out / METRICS_FILE).read_text())
