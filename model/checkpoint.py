@@ -89,6 +89,7 @@ from model.files import (
     not_a_checkpoint,
     write_json_atomic,
 )
+from model.memory import available_memory, where_memory_ends
 from model.positional import build_scheme
 from model.tokenizer import (
     TOKENIZER_CONFIG_FILE,
@@ -460,15 +461,6 @@ def data_digest(handle: BinaryIO, chunk: int = 1 << 20) -> str:
     return digest.hexdigest()
 
 
-def available_memory() -> int | None:
-    """Bytes of memory a new allocation may take (Linux's MemAvailable; None elsewhere)."""
-    with contextlib.suppress(OSError, ValueError):
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    return None
-
-
 def check_size(weights_path: Path, config: ModelConfig, shapes: dict[str, tuple[int, ...]]) -> None:
     """A CheckpointError, before the file is opened, when it is far larger than the tensors of
     ``config`` (``shapes``) or when those need more memory than is available: mapping or
@@ -482,11 +474,11 @@ def check_size(weights_path: Path, config: ModelConfig, shapes: dict[str, tuple[
             f"{weights_path} is {size / 2**30:.1f} GiB but the tensors of its config take "
             f"{needed / 2**30:.3f} GiB"
         )
-    available = available_memory()
+    available = available_memory()  # the machine's or the cgroup's, whichever is less
     if available is not None and needed > available:
         raise CheckpointError(
             f"{weights_path}: the weights need {needed / 2**30:.1f} GiB but only "
-            f"{available / 2**30:.1f} GiB of memory is available"
+            f"{available / 2**30:.1f} GiB of memory is available {where_memory_ends()}"
         )
 
 

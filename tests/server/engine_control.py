@@ -11,6 +11,7 @@ boundary:
 - **break** makes a model's forward raise (a failed step);
 - **count threads** records the decode kernel's thread count in each forward;
 - **mask budget** sets the CPU time a grammar's mask may take in the engine alone.
+- **a fake cgroup** points the memory checks (``model.memory``) at a hierarchy of files.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import server.engine.core
 import server.engine.engine
 import server.engine.loader
 from model import grammar as grammar_module
+from model import memory
 from model.kernels import decode_step
 from model.sampling import RowSampler
 from server.engine.core import EngineCore, run_engine_process
@@ -100,6 +102,12 @@ class Controller(threading.Thread):
 
     def release_loading(self) -> None:
         self.loading.set()
+
+    def fake_cgroup(self, root: str, own_groups: str) -> None:
+        """Memory checks read the cgroup hierarchy at ``root``, this process's groups from the
+        file ``own_groups`` (as ``/proc/self/cgroup``)."""
+        memory.CGROUP_ROOT = Path(root)
+        memory.PROC_CGROUP = Path(own_groups)
 
     def run(self) -> None:
         while True:

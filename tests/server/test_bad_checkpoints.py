@@ -1,7 +1,8 @@
 """Checkpoints that would take the engine down fail alone: a weights file larger than memory,
 a header claiming huge tensors, a config with 10,000 layers, and a checkpoint whose loading
 kills the engine process (as the OOM killer does). The files are sparse: they claim tens of GB
-and hold none of it."""
+and hold none of it. A checkpoint larger than the container's memory limit (its cgroup's) is
+refused as one larger than the machine's."""
 
 from __future__ import annotations
 
@@ -15,9 +16,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from model.checkpoint import CONFIG_FILE, WEIGHTS_FILE, available_memory, expected_shapes
+from model.checkpoint import CONFIG_FILE, WEIGHTS_FILE, expected_shapes
 from model.config import ModelConfig
-from tests.server.conftest import running_server, test_settings
+from model.memory import available_memory
+from tests.server.conftest import running_server, test_settings, wait_for
 
 GiB = 2**30
 
@@ -116,5 +118,78 @@ def test_checkpoints_that_would_take_the_engine_down_fail_alone(
         assert peak_rss(pid) < min(huge_size, claims_size) / 8
         assert huge_size > memory and claims_size > 60 * GiB
         assert took < 60
+        body = {"model": "rope", "prompt": "To be", "max_tokens": 3}
+        assert httpx.post(f"{running.url}/v1/completions", json=body).status_code == 200
+
+
+CGROUP_CHECKPOINT_BYTES = 10 * 10**9  # the attack's size: 10 GB, a sparse file
+
+
+def fake_cgroup(folder: Path, limit: int, used: int) -> tuple[Path, Path]:
+    """A cgroup v2 hierarchy of files whose group ``/ordinal`` may use ``limit`` bytes and uses
+    ``used``; and the ``/proc/self/cgroup`` that puts a process there. → (root, that file)"""
+    root = folder / "cgroup"
+    group = root / "ordinal"
+    group.mkdir(parents=True)
+    (root / "cgroup.controllers").write_text("cpu memory pids\n")
+    (group / "memory.max").write_text(f"{limit}\n")
+    (group / "memory.current").write_text(f"{used}\n")
+    (group / "memory.stat").write_text("anon 400000000\ninactive_file 0\n")
+    (folder / "proc-self-cgroup").write_text("0::/ordinal\n")
+    return root, folder / "proc-self-cgroup"
+
+
+def test_a_checkpoint_over_the_cgroup_limit_is_refused_before_loading(
+    checkpoints: Path, tmp_path: Path
+) -> None:
+    """A 10 GB sparse checkpoint (its header matches its config) beside rope, under a 3 GiB
+    cgroup limit on a machine with more free memory than that: it was loaded, the engine
+    OOM-killed and restarted (/health 200 only 73% of the time, two engine processes). The
+    cgroup's files are faked in the engine process (``engine_control``): a real group cannot be
+    made here without moving processes out of the one this machine's tooling tracks them in.
+    Now it is refused before it is read, naming the cgroup's limit; /health stays 200 from the
+    moment rope serves, and the one engine process never restarts."""
+    folder = tmp_path / "checkpoints"
+    folder.mkdir()
+    rope = checkpoints / "rope"
+    shutil.copytree(rope, folder / "rope")
+    base = ModelConfig.load(rope / CONFIG_FILE)
+    wide = base.replace(d_model=4096, d_ff=8192)
+    per_layer = sum(
+        4 * math.prod(shape)
+        for name, shape in expected_shapes(wide).items()
+        if name.startswith("blocks.0.")
+    )
+    huge = copy_with_config(
+        rope,
+        folder / "huge",
+        d_model=4096,
+        d_ff=8192,
+        n_layers=CGROUP_CHECKPOINT_BYTES // per_layer,
+    )
+    huge_size = sparse_safetensors(folder / "huge" / WEIGHTS_FILE, expected_shapes(huge))
+    root, own_groups = fake_cgroup(tmp_path, limit=3 * GiB, used=GiB // 2)
+
+    with running_server(test_settings(folder), wait_ready=False, hold_loading=True) as running:
+        running.control.call("fake_cgroup", str(root), str(own_groups))
+        running.control.call("release_loading")
+        engine = running.service.engine
+        assert engine is not None
+        wait_for(lambda: running.service.ready, "rope to serve", timeout=120)
+        pid = engine.pid
+        statuses = []
+        until = None
+        while until is None or time.monotonic() < until:
+            statuses.append(httpx.get(f"{running.url}/health").status_code)
+            if until is None and running.service.settled:
+                until = time.monotonic() + 1.0  # and a second more: nothing dies later
+        assert set(statuses) == {200}, statuses
+        health = httpx.get(f"{running.url}/health").json()
+        assert health["models"]["rope"]["state"] == "ready"
+        assert health["models"]["huge"]["state"] == "failed"
+        message = health["models"]["huge"]["message"]
+        assert "2.5 GiB of memory is available under this process's cgroup memory limit" in message
+        assert engine.pid == pid == running.control.call("pid") and engine.exitcode is None
+        assert peak_rss(pid) < huge_size / 8  # never read
         body = {"model": "rope", "prompt": "To be", "max_tokens": 3}
         assert httpx.post(f"{running.url}/v1/completions", json=body).status_code == 200
