@@ -93,6 +93,7 @@ from model.memory import available_memory, where_memory_ends
 from model.positional import build_scheme
 from model.tokenizer import (
     TOKENIZER_CONFIG_FILE,
+    check_tokenizer_size,
     load_tokenizer,
     save_tokenizer,
     special_token_config,
@@ -403,6 +404,9 @@ def load_checkpoint(
             config = config.replace(positional={**config.positional, **positional_overrides})
     except ConfigError as error:
         raise CheckpointError(f"{path / CONFIG_FILE}: {error}") from None
+    # By its size, before anything is read: the engine loads beside the models that serve, and
+    # parsing a tokenizer holds the GIL (a million added tokens: 12 s without a token out).
+    check_tokenizer_size(path / TOKENIZER_FILE, config.vocab_size)
 
     tensors = read_weights(path / WEIGHTS_FILE, config)  # checked before a model is built
     if config.tie_embeddings:

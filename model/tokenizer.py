@@ -51,6 +51,13 @@ MAX_TRAINING_WORD = 256
 _LONG_RUN = re.compile(  # such a run, matched from its first character only (linear time)
     rf"(?<!\S)\S{{{MAX_TRAINING_WORD + 1},}}|(?<!\s)\s{{{MAX_TRAINING_WORD + 1},}}"
 )
+# The most bytes a tokenizer's files may take per token of the model's vocabulary, and beyond
+# them (the normaliser, pre-tokenizer, chat template...). Real ones take 27 (GPT-2) to 126
+# (Gemma 3) bytes a token in tokenizer.json; a larger file holds more tokens than the model
+# has rows for, and parsing it holds the GIL throughout (137 MB, one million added tokens: 12 s
+# during which no other thread of the process ran: the engine's decode loop).
+MAX_BYTES_PER_TOKEN = 1024
+MAX_BYTES_BESIDES = 1 << 20
 
 
 class TokenizerError(ValueError):
@@ -267,6 +274,26 @@ def save_tokenizer(tokenizer: Tokenizer, path: str | os.PathLike[str]) -> None:
     """Write the tokenizer as JSON to ``path`` atomically, with its bos post-processor
     (:func:`with_bos`)."""
     write_text_atomic(path, with_bos(tokenizer).to_str(pretty=True))
+
+
+def check_tokenizer_size(path: str | os.PathLike[str], vocab_size: int) -> None:
+    """A TokenizerError, before anything is parsed, when ``path`` (a tokenizer.json) or the
+    tokenizer_config.json beside it is larger than any tokenizer of ``vocab_size`` tokens
+    (:data:`MAX_BYTES_PER_TOKEN` a token): a file of tokens the model has no rows for, too
+    costly to read only to refuse it. A missing file is left to the reader to report."""
+    most = vocab_size * MAX_BYTES_PER_TOKEN + MAX_BYTES_BESIDES
+    path = Path(path)
+    for file in (path, path.with_name(TOKENIZER_CONFIG_FILE)):
+        try:
+            size = file.stat().st_size
+        except OSError:
+            continue
+        if size > most:
+            raise TokenizerError(
+                f"{file} is {size / 1e6:.1f} MB: more than a tokenizer of the model's "
+                f"{vocab_size:,} tokens takes (at most {most / 1e6:.1f} MB), so it holds tokens "
+                f"the model has no rows for; refused unread"
+            )
 
 
 def load_tokenizer(path: str | os.PathLike[str]) -> Tokenizer:

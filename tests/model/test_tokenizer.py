@@ -10,9 +10,12 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 
 from lab.corpus import load_corpus
 from model.tokenizer import (
+    MAX_BYTES_BESIDES,
+    MAX_BYTES_PER_TOKEN,
     SPECIAL_TOKENS,
     IncrementalDecoder,
     TokenizerError,
+    check_tokenizer_size,
     count_characters,
     load_tokenizer,
     save_tokenizer,
@@ -164,3 +167,18 @@ def test_bad_inputs_raise_clear_errors(tmp_path):
         load_tokenizer(broken)
     with pytest.raises(TokenizerError, match="special tokens"):
         special_ids(Tokenizer(models.BPE()))
+
+
+def test_a_tokenizer_larger_than_its_vocabulary_allows_is_refused_unread(tokenizer, tmp_path):
+    """check_tokenizer_size: tokenizer.json, or the tokenizer_config.json beside it, larger than
+    1 KiB a token (+ 1 MiB) is refused by its size alone: the file is not even JSON here."""
+    save_tokenizer(tokenizer, tmp_path / "tokenizer.json")
+    vocab = tokenizer.get_vocab_size()
+    check_tokenizer_size(tmp_path / "tokenizer.json", vocab)  # a real one: 56 bytes a token
+    most = vocab * MAX_BYTES_PER_TOKEN + MAX_BYTES_BESIDES
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_bytes(b"x" * (most + 1))
+        with pytest.raises(TokenizerError, match=f"{name} is .* MB: more than a tokenizer"):
+            check_tokenizer_size(tmp_path / "tokenizer.json", vocab)
+        save_tokenizer(tokenizer, tmp_path / "tokenizer.json")
+        (tmp_path / "tokenizer_config.json").write_text("{}")

@@ -11,6 +11,7 @@ boundary:
 - **break** makes a model's forward raise (a failed step);
 - **count threads** records the decode kernel's thread count in each forward;
 - **mask budget** sets the CPU time a grammar's mask may take in the engine alone.
+- **hold a model** keeps one checkpoint from loading until released (the others load);
 - **a fake cgroup** points the memory checks (``model.memory``) at a hierarchy of files.
 """
 
@@ -89,6 +90,7 @@ class Controller(threading.Thread):
         # each gated model's passes as they were (None: the class's)
         self.ungated: dict[str, dict[str, Callable[..., Any] | None]] = {}
         self.loading = threading.Event()
+        self.held_model = threading.Event()
         self.threads_seen_by: dict[str, list[int]] = {}
 
     def hold_loading(self) -> None:
@@ -102,6 +104,22 @@ class Controller(threading.Thread):
 
     def release_loading(self) -> None:
         self.loading.set()
+
+    def hold_model(self, name: str) -> None:
+        """The checkpoint folder ``name`` loads only once ``release_model`` is called (before
+        ``release_loading``: the loader reads this when it reaches it)."""
+        held = self.held_model = threading.Event()
+        load_checkpoint = server.engine.loader.load_checkpoint
+
+        def holding(folder: Any, *args: Any, **kwargs: Any) -> Any:
+            if Path(folder).name == name:
+                held.wait(60)
+            return load_checkpoint(folder, *args, **kwargs)
+
+        server.engine.loader.load_checkpoint = holding  # type: ignore[assignment]
+
+    def release_model(self) -> None:
+        self.held_model.set()
 
     def fake_cgroup(self, root: str, own_groups: str) -> None:
         """Memory checks read the cgroup hierarchy at ``root``, this process's groups from the

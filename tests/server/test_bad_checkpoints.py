@@ -2,7 +2,8 @@
 a header claiming huge tensors, a config with 10,000 layers, and a checkpoint whose loading
 kills the engine process (as the OOM killer does). The files are sparse: they claim tens of GB
 and hold none of it. A checkpoint larger than the container's memory limit (its cgroup's) is
-refused as one larger than the machine's."""
+refused as one larger than the machine's, and a tokenizer of a million added tokens is refused
+unread while a stream runs beside it."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import json
 import math
 import shutil
 import struct
+import threading
 import time
 from pathlib import Path
 
@@ -193,3 +195,85 @@ def test_a_checkpoint_over_the_cgroup_limit_is_refused_before_loading(
         assert peak_rss(pid) < huge_size / 8  # never read
         body = {"model": "rope", "prompt": "To be", "max_tokens": 3}
         assert httpx.post(f"{running.url}/v1/completions", json=body).status_code == 200
+
+
+ADDED_TOKENS = 1_000_000
+
+
+def bloat_tokenizer(path: Path, count: int) -> int:
+    """Append ``count`` added tokens to the tokenizer.json at ``path``; → its size in bytes."""
+    data = json.loads(path.read_text())
+    first = len(data["model"]["vocab"]) + len(data["added_tokens"])
+    data["added_tokens"] += [
+        {
+            "id": first + number,
+            "content": f"<added {number}>",
+            "single_word": False,
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": False,
+            "special": False,
+        }
+        for number in range(count)
+    ]
+    path.write_text(json.dumps(data))
+    return path.stat().st_size
+
+
+def test_a_tokenizer_of_a_million_added_tokens_is_refused_unread_beside_a_stream(
+    checkpoints: Path, tmp_path: Path
+) -> None:
+    """rope streams while the engine loads a checkpoint whose tokenizer.json holds a million
+    added tokens (137 MB) for a model of 300: parsing it held the GIL, so it took 5.5 s to
+    refuse while the stream waited 4.4 s for a token. Now it is refused by its size, unread:
+    within a second, and no wait between two tokens of the streams reaches one."""
+    folder = tmp_path / "checkpoints"
+    folder.mkdir()
+    shutil.copytree(checkpoints / "rope", folder / "rope")
+    shutil.copytree(checkpoints / "rope", folder / "bloated")
+    size = bloat_tokenizer(folder / "bloated" / "tokenizer.json", ADDED_TOKENS)
+    assert size > 100 * 10**6
+
+    waits: list[float] = []  # before each stream's first token, and between two tokens
+    statuses: list[int] = []
+    streaming = threading.Event()
+    done = threading.Event()
+
+    def stream() -> None:
+        body = {"model": "rope", "prompt": "To be", "max_tokens": 100, "stream": True}
+        body |= {"ignore_eos": True, "temperature": 0}
+        with httpx.Client(base_url=running.url, timeout=60) as client:
+            while not done.is_set():
+                last = time.monotonic()
+                with client.stream("POST", "/v1/completions", json=body) as response:
+                    statuses.append(response.status_code)
+                    for line in response.iter_lines():
+                        if line.startswith("data: "):
+                            now = time.monotonic()
+                            waits.append(now - last)
+                            last = now
+                            streaming.set()
+
+    with running_server(test_settings(folder), wait_ready=False, hold_loading=True) as running:
+        running.control.call("hold_model", "bloated")
+        running.control.call("release_loading")
+        wait_for(lambda: running.service.ready, "rope to serve", timeout=120)
+        streamer = threading.Thread(target=stream)
+        streamer.start()
+        try:
+            wait_for(streaming.is_set, "the stream's first token")
+            released = time.monotonic()
+            running.control.call("release_model")
+            wait_for(lambda: running.service.settled, "the bloated checkpoint to fail")
+            took = time.monotonic() - released
+            time.sleep(0.5)
+        finally:
+            done.set()
+            streamer.join(60)
+        health = httpx.get(f"{running.url}/health").json()
+    assert set(statuses) == {200}
+    assert len(waits) > 20 and max(waits) < 1.0, (max(waits), took)
+    assert took < 1.0, took
+    message = health["models"]["bloated"]["message"]
+    assert health["models"]["bloated"]["state"] == "failed"
+    assert f"tokenizer.json is {size / 1e6:.1f} MB: more than a tokenizer" in message
