@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -44,11 +45,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 from tokenizers import Tokenizer
 from torch import Tensor
 
+from model.chat import DEFAULT_TEMPLATE, default_tokenizer_config
+from model.checkpoint import TOKENIZER_FILE, expected_shapes, save_checkpoint
+from model.config import ModelConfig
+from model.device import DTYPES, resolve_dtype
+from model.files import CHECKPOINT, WEIGHTS_RECORDS, check_output, not_a_checkpoint
 from interop.hf_export import (
     CUSTOM_ARCHITECTURE,
     EXPORTED_CONFIG,
@@ -57,12 +63,11 @@ from interop.hf_export import (
     float32_copies,
     native_for,
 )
-from model.chat import DEFAULT_TEMPLATE, default_tokenizer_config
-from model.checkpoint import TOKENIZER_FILE, save_checkpoint
-from model.config import ModelConfig
-from model.device import DTYPES, resolve_dtype
-from model.files import CHECKPOINT, WEIGHTS_RECORDS, check_output, not_a_checkpoint
+from model.memory import available_memory, where_memory_ends
+from model.positional import build_scheme
 from model.tokenizer import (
+    TokenizerError,
+    check_tokenizer_size,
     name_special_tokens,
     special_ids,
     special_token_config,
@@ -109,10 +114,15 @@ def import_model(
     config = family.config(hf_config)
     if dtype is not None:
         config = config.replace(dtype=dtype)
+    # The mapping first runs on the headers' shapes alone (meta tensors): a config claiming
+    # huge sizes is refused here, before any weight is read or any model built.
+    shapes = _Tensors(read_safetensors_shapes(folder))
+    check_shapes(family.weights(shapes, config), config)
+    shapes.check_all_taken(architecture)
     tensors = _Tensors(read_safetensors(folder))
     state = family.weights(tensors, config)
     tensors.check_all_taken(architecture)
-    tokenizer, tokenizer_config = read_tokenizer(folder, hf_config)
+    tokenizer, tokenizer_config = read_tokenizer(folder, hf_config, config.vocab_size)
     if tokenizer.get_vocab_size() > config.vocab_size:
         raise UnsupportedModel(
             f"{folder.path / TOKENIZER_FILE} has {tokenizer.get_vocab_size()} tokens but the "
@@ -317,6 +327,7 @@ def import_export(
     except (ValueError, TypeError, AttributeError) as error:
         message = f"config.json's {EXPORTED_CONFIG} is not a config: {error}"
         raise UnsupportedModel(message) from None
+    check_fits_memory(expected_shapes(config))  # before its model is built
     model = Transformer(config)
     native, why_not = native_for(model)
     if architecture != CUSTOM_ARCHITECTURE and native != architecture:
@@ -324,6 +335,7 @@ def import_export(
             f"{EXPORTED_CONFIG}'s {config.scheme} is never exported as {architecture}: "
             f"{why_not or f'it exports as {native}'}"
         )
+    check_shapes(inverses[architecture](_Tensors(read_safetensors_shapes(folder)), config), config)
     folder_tensors = read_safetensors(folder)
     state = inverses[architecture](_Tensors(folder_tensors), config)
     missing = sorted(set(model.state_dict()) - set(state))
@@ -332,7 +344,7 @@ def import_export(
             f"{architecture} does not hold {config.scheme}'s {missing} (the export lost them)"
         )
     _load_exactly(model, {name: state[name] for name in model.state_dict()})
-    tokenizer, tokenizer_config = read_tokenizer(folder, hf_config)
+    tokenizer, tokenizer_config = read_tokenizer(folder, hf_config, config.vocab_size)
     _check_exports_as(folder, hf_config, folder_tensors, model, tokenizer)
     tokenizer_config["chat_template"] = checkpoint_chat_template(tokenizer_config["chat_template"])
     storage = dtype or config.dtype
@@ -426,11 +438,9 @@ def nemotron_weights(tensors: _Tensors, config: ModelConfig) -> dict[str, Tensor
 def gpt2_export_weights(tensors: _Tensors, config: ModelConfig) -> dict[str, Tensor]:
     """``interop.hf_export.gpt2`` inverted: GPT-2's weights (:func:`gpt2_weights`), the
     position table ordinal's learned table; a scheme with other parameters was baked into it."""
-    baked = [
-        name
-        for name in Transformer(config).positional.state_dict()
-        if config.scheme != "learned" or name != "table"
-    ]
+    with torch.device("meta"):  # its tensors' names only: nothing allocated
+        names = list(build_scheme(config).state_dict())
+    baked = [name for name in names if config.scheme != "learned" or name != "table"]
     if baked:
         raise UnsupportedModel(
             f"this GPT2LMHeadModel export of {config.scheme} is lossy: {config.scheme}'s "
@@ -552,9 +562,9 @@ def _storage_dtype(hf: dict[str, Any]) -> str:
     return dtype if dtype in DTYPES else "float32"
 
 
-def read_safetensors(folder: SourceFolder) -> dict[str, Tensor]:
-    """Every tensor of the folder: ``model.safetensors``, or the shards its index names (each
-    a file inside the folder)."""
+def _weight_files(folder: SourceFolder) -> list[Path]:
+    """The folder's safetensors files: ``model.safetensors``, or the shards its index names
+    (each checked to lie inside the folder before any is read)."""
     if folder.has(HF_WEIGHTS_INDEX):
         weight_map = _read_json(folder.file(HF_WEIGHTS_INDEX)).get("weight_map", {})
         if not isinstance(weight_map, dict) or not all(
@@ -569,15 +579,68 @@ def read_safetensors(folder: SourceFolder) -> dict[str, Tensor]:
             f"{folder.path} has no {HF_WEIGHTS_FILE} (only safetensors weights import; "
             f"pytorch_model.bin is not read)"
         )
-    paths = [folder.file(name) for name in files]  # every one checked before any is read
+    return [folder.file(name) for name in files]
+
+
+def read_safetensors(folder: SourceFolder) -> dict[str, Tensor]:
+    """Every tensor of the folder (:func:`_weight_files`)."""
     tensors: dict[str, Tensor] = {}
-    for path in paths:
+    for path in _weight_files(folder):
         try:
             tensors |= load_file(path)
         except (SafetensorError, OSError) as error:
             message = f"{path} is not a readable safetensors file: {error}"
             raise UnsupportedModel(message) from None
     return tensors
+
+
+def read_safetensors_shapes(folder: SourceFolder) -> dict[str, Tensor]:
+    """Every tensor of the folder as a meta tensor (float32) of its shape, from the files'
+    headers alone: no weight is read, nothing allocated."""
+    tensors: dict[str, Tensor] = {}
+    for path in _weight_files(folder):
+        try:
+            with safe_open(str(path), framework="pt") as weights:
+                for name in weights.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                    shape = weights.get_slice(name).get_shape()
+                    tensors[name] = torch.empty(shape, device="meta")
+        except (SafetensorError, OSError) as error:
+            message = f"{path} is not a readable safetensors file: {error}"
+            raise UnsupportedModel(message) from None
+    return tensors
+
+
+def check_shapes(state: dict[str, Tensor], config: ModelConfig) -> None:
+    """An UnsupportedModel unless each tensor of ``state`` that a model of ``config`` has is of
+    the shape the config implies, and that model fits in memory (:func:`check_fits_memory`).
+    From shapes alone (``model.checkpoint.expected_shapes``: a one-block model on the meta
+    device), so a config claiming huge sizes is refused in milliseconds, where building its
+    model first took a 13 GB allocation and ended in the allocator's traceback. Names it has no
+    place for are the caller's (an export's zero biases are dropped)."""
+    expected = expected_shapes(config)
+    if config.tie_embeddings:  # the output matrix is the embedding, not stored apart
+        expected["lm_head.weight"] = expected["token_embedding.weight"]
+    for name, tensor in state.items():
+        if name in expected and tuple(tensor.shape) != expected[name]:
+            raise UnsupportedModel(
+                f"tensor {name!r} has shape {tuple(tensor.shape)}, the config implies "
+                f"{expected[name]}"
+            )
+    check_fits_memory(expected)
+
+
+def check_fits_memory(shapes: dict[str, tuple[int, ...]]) -> None:
+    """An UnsupportedModel when the import of a model of these tensor ``shapes`` would take more
+    memory than is available (``model.memory``): its weights read as float32, and the model
+    they are copied into."""
+    needed = 2 * 4 * sum(math.prod(shape) for shape in shapes.values())
+    available = available_memory()
+    if available is not None and needed > available:
+        raise UnsupportedModel(
+            f"importing this model takes {needed / 2**30:.1f} GiB (its weights read, and its "
+            f"model) but only {available / 2**30:.1f} GiB of memory is available "
+            f"{where_memory_ends()}"
+        )
 
 
 class _Tensors:
@@ -622,13 +685,18 @@ def _load_exactly(model: Transformer, state: dict[str, Tensor]) -> None:
 
 
 def read_tokenizer(
-    folder: SourceFolder, hf_config: dict[str, Any]
+    folder: SourceFolder, hf_config: dict[str, Any], vocab_size: int
 ) -> tuple[Tokenizer, dict[str, Any]]:
     """The folder's tokenizer, ready for ordinal, and the tokenizer_config.json to record with
-    it: its bos, eos and pad tokens and the folder's chat template (else ordinal's)."""
+    it: its bos, eos and pad tokens and the folder's chat template (else ordinal's). Files
+    larger than a tokenizer of ``vocab_size`` tokens are refused unread."""
     if not folder.has(TOKENIZER_FILE):
         raise UnsupportedModel(f"{folder.path} has no {TOKENIZER_FILE} (the fast tokenizer's file)")
     path = folder.file(TOKENIZER_FILE)
+    try:
+        check_tokenizer_size(path, vocab_size)
+    except TokenizerError as error:
+        raise UnsupportedModel(str(error)) from None
     data = _read_json(path)
     # ordinal places bos itself and never truncates or pads a prompt behind the caller's back.
     data.update(post_processor=None, truncation=None, padding=None)

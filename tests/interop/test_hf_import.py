@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ import httpx
 import pytest
 import torch
 
+import interop.hf_import
 import ordinal
 from model.cache import KVCache
 from model.checkpoint import load_checkpoint
@@ -233,6 +235,59 @@ def test_a_tensor_the_core_has_no_place_for_is_refused(
     assert ordinal.main(["import", str(source), str(tmp_path / "out")]) == 2
     assert "layers.0.self_attn.q_proj.bias" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("family", "change", "named"),
+    [
+        (
+            "llama-gqa",
+            {"hidden_size": 2**26, "head_dim": 2**24},
+            "'token_embedding.weight' has shape (320, 32)",
+        ),
+        ("llama-gqa", {"intermediate_size": 2**30}, "'blocks.0.mlp.up.weight' has shape"),
+        ("gpt2", {"n_embd": 2**26}, "'token_embedding.weight' has shape (320, 32)"),
+        ("llama-untied", {"vocab_size": 2**31}, "'token_embedding.weight' has shape (320, 32)"),
+    ],
+)
+def test_a_config_claiming_huge_sizes_is_refused_before_any_model_is_built(
+    imported: dict[str, tuple[Path, Path]],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    family: str,
+    change: dict[str, Any],
+    named: str,
+) -> None:
+    """The tiny weights under a config.json claiming a model of 80 GB or more: its model was
+    built before any shape was compared (the allocator's traceback); now the headers' shapes
+    are compared first, and the refusal is one line, in well under a second of work."""
+    source = tmp_path / "hf"
+    shutil.copytree(imported[family][0], source)
+    edit_config(source, **change)
+    started = time.monotonic()
+    assert ordinal.main(["import", str(source), str(tmp_path / "out")]) == 2
+    assert time.monotonic() - started < 5
+    error = capsys.readouterr().err
+    assert error.startswith("ordinal import: error: ") and error.count("\n") == 1
+    assert named in error and "the config implies" in error and "Traceback" not in error
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_model_larger_than_memory_is_refused_before_its_weights_are_read(
+    imported: dict[str, tuple[Path, Path]],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Shapes that match, memory that does not: the weights read and the model take 2 × 4
+    bytes a parameter, more than the 1 KB said to be left (the cgroup's, here)."""
+    monkeypatch.setattr(interop.hf_import, "available_memory", lambda: 2**10)
+    monkeypatch.setattr(interop.hf_import, "read_safetensors", None)  # never called
+    out = tmp_path / "out"
+    assert ordinal.main(["import", str(imported["llama-gqa"][0]), str(out)]) == 2
+    error = capsys.readouterr().err
+    assert "GiB of memory is available" in error and error.count("\n") == 1
+    assert not out.exists()
 
 
 def test_a_missing_folder_is_an_error_not_a_download(
