@@ -15,8 +15,10 @@ again as soon as it is loaded.
 
 **Shutdown** (:meth:`EngineClient.close`): a ``Shutdown`` message; the engine fails what is
 left with a 503 ("shutting down"), sends it, and exits. The API process waits up to
-``STOP_TIMEOUT`` seconds for its last frames, closes the socket, then up to ``STOP_TIMEOUT``
-more for it to exit before killing it.
+``STOP_TIMEOUT`` seconds in all for its last frames and for it to exit, then kills it. With
+nothing in flight there is nothing to wait for: ``IDLE_STOP_TIMEOUT``, whatever the engine is
+doing (loading, stopped, starting, or not there during a restart's backoff, which ends at once),
+so SIGTERM ends an idle server within 2 s (``docker stop`` kills at 10).
 
 **If the engine stops stepping** (stopped, deadlocked, stuck in native code): every step sends
 its stats, at least every ``stream_interval``, so while work waits its frames are the engine's
@@ -63,7 +65,8 @@ from server.messages import (
 logger = logging.getLogger("ordinal.server")
 
 RESTART_DELAY, MAX_RESTART_DELAY, STABLE_AFTER = 0.5, 30.0, 60.0
-STOP_TIMEOUT = 30.0
+STOP_TIMEOUT = 30.0  # for the engine to send what is in flight and exit
+IDLE_STOP_TIMEOUT = 1.0  # the same with nothing in flight: it has nothing to finish
 ENGINE_DIED = "the engine process stopped unexpectedly; it is restarting"
 
 
@@ -179,6 +182,8 @@ class EngineClient:
         self._writer: asyncio.StreamWriter | None = None
         self._supervisor: asyncio.Task[None] | None = None
         self._stopping = False
+        self._stopped = asyncio.Event()  # set by close: ends a restart's backoff at once
+        self._starting: asyncio.Future[None] | None = None  # the engine process's start
         self._decoder = msgspec.msgpack.Decoder(FromEngine)
         self._loading: str | None = None  # the checkpoint the engine is reading now
         self.crashed: dict[str, str] = {}  # checkpoints that killed an engine: not loaded again
@@ -241,18 +246,23 @@ class EngineClient:
         self._writer.write(frame(message))
 
     async def close(self) -> None:
-        """Stop the engine: what is left gets a 503 (sent by the engine), then it exits."""
+        """Stop the engine: what is left gets a 503 (sent by the engine), then it exits. Waits
+        ``STOP_TIMEOUT`` at most for that, ``IDLE_STOP_TIMEOUT`` when nothing is in flight;
+        then the process is killed."""
         if self._stopping:
             return
         writer, self._stopping = self._writer, True
+        self._stopped.set()
+        grace = STOP_TIMEOUT if self._jobs or self._calls else IDLE_STOP_TIMEOUT
+        deadline = time.monotonic() + grace
         if writer is not None:
             with contextlib.suppress(ConnectionError):
                 writer.write(frame(Shutdown()))
         if self._supervisor is not None:
             with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
-                await asyncio.wait_for(asyncio.shield(self._supervisor), STOP_TIMEOUT)
+                await asyncio.wait_for(asyncio.shield(self._supervisor), grace)
             self._supervisor.cancel()
-        await self._reap(STOP_TIMEOUT)  # its socket is closed: it is on its way out
+        await self._reap(max(0.0, deadline - time.monotonic()))  # its socket is closed
 
     # ---- the engine process's life -------------------------------------------------------
 
@@ -276,7 +286,8 @@ class EngineClient:
             if time.monotonic() - started >= STABLE_AFTER:
                 delay = RESTART_DELAY
             logger.error("the engine process stopped; restarting it in %.1f s", delay)
-            await asyncio.sleep(delay)
+            with contextlib.suppress(asyncio.TimeoutError):  # close() ends the wait at once
+                await asyncio.wait_for(self._stopped.wait(), delay)
             delay = min(2 * delay, MAX_RESTART_DELAY)
 
     async def _watch(self) -> None:
@@ -306,8 +317,10 @@ class EngineClient:
             name="ordinal-engine",
             daemon=True,
         )
-        # Off the loop: a fork server starting (the tests') imports torch first.
-        await asyncio.to_thread(self.process.start)
+        # Off the loop: a fork server starting (the tests') imports torch first. Shielded: a
+        # close meanwhile cancels this task, not the start, which _reap waits for.
+        self._starting = asyncio.ensure_future(asyncio.to_thread(self.process.start))
+        await asyncio.shield(self._starting)
         theirs.close()
         reader, writer = await asyncio.open_unix_connection(sock=ours)
         self._writer = writer
@@ -331,6 +344,12 @@ class EngineClient:
         """Wait for the engine process to exit; kill it if it has not within ``timeout`` s."""
         process = self.process
         if process is None:
+            return
+        if self._starting is not None:  # a process can be joined or killed once started
+            with contextlib.suppress(Exception):  # a start that failed: _supervise logs it
+                await self._starting
+        if process.pid is None:  # never started
+            self.process = None
             return
         await asyncio.to_thread(process.join, timeout)
         if process.is_alive():
