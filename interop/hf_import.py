@@ -50,11 +50,6 @@ from safetensors.torch import load_file
 from tokenizers import Tokenizer
 from torch import Tensor
 
-from model.chat import DEFAULT_TEMPLATE, default_tokenizer_config
-from model.checkpoint import TOKENIZER_FILE, expected_shapes, save_checkpoint
-from model.config import ModelConfig
-from model.device import DTYPES, resolve_dtype
-from model.files import CHECKPOINT, WEIGHTS_RECORDS, check_output, not_a_checkpoint
 from interop.hf_export import (
     CUSTOM_ARCHITECTURE,
     EXPORTED_CONFIG,
@@ -63,6 +58,11 @@ from interop.hf_export import (
     float32_copies,
     native_for,
 )
+from model.chat import DEFAULT_TEMPLATE, default_tokenizer_config
+from model.checkpoint import TOKENIZER_FILE, expected_shapes, save_checkpoint
+from model.config import ModelConfig
+from model.device import DTYPES, resolve_dtype
+from model.files import CHECKPOINT, WEIGHTS_RECORDS, check_output, not_a_checkpoint
 from model.memory import available_memory, where_memory_ends
 from model.positional import build_scheme
 from model.tokenizer import (

@@ -44,7 +44,7 @@ from lab.corpus import load_corpus
 from lab.curves import checkpoint_label, series_colour
 from lab.data import IGNORE_INDEX, ValidationStream, validation_stream
 from lab.markdown import markdown_table
-from lab.text_corpus import load_text_corpus
+from lab.text_corpus import open_text_corpus
 from model.checkpoint import WEIGHTS_FILE, data_digest, load_checkpoint
 from model.device import resolve_device
 from model.files import (
@@ -56,8 +56,6 @@ from model.files import (
     write_json_atomic,
     write_text_atomic,
 )
-from lab.markdown import markdown_table
-from lab.text_corpus import open_text_corpus
 from model.transformer import Transformer
 
 RopeVariant = tuple[str, str, float]  # ("yarn4", "yarn", 4.0): name, rope scaling, its factor

@@ -50,15 +50,17 @@ from tqdm import tqdm
 from lab.corpus import Corpus, load_corpus
 from lab.data import (
     IGNORE_INDEX,
+    TokenStream,
     TrainingSequences,
     boundary_sequences,
-    encode_documents,
+    encode_stream,
+    first_windows,
     line_break_ids,
-    validation_stream,
 )
 from lab.geometry.corpus import measure_corpus
 from lab.geometry.metrics import classical_mds
-from lab.text_corpus import TextCorpus, load_text_corpus
+from lab.pieces import Piece, PieceSource
+from lab.text_corpus import TextSource, open_text_corpus
 from model.checkpoint import (
     TOKENIZER_FILE,
     WEIGHTS_FILE,
@@ -75,23 +77,9 @@ from model.config import (
     TrainConfig,
     preset,
 )
-from lab.corpus import Corpus, load_corpus
-from lab.data import (
-    IGNORE_INDEX,
-    TokenStream,
-    TrainingSequences,
-    boundary_sequences,
-    encode_stream,
-    first_windows,
-    line_break_ids,
-)
 from model.device import resolve_device
 from model.files import CHECKPOINT, EVAL_FILE, METRICS_FILE, check_output, write_atomic
-from lab.geometry.corpus import measure_corpus
-from lab.geometry.metrics import classical_mds
-from lab.pieces import Piece, PieceSource
 from model.positional import MdsPositions
-from lab.text_corpus import TextSource, open_text_corpus
 from model.tokenizer import (
     SpecialIds,
     load_tokenizer,
