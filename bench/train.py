@@ -6,7 +6,7 @@ the share of a step's time by phase (batch, forward, backward, clip, each optimi
     python -m bench.train --profile --out bench/results/train.json
     python -m bench.train --malloc-defaults        # without ordinal train's keep_freed_memory
 
-The steps are ``ordinal train``'s own (``model.train.TrainingRun.optimise``, with the run's data,
+The steps are ``ordinal train``'s own (``lab.train.TrainingRun.optimise``, with the run's data,
 model and optimisers built as ``ordinal train`` builds them), after ``--warmup`` untimed steps;
 nothing is saved but the ``--out`` JSON. ``make bench-train`` runs the first line. Measure on a
 quiet machine: another process on the cores inflates every figure (shares less so).
@@ -25,12 +25,12 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import ordinal
+from lab.train import TrainingRun, configs_from_args, keep_freed_memory
 from model.config import DEFAULT_PRESET, PRESETS
 from model.device import DEVICES, resolve_device
 from model.files import write_json_atomic
-from model.train import TrainingRun, configs_from_args, keep_freed_memory
 
-# record_function labels in model.train, and the profiler's own for optimiser steps.
+# record_function labels in lab.train, and the profiler's own for optimiser steps.
 PHASES = ("batch", "forward", "backward", "clip", "Optimizer.step#AdamW.step")
 PHASES += ("Optimizer.step#Muon.step", "Optimizer.zero_grad#AdamW.zero_grad")
 PHASES += ("Optimizer.zero_grad#Muon.zero_grad",)
@@ -46,7 +46,7 @@ def training_run(args: argparse.Namespace, out: Path) -> TrainingRun:
     if train_config.steps < needed:
         raise SystemExit(f"the {args.preset} preset has {train_config.steps} steps, not {needed}")
     if not args.malloc_defaults:
-        keep_freed_memory()  # as model.train.run does
+        keep_freed_memory()  # as lab.train.run does
     return TrainingRun.start(
         train_args, model_config, train_config, resolve_device(args.device), 0, 1
     )

@@ -1,6 +1,6 @@
 """bench/train.py times ``ordinal train``'s own steps (here the tiny preset's, in seconds): its
 tokens/s is the preset's tokens per step over the timed steps' wall time, and ``--profile``
-finds the phases model.train labels. The figures themselves are never asserted."""
+finds the phases lab.train labels. The figures themselves are never asserted."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-import model.train
+import lab.train
 from bench.train import main
+from lab.corpus import Corpus, load_corpus
 from model.config import PRESETS
-from model.corpus import Corpus, load_corpus
 
 
 def test_the_bench_times_the_presets_own_steps(
@@ -20,7 +20,7 @@ def test_the_bench_times_the_presets_own_steps(
 ) -> None:
     full = load_corpus()
     small = Corpus(train=full.train[:300], validation=full.validation[:10])
-    monkeypatch.setattr(model.train, "load_corpus", lambda: small)
+    monkeypatch.setattr(lab.train, "load_corpus", lambda: small)
     out = tmp_path / "train.json"
     argv = ["--preset", "tiny", "--steps", "2", "--warmup", "1", "--profile"]
     result = main([*argv, "--tokenizer", str(tmp_path / "tok.json"), "--out", str(out)])
