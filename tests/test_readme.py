@@ -1,4 +1,5 @@
-"""Every command in README.md works as written.
+"""Every command in README.md works as written, and so does every command of the pages it sends
+a reader to for them (docs/guide.md, docs/api.md).
 
 The commands are the lines of its ``sh`` blocks, the Commands table, and inline ``make …`` and
 ``… --help`` spans. Each kind is checked by the quickest run that proves it: ``make`` as a dry run
@@ -39,12 +40,16 @@ import lab.evaluate
 import ordinal
 from model.checkpoint import data_section
 from model.config import ModelConfig
+from model.positional import SCHEMES
 from server.api.app import settings_from_args
 from tests.server.conftest import Running, running_server, test_settings
 from tests.test_deploy import compose_tools
 
 REPO = Path(__file__).resolve().parents[1]
-README = (REPO / "README.md").read_text()
+# The README and its pages of commands, read as one text (sections are found in either).
+README = "\n".join(
+    (REPO / name).read_text() for name in ("README.md", "docs/guide.md", "docs/api.md")
+)
 # The Commands table's placeholders, filled in with real values.
 PLACEHOLDERS = {
     "NAME": "rope",
@@ -123,6 +128,20 @@ def live(checkpoints: Path) -> Iterator[Running]:
     settings = test_settings(checkpoints, models=["rope", "alibi"], max_context=512)
     with running_server(settings) as running:
         yield running
+
+
+def test_the_readme_counts_and_tables_every_scheme_and_shipped_recipe() -> None:
+    """The README's headline counts and its scheme table follow the registry and the shipped
+    checkpoints: a new scheme or recipe fails here until the README says so."""
+    own = (REPO / "README.md").read_text()
+    shipped = {path.parent.name for path in (REPO / "checkpoints").glob("*/config.json")}
+    recipes = shipped - set(SCHEMES)
+    opening = own.split("\n## ", 1)[0]
+    assert f"any of {len(SCHEMES)} positional schemes" in opening
+    assert f"{len(shipped)} checkpoints" in opening and f"the {len(shipped)} shipped" in own
+    rows = re.findall(r"^\| `([a-z0-9]+)`", section("The schemes"), flags=re.M)
+    assert rows[: len(SCHEMES)] == list(SCHEMES)  # the registry's order
+    assert sorted(rows[len(SCHEMES) :]) == sorted(recipes)
 
 
 def test_the_readme_has_commands_of_every_kind() -> None:
