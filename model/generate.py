@@ -31,15 +31,17 @@ class StopMatcher:
     def __init__(self, stops: Sequence[str]) -> None:
         self.stops = [stop for stop in stops if stop]
         self.pending = ""
+        self.matched: str | None = None  # the stop string reached (the earliest, if several)
 
     def push(self, text: str) -> tuple[str, bool]:
         """Add ``text``; return (text safe to emit now, whether a stop string was reached)."""
         if not self.stops:  # nothing to hold back (the engine's commonest case, once a token)
             return text, False
         self.pending += text
-        hits = [index for stop in self.stops if (index := self.pending.find(stop)) >= 0]
+        hits = [(index, stop) for stop in self.stops if (index := self.pending.find(stop)) >= 0]
         if hits:
-            emitted, self.pending = self.pending[: min(hits)], ""
+            index, self.matched = min(hits)
+            emitted, self.pending = self.pending[:index], ""
             return emitted, True
         held = self._longest_partial_stop()
         cut = len(self.pending) - held

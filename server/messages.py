@@ -152,8 +152,9 @@ def failure_message(error: Exception, root: Path) -> str:
     return message
 
 
-class Token(msgspec.Struct, tag=True, array_like=True):
-    """One generated token, the text it completes (maybe ""), and its logprobs if asked."""
+class Token(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):
+    """One generated token, the text it completes (maybe ""), and its logprobs if asked.
+    Trailing fields left at their defaults are not sent (most tokens carry none of them)."""
 
     id: int
     token: int
@@ -163,6 +164,7 @@ class Token(msgspec.Struct, tag=True, array_like=True):
     top_ids: list[int] | None = None
     top_values: list[float] | None = None
     cached_tokens: int = 0  # on a job's first token: prompt tokens reused from the prefix cache
+    stop: str | None = None  # on a job's last token: the stop string that ended it, if one did
 
 
 class Scores(msgspec.Struct, tag=True, array_like=True):

@@ -5,18 +5,18 @@ cancellation, timeouts — is the completions path itself."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 
 from starlette.requests import Request
 from starlette.responses import Response
 
-from model.chat import ChatTemplateError, Message
+from model.chat import ChatTemplateError, Message, Scene
 from server.api.completions import Names, build_job, choice_seed, respond
 from server.api.errors import APIError
 from server.api.job import Job
 from server.api.offload import CHAT_POOL, check_prompt_size, in_lane
-from server.api.schemas import ChatRequest, CompletionRequest, Constraint
+from server.api.schemas import ChatMessage, ChatRequest, CompletionRequest, Constraint
 from server.api.service import ServedModel, Service
 from server.api.structured import ToolCallWriter, compile_constraint
 from server.api.writer import ChatWriter
@@ -31,6 +31,27 @@ async def create_chat_completion(body: ChatRequest, request: Request, service: S
     return await respond(jobs, writers, served, request, service)
 
 
+async def render_scene(conversation: Sequence[ChatMessage], served: ServedModel) -> Scene:
+    """The conversation as the model's chat template renders it, tokenised (its prompt ids and
+    its speakers' stop strings), off the event loop and within a time bound; a 400 naming
+    ``messages`` when the template refuses it or it cannot fit."""
+    messages = [
+        Message("system" if m.role == "developer" else m.role, m.text, m.name) for m in conversation
+    ]
+    for message in messages:
+        check_prompt_size(message.content, served.max_prompt_bytes, served.name, "messages")
+    try:
+        return await in_lane(
+            CHAT_POOL,
+            served.chat_template.encode,
+            served.tokenizer,
+            messages,
+            served.max_prompt_bytes,
+        )
+    except ChatTemplateError as error:
+        raise APIError(400, f"messages: {error}", param="messages") from None
+
+
 # Makes a choice's writer from (completion, served, prompt ids, choice index).
 WriterOf = Callable[[CompletionRequest, ServedModel, list[int], int], ChatWriter]
 
@@ -43,22 +64,7 @@ async def chat_jobs(
     rendered and tokenised off the event loop, within a time bound. ``constraint``: what the
     reply keeps to (its grammar, not the scene's speaker lines, then says where it ends)."""
     grammar = await compile_constraint(constraint, served)
-    messages = [
-        Message("system" if m.role == "developer" else m.role, m.text, m.name)
-        for m in body.messages
-    ]
-    for message in messages:
-        check_prompt_size(message.content, served.max_prompt_bytes, served.name, "messages")
-    try:
-        scene = await in_lane(
-            CHAT_POOL,
-            served.chat_template.encode,
-            served.tokenizer,
-            messages,
-            served.max_prompt_bytes,
-        )
-    except ChatTemplateError as error:
-        raise APIError(400, f"messages: {error}", param="messages") from None
+    scene = await render_scene(body.messages, served)
     room = served.max_context - len(scene.prompt_ids)
     # Already validated as a chat request: built as a completion without validating again
     # (the scene's own stop strings may pass the 4 a client may send).

@@ -18,7 +18,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from model.tokenizer import encode_prompt
-from server.api.errors import APIError, error_event
+from server.api.errors import APIError
 from server.api.job import Job
 from server.api.metrics import TIMEOUT
 from server.api.offload import check_prompt_size, tokenised
@@ -238,10 +238,10 @@ async def _sse(
         if writers[0].body.include_usage:
             yield writers[0].usage_chunk(total_usage(writers))
     except APIError as error:  # the headers are out: the error travels as the last event
-        yield error_event(error)
+        yield writers[0].error_event(error)
     except Exception:
         logger.exception("a stream failed")
-        yield error_event(APIError(500, "internal server error"))
+        yield writers[0].error_event(APIError(500, "internal server error"))
     yield writers[0].END
 
 

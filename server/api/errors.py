@@ -1,16 +1,20 @@
-"""The one place errors are shaped: OpenAI's ``{"error": {"message", "type", "param", "code"}}``.
+"""The one place errors are shaped: OpenAI's ``{"error": {"message", "type", "param", "code"}}``,
+and on Anthropic's routes (``/v1/messages``, :func:`is_anthropic`) Anthropic's
+``{"type": "error", "error": {"type", "message"}}``, whose message starts with the field it is
+about as OpenAI's ``param`` names it.
 
 Routes raise :class:`APIError`; the handlers installed by :func:`install_error_handlers` turn it,
-FastAPI's validation errors (400, not FastAPI's 422) and Starlette's HTTP errors into that
-shape; any other exception is answered by ``server.api.middleware.CatchUnexpected`` as a 500 in the
-same shape. A stream that fails after its headers went out ends with :func:`error_event`.
+FastAPI's validation errors (400, not FastAPI's 422) and Starlette's HTTP errors into the
+route's shape; any other exception is answered by ``server.api.middleware.CatchUnexpected`` as a
+500 in the same shape. A stream that fails after its headers went out ends with
+:func:`error_event` (a writer's own ``error_event`` for Anthropic's stream).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 import orjson
 from fastapi import FastAPI, Request
@@ -34,6 +38,27 @@ ERROR_TYPES = {
 }
 
 
+# Anthropic's error types by status (its API reference's "Errors"); 503 (loading, restarting,
+# shutting down) as its 529, overloaded.
+ANTHROPIC_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    504: "timeout_error",
+}
+ANTHROPIC_ROUTE = "/v1/messages"  # and what is under it (/v1/messages/count_tokens)
+
+
+def is_anthropic(path: str) -> bool:
+    """Whether ``path`` is one of Anthropic's routes, whose errors take Anthropic's shape."""
+    return path == ANTHROPIC_ROUTE or path.startswith(ANTHROPIC_ROUTE + "/")
+
+
 class ErrorDetail(BaseModel):
     message: str
     type: str
@@ -45,6 +70,18 @@ class ErrorBody(BaseModel):
     """Every error's body, as OpenAI answers it (the OpenAPI schema of each error status)."""
 
     error: ErrorDetail
+
+
+class AnthropicErrorDetail(BaseModel):
+    type: str
+    message: str
+
+
+class AnthropicErrorBody(BaseModel):
+    """Every error's body on Anthropic's routes, as Anthropic answers it."""
+
+    type: Literal["error"]
+    error: AnthropicErrorDetail
 
 
 ERROR_DESCRIPTIONS = {
@@ -60,11 +97,12 @@ ERROR_DESCRIPTIONS = {
 }
 
 
-def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
-    """The OpenAPI ``responses`` of a route that can answer ``statuses``."""
+def error_responses(*statuses: int, anthropic: bool = False) -> dict[int | str, dict[str, Any]]:
+    """The OpenAPI ``responses`` of a route that can answer ``statuses`` (in Anthropic's shape
+    when ``anthropic``)."""
+    body = AnthropicErrorBody if anthropic else ErrorBody
     return {
-        status: {"model": ErrorBody, "description": ERROR_DESCRIPTIONS[status]}
-        for status in statuses
+        status: {"model": body, "description": ERROR_DESCRIPTIONS[status]} for status in statuses
     }
 
 
@@ -97,9 +135,16 @@ class APIError(Exception):
             }
         }
 
-    def response(self) -> Response:
+    def anthropic_body(self) -> dict[str, Any]:
+        """The error in Anthropic's shape (its message already names the field at fault)."""
+        kind = ANTHROPIC_ERROR_TYPES.get(self.status, "api_error")
+        return {"type": "error", "error": {"type": kind, "message": self.message}}
+
+    def response(self, path: str = "") -> Response:
+        """The answer to a request for ``path``: Anthropic's shape on its routes, else OpenAI's."""
+        body = self.anthropic_body() if is_anthropic(path) else self.body()
         return Response(
-            orjson.dumps(self.body()),
+            orjson.dumps(body),
             status_code=self.status,
             headers=self.headers,
             media_type="application/json",
@@ -193,15 +238,16 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def on_api_error(request: Request, error: APIError) -> Response:
         _log_refusal(request, error)
-        return error.response()
+        return error.response(request.url.path)
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, error: RequestValidationError) -> Response:
         refusal = validation_error(list(error.errors()))
         _log_refusal(request, refusal)
-        return refusal.response()
+        return refusal.response(request.url.path)
 
     @app.exception_handler(HTTPException)
     async def on_http_error(request: Request, error: HTTPException) -> Response:
         message = str(error.detail) if error.status_code != 404 else f"no route {request.url.path}"
-        return APIError(error.status_code, message, headers=error.headers).response()
+        refusal = APIError(error.status_code, message, headers=error.headers)
+        return refusal.response(request.url.path)

@@ -42,8 +42,8 @@ class CountRequests:
 
 
 class CatchUnexpected:
-    """Answers any exception that escaped the routes' error handlers with a 500 in OpenAI's
-    shape, and does not re-raise it.
+    """Answers any exception that escaped the routes' error handlers with a 500 in the route's
+    error shape, and does not re-raise it.
 
     Starlette's own last-resort handler re-raises after answering, which makes the server drop
     the keep-alive connection without ``Connection: close`` (and, outside ``CountRequests``,
@@ -69,19 +69,29 @@ class CatchUnexpected:
         except Exception:
             logger.exception("unhandled error on %s", scope.get("path"))
             if not started:
-                await APIError(500, "internal server error").response()(scope, receive, send)
+                error = APIError(500, "internal server error")
+                await error.response(scope["path"])(scope, receive, send)
+
+
+def presented_key(headers: Headers) -> bytes:
+    """The API key a request presents: ``Authorization: Bearer KEY``, as OpenAI's clients send
+    it, else ``x-api-key: KEY``, as Anthropic's clients do (b"" when neither is there)."""
+    bearer = headers.get("authorization", "")
+    if bearer.startswith("Bearer "):
+        return bearer.removeprefix("Bearer ").encode()
+    return headers.get("x-api-key", "").encode()
 
 
 class RequireApiKey:
-    """401 for a protected request without ``Authorization: Bearer <key>``, one of ``keys``
-    (the API key, and the priority keys), before its body is read. ``scope`` "api" protects
+    """401 for a protected request that presents none of ``keys`` (the API key, and the
+    priority keys; :func:`presented_key`), before its body is read. ``scope`` "api" protects
     /v1/*; "all" every path but /health, which probes need, and the playground's page and
     static files (``GET /``, ``/static/*``: files of this repository, no data), which then ask
     for the key and send it with every request they make."""
 
     def __init__(self, app: ASGIApp, keys: list[str], scope: str = "api") -> None:
         self.app, self.everything = app, scope == "all"
-        self.expected = [f"Bearer {key}".encode() for key in keys]
+        self.expected = [key.encode() for key in keys]
 
     def _protects(self, path: str) -> bool:
         if self.everything:
@@ -90,15 +100,16 @@ class RequireApiKey:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and self._protects(scope["path"]):
-            given = Headers(scope=scope).get("authorization", "").encode()
+            given = presented_key(Headers(scope=scope))
             if not any([secrets.compare_digest(given, key) for key in self.expected]):
                 error = APIError(
                     401,
-                    "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                    "missing or wrong API key: send 'Authorization: Bearer <key>' (or "
+                    "'x-api-key: <key>')",
                     code="invalid_api_key",
                     headers={"WWW-Authenticate": "Bearer"},
                 )
-                return await error.response()(scope, receive, send)
+                return await error.response(scope["path"])(scope, receive, send)
         await self.app(scope, receive, send)
 
 
@@ -116,7 +127,7 @@ class LimitBody:
             return await self.app(scope, receive, send)
         length = Headers(scope=scope).get("content-length", "")
         if length.isdigit() and int(length) > self.max_bytes:
-            return await self._error().response()(scope, receive, send)
+            return await self._error().response(scope["path"])(scope, receive, send)
         received = 0
 
         async def limited_receive() -> Message:
@@ -179,5 +190,5 @@ class AllowHosts:
                     "see --allowed-hosts)",
                     code="host_not_allowed",
                 )
-                return await error.response()(scope, receive, send)
+                return await error.response(scope["path"])(scope, receive, send)
         await self.app(scope, receive, send)

@@ -2,9 +2,9 @@
 client could hold every other request back. ``--max-priority`` is the most urgent priority
 (the lowest number, vLLM's polarity) a request may claim without a priority key; each of
 ``--priority-keys`` (``KEY:LOWEST``) lets the requests that send ``Authorization: Bearer KEY``
-claim LOWEST and above instead. Claiming more is a 403 naming ``priority``, before anything of
-the request is tokenised or queued. (Aging, which bounds how long a claimed priority holds
-others back, is the scheduler's: ``server.engine.scheduler``.)
+(or ``x-api-key: KEY``) claim LOWEST and above instead. Claiming more is a 403 naming
+``priority``, before anything of the request is tokenised or queued. (Aging, which bounds how
+long a claimed priority holds others back, is the scheduler's: ``server.engine.scheduler``.)
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import secrets
 from starlette.datastructures import Headers
 
 from server.api.errors import APIError
+from server.api.middleware import presented_key
 from server.api.settings import Settings, parse_priority_key
 
 
@@ -30,9 +31,9 @@ class PriorityScopes:
     def lowest(self, headers: Headers) -> tuple[int | None, bool]:
         """The lowest priority a request with ``headers`` may claim (None: any), and whether a
         priority key set it."""
-        given = headers.get("authorization", "").encode()
+        given = presented_key(headers)
         for key, lowest in self.keys:
-            if secrets.compare_digest(given, f"Bearer {key}".encode()):
+            if secrets.compare_digest(given, key.encode()):
                 return lowest, True
         return self.default, False
 

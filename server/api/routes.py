@@ -11,6 +11,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.responses import PlainTextResponse, Response
 
 from model.tokenizer import BOS, EOS, PAD
+from server.api.anthropic import CountTokensRequest, MessagesRequest, count_tokens, create_message
 from server.api.chat import create_chat_completion
 from server.api.completions import create_completion
 from server.api.errors import APIError, busy, error_responses
@@ -214,3 +215,39 @@ async def responses(body: ResponsesRequest, request: Request) -> Response:
     service = _service(request)
     service.priorities.check(body.priority, request.headers)
     return await create_response(body, request, service)
+
+
+# One event of a streamed Anthropic message: its type names it (``event: TYPE``) and its JSON.
+ANTHROPIC_EVENT = {
+    "type": "object",
+    "properties": {
+        "event": {"type": "string", "description": "message_start, content_block_start, ..."},
+        "data": {"type": "string", "description": "the event (JSON), with the same type"},
+    },
+    "required": ["event", "data"],
+}
+
+
+@router.post(
+    "/v1/messages",
+    response_model=None,
+    responses={
+        200: {"content": {"text/event-stream": {"schema": ANTHROPIC_EVENT}}},
+        **error_responses(400, 401, 403, 404, 413, 429, 500, 503, 504, anthropic=True),
+    },
+)
+async def messages(body: MessagesRequest, request: Request) -> Response:
+    """Anthropic's Messages API, over the chat path (``server.api.anthropic``)."""
+    service = _service(request)
+    service.priorities.check(body.priority, request.headers)
+    return await create_message(body, request, service)
+
+
+@router.post(
+    "/v1/messages/count_tokens",
+    response_model=None,
+    responses=error_responses(400, 401, 404, 413, 503, anthropic=True),
+)
+async def messages_count_tokens(body: CountTokensRequest, request: Request) -> Response:
+    """The tokens a Messages request's prompt takes (its usage's input and cache-read tokens)."""
+    return _json(await count_tokens(body, _service(request)))

@@ -13,6 +13,7 @@ the vocabulary) are checked once the model is known, in ``server.api.completions
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, cast
 
@@ -415,6 +416,37 @@ class ToolCall:
     constraint: Constraint
 
 
+def tool_call_of(
+    tools: Sequence[tuple[str, JsonSchema | None]],
+    named: str | None,
+    name_field: str,
+    schema_field: str,
+) -> ToolCall:
+    """The call of one of ``tools`` (name, schema of its arguments; None: none): the tool
+    ``named`` (a 400 naming ``name_field`` when none is), else any of them. The field of a
+    tool's schema, in a 400 about it, is ``tools[i].`` + ``schema_field``."""
+    chosen = list(range(len(tools)))
+    if named is not None:
+        chosen = [i for i, (name, _) in enumerate(tools) if name == named][:1]
+        if not chosen:
+            param = name_field.split(".")[0]
+            raise APIError(400, f"{name_field}: no tool is named {named!r}", param=param)
+    if len(chosen) == 1:
+        name, schema = tools[chosen[0]]
+        field = f"tools[{chosen[0]}].{schema_field}"
+        return ToolCall([name], Constraint("json", schema or NO_ARGUMENTS, field))
+    calls = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": name}, "arguments": schema or NO_ARGUMENTS},
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        for name, schema in tools
+    ]
+    return ToolCall([name for name, _ in tools], Constraint("json", {"anyOf": calls}, "tools"))
+
+
 class ChatRequest(SamplingRequest, OpenAIHints, Queued, Structured):
     """``POST /v1/chat/completions``, as in OpenAI's chat completions API."""
 
@@ -468,38 +500,9 @@ class ChatRequest(SamplingRequest, OpenAIHints, Queued, Structured):
         if choice is None or choice == "auto":
             field = "tool_choice" if choice else "tools"
             raise APIError(400, f"{field}: {CANNOT_DECIDE}", param=field)
-        if isinstance(choice, NamedToolChoice):
-            named = [
-                i for i, tool in enumerate(tools) if tool.function.name == choice.function.name
-            ]
-            if not named:
-                raise APIError(
-                    400,
-                    f"tool_choice.function.name: no tool is named {choice.function.name!r}",
-                    param="tool_choice",
-                )
-            chosen = named[:1]
-        else:
-            chosen = list(range(len(tools)))
-        functions = [tools[i].function for i in chosen]
-        if len(functions) == 1:
-            field = f"tools[{chosen[0]}].function.parameters"
-            schema = functions[0].parameters or NO_ARGUMENTS
-            return ToolCall([functions[0].name], Constraint("json", schema, field))
-        calls = [
-            {
-                "type": "object",
-                "properties": {
-                    "name": {"const": function.name},
-                    "arguments": function.parameters or NO_ARGUMENTS,
-                },
-                "required": ["name", "arguments"],
-                "additionalProperties": False,
-            }
-            for function in functions
-        ]
-        call = Constraint("json", {"anyOf": calls}, "tools")
-        return ToolCall([function.name for function in functions], call)
+        functions = [(tool.function.name, tool.function.parameters) for tool in tools]
+        named = choice.function.name if isinstance(choice, NamedToolChoice) else None
+        return tool_call_of(functions, named, "tool_choice.function.name", "function.parameters")
 
     def constraint(self) -> Constraint | None:
         """The reply's constraint: a tool call's, ``response_format``'s or vLLM's fields'

@@ -13,6 +13,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
+from server.api.errors import APIError, error_event
 from server.api.job import Failure, Job
 from server.api.schemas import CompletionRequest
 from server.api.service import ServedModel
@@ -156,6 +157,10 @@ class CompletionWriter:
 
     def usage(self) -> dict[str, Any]:
         return total_usage([self])
+
+    def error_event(self, error: APIError) -> bytes:
+        """The event that ends this stream when it fails after it started."""
+        return error_event(error)
 
     def chunk(self, piece: Piece, usage: dict[str, Any] | None = None) -> bytes:
         """One SSE event for ``piece``; ``usage``: the request's so far, when every chunk

@@ -406,7 +406,10 @@ class ModelEngine:
                 stats.first_tokens.append((ttft, now - row.admitted_at))
             text = state.append(token, row.sampler.complete)
             reason = state.finish_reason
-            events.append(Token(row.id, token, text, reason, cached_tokens=cached))
+            # stop: the stop string reached, set only once one ends the sequence
+            events.append(
+                Token(row.id, token, text, reason, cached_tokens=cached, stop=state.stop.matched)
+            )
             if reason is not None:
                 urgent.add(row.id)
                 leaving.append(row)
