@@ -140,8 +140,10 @@ class ModelClient:
     async def call(self, method: str, args: dict[str, Any]) -> bytes:
         """The JSON the engine function ``method`` (``server.engine.calls``) returns for
         ``args``, its keyword arguments (MessagePack-encodable); a 429 APIError (Retry-After)
-        while ``max_traces`` calls of this model are in the engine."""
-        self._admit(self.tracing, self.max_traces, "prompts traced or queued", "is tracing")
+        while ``max_traces`` calls of this model (traces, embeddings) are in the engine."""
+        self._admit(
+            self.tracing, self.max_traces, "traces or embeddings running or queued", "is busy"
+        )
         self.tracing += 1
         try:
             return await self.client.call(self.name, method, args)

@@ -158,29 +158,31 @@ def build_job(
     return job
 
 
-async def prompt_ids_of(prompt: Prompt, served: ServedModel) -> list[int]:
+async def prompt_ids_of(prompt: Prompt, served: ServedModel, field: str = "prompt") -> list[int]:
     """The prompt's token ids: a text's with <|bos|> first, token ids as given (a 400 for
     none, or for an id outside the vocabulary); a text too long to fit the context is refused
-    before it is tokenised, off the event loop."""
+    before it is tokenised, off the event loop. ``field``: where the request holds it, as a
+    400 names it (``input[2]``: its top-level field is the error's ``param``)."""
+    param = field.split("[")[0]
     if isinstance(prompt, list):
         if not prompt:
             raise APIError(
                 400,
-                "prompt: an empty list of token ids gives the model nothing to start from "
+                f"{field}: an empty list of token ids gives the model nothing to start from "
                 "(send <|bos|>'s id, or text)",
-                param="prompt",
+                param=param,
             )
         vocab = served.vocab
         if max(prompt) >= vocab:  # max(): one C pass over what may be thousands of ids
             outside = next(token for token in prompt if token >= vocab)
             raise APIError(
                 400,
-                f"prompt: token id {outside} is outside model '{served.name}''s vocabulary "
+                f"{field}: token id {outside} is outside model '{served.name}''s vocabulary "
                 f"[0, {vocab})",
-                param="prompt",
+                param=param,
             )
         return encode_prompt(served.tokenizer, prompt)
-    check_prompt_size(prompt, served.max_prompt_bytes, served.name)
+    check_prompt_size(prompt, served.max_prompt_bytes, served.name, field)
     return await tokenised(served.tokenizer, prompt, served.bos)
 
 

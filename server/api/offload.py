@@ -97,16 +97,17 @@ def most_prompt_bytes(max_context: int, token_bytes: list[bytes], specials: list
     return max_context * longest
 
 
-def check_prompt_size(text: str, limit: int, model: str, param: str = "prompt") -> None:
-    """A 400 (context_length_exceeded) for a text longer than ``limit`` bytes of UTF-8."""
+def check_prompt_size(text: str, limit: int, model: str, field: str = "prompt") -> None:
+    """A 400 (context_length_exceeded) for a text longer than ``limit`` bytes of UTF-8, naming
+    ``field`` (``input[2]``: its top-level field is the error's ``param``)."""
     if len(text) <= limit // 4:  # at most 4 bytes a character: short enough without counting
         return
     size = len(text.encode("utf-8", "surrogatepass"))
     if size > limit:
         raise APIError(
             400,
-            f"{param}: the text is {size:,} bytes long but model '{model}''s context holds at most "
+            f"{field}: the text is {size:,} bytes long but model '{model}''s context holds at most "
             f"{limit:,} bytes of text (its max_context times its longest token)",
-            param=param,
+            param=field.split("[")[0],
             code="context_length_exceeded",
         )

@@ -14,6 +14,7 @@ from model.tokenizer import BOS, EOS, PAD
 from server.api.anthropic import CountTokensRequest, MessagesRequest, count_tokens, create_message
 from server.api.chat import create_chat_completion
 from server.api.completions import create_completion
+from server.api.embeddings import EmbeddingRequest, create_embeddings
 from server.api.errors import APIError, busy, error_responses
 from server.api.offload import tokenised
 from server.api.responses import create_response
@@ -251,3 +252,16 @@ async def messages(body: MessagesRequest, request: Request) -> Response:
 async def messages_count_tokens(body: CountTokensRequest, request: Request) -> Response:
     """The tokens a Messages request's prompt takes (its usage's input and cache-read tokens)."""
     return _json(await count_tokens(body, _service(request)))
+
+
+@router.post(
+    "/v1/embeddings",
+    response_model=None,
+    responses=error_responses(400, 401, 404, 413, 429, 503),
+)
+async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
+    """OpenAI's embeddings: each input's hidden state (``layer``: which residual stream,
+    default the final norm's output; ``pooling``: mean or last), from a forward pass in the
+    engine (``server.api.embeddings``)."""
+    served = _service(request).get(body.model)
+    return Response(await create_embeddings(body, served), media_type="application/json")

@@ -191,7 +191,11 @@ class Settings(BaseSettings):
         ),
     )
     max_traces: int = Field(
-        4, ge=1, description="traces (POST /v1/trace) running or queued per model; past it 429"
+        4,
+        ge=1,
+        description=(
+            "engine calls (POST /v1/trace, /v1/embeddings) running or queued per model; past it 429"
+        ),
     )
     engine_stall_timeout: float = Field(
         10.0,
