@@ -164,6 +164,7 @@ class Token(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):
     top_ids: list[int] | None = None
     top_values: list[float] | None = None
     cached_tokens: int = 0  # on a job's first token: prompt tokens reused from the prefix cache
+    queue_time: float = 0.0  # on a job's first token: seconds from submitted to admitted
     stop: str | None = None  # on a job's last token: the stop string that ended it, if one did
 
 

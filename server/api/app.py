@@ -31,6 +31,7 @@ from server.api.playground import static_files
 from server.api.routes import router
 from server.api.service import Service, check_settings
 from server.api.settings import Settings
+from server.api.tracing import TraceRequests, Tracing
 
 
 def create_app(settings: Settings | None = None, launcher: Launcher | None = None) -> FastAPI:
@@ -39,6 +40,8 @@ def create_app(settings: Settings | None = None, launcher: Launcher | None = Non
     process runs (the tests' reaches into it)."""
     settings = settings or Settings()
     service = Service(settings, launcher)
+    if settings.otlp_traces_endpoint:  # OpenTelemetry is imported only then
+        service.tracing = Tracing.exporting_to(settings.otlp_traces_endpoint)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -77,6 +80,8 @@ def create_app(settings: Settings | None = None, launcher: Launcher | None = Non
     app.add_middleware(CatchUnexpected)  # inside CountRequests, so its 500s are counted
     app.add_middleware(AllowHosts, allowed=settings.allowed_hosts)  # before anything is read
     app.add_middleware(CountRequests, counter=service.metrics.requests)
+    if service.tracing is not None:  # outermost: a span covers whatever answers the request
+        app.add_middleware(TraceRequests, tracing=service.tracing)
     return app
 
 

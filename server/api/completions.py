@@ -86,9 +86,13 @@ async def respond(
             close()
         raise
 
+    span = getattr(request.state, "span", None)  # a SpanRecord when tracing is on
+
     def close_all() -> None:
         for close in closes:
             close()
+        if span is not None:
+            span.generation(served.name, jobs, writers)
 
     streams = [writer.read(job) for writer, job in zip(writers, jobs, strict=True)]
     if writers[0].body.stream:

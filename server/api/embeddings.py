@@ -75,9 +75,10 @@ class EmbeddingRequest(StrictBody):
         return {f"input[{index}]": cast(Prompt, one) for index, one in enumerate(given)}
 
 
-async def create_embeddings(body: EmbeddingRequest, served: ServedModel) -> bytes:
-    """The JSON of OpenAI's embeddings response for ``body`` (a 400 naming the field for a
-    layer the model lacks, an id outside its vocabulary, or an input or request too long)."""
+async def create_embeddings(body: EmbeddingRequest, served: ServedModel) -> tuple[bytes, int]:
+    """The JSON of OpenAI's embeddings response for ``body``, and the tokens it computed (a 400
+    naming the field for a layer the model lacks, an id outside its vocabulary, or an input or
+    request too long)."""
     layers = served.info.n_layers
     if body.layer is not None and body.layer > layers:
         raise APIError(
@@ -112,4 +113,4 @@ async def create_embeddings(body: EmbeddingRequest, served: ServedModel) -> byte
         "pooling": body.pooling,
         "encoding_format": body.encoding_format,
     }
-    return await served.engine.call("embed", args)
+    return await served.engine.call("embed", args), total

@@ -264,4 +264,8 @@ async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
     default the final norm's output; ``pooling``: mean or last), from a forward pass in the
     engine (``server.api.embeddings``)."""
     served = _service(request).get(body.model)
-    return Response(await create_embeddings(body, served), media_type="application/json")
+    answer, tokens = await create_embeddings(body, served)
+    if (span := getattr(request.state, "span", None)) is not None:  # tracing is on
+        span.model(served.name)
+        span.usage(tokens)
+    return Response(answer, media_type="application/json")

@@ -13,7 +13,7 @@ import logging
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tokenizers import Tokenizer
 
@@ -28,6 +28,9 @@ from server.api.offload import most_prompt_bytes
 from server.api.priority import PriorityScopes
 from server.api.settings import Settings
 from server.messages import EngineConfig, ModelInfo, failure_message
+
+if TYPE_CHECKING:  # server.api.tracing reads the writers, which read this module
+    from server.api.tracing import Tracing
 
 logger = logging.getLogger("ordinal.server")
 
@@ -176,6 +179,7 @@ class Service:
         self.engine: EngineClient | None = None
         self._launcher = launcher
         self._folders: dict[str, Path] = {}
+        self.tracing: Tracing | None = None  # with --otlp-traces-endpoint (create_app sets it)
 
     @property
     def ready(self) -> bool:
@@ -270,6 +274,8 @@ class Service:
     async def close(self) -> None:
         if self.engine is not None:
             await self.engine.close()
+        if self.tracing is not None:
+            self.tracing.shutdown()
 
     def health(self) -> tuple[bool, dict[str, Any]]:
         """(at least one model ready and the engine stepping, the ``/health`` document)."""

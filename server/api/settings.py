@@ -197,6 +197,15 @@ class Settings(BaseSettings):
             "engine calls (POST /v1/trace, /v1/embeddings) running or queued per model; past it 429"
         ),
     )
+    otlp_traces_endpoint: str | None = Field(
+        None,
+        description=(
+            "export an OpenTelemetry span per POST request (vLLM's gen_ai.* attributes, the "
+            "caller's traceparent continued) to this OTLP/HTTP collector URL, e.g. "
+            "http://localhost:4318/v1/traces; needs the otel extra (default: off, nothing "
+            "imported)"
+        ),
+    )
     engine_stall_timeout: float = Field(
         10.0,
         gt=0,

@@ -79,6 +79,8 @@ class CompletionWriter:
         self.offset = len(self.prompt_text)  # text_offset of the next generated token
         self.completion_tokens = 0
         self.cached_tokens = 0  # prompt tokens the engine reused from its prefix cache
+        self.queue_time = 0.0  # seconds the job waited in the engine's queue
+        self.first_token_at: float | None = None  # time.monotonic() when its first token came
         self.id, self.created = f"{self.ID_PREFIX}-{uuid.uuid4().hex}", int(time.time())
         self.model = served.name
         # One chunk dict reused for every event: only the choice's fields change.
@@ -118,9 +120,16 @@ class CompletionWriter:
                     return
             yield joined(pieces)
 
-    def _token_piece(self, event: Token) -> Piece:
+    def _count(self, event: Token) -> None:
+        """Count a generated token; its first brings the prompt's cached tokens and its time in
+        the engine's queue, and is when the first token arrived (a trace's span reads them)."""
+        if not self.completion_tokens:
+            self.cached_tokens, self.queue_time = event.cached_tokens, event.queue_time
+            self.first_token_at = time.monotonic()
         self.completion_tokens += 1
-        self.cached_tokens = max(self.cached_tokens, event.cached_tokens)
+
+    def _token_piece(self, event: Token) -> Piece:
+        self._count(event)
         logprobs: Logprobs | None = None
         if event.logprob is not None:
             logprobs = {
@@ -213,8 +222,7 @@ class ChatWriter(CompletionWriter):
         self._role_sent = False
 
     def _token_piece(self, event: Token) -> Piece:
-        self.completion_tokens += 1
-        self.cached_tokens = max(self.cached_tokens, event.cached_tokens)
+        self._count(event)
         logprobs: Logprobs | None = None
         if event.logprob is not None:
             top = zip(event.top_ids or [], event.top_values or [], strict=True)

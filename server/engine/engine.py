@@ -398,17 +398,26 @@ class ModelEngine:
                 events.append(None)
                 leaving.append(row)
                 continue
-            cached = 0
+            cached, queued = 0, 0.0
             if not row.first_token_at:
                 row.first_token_at, cached = now, row.cached_tokens
+                queued = row.admitted_at - row.submit.submitted_at
                 urgent.add(row.id)
                 ttft = now - row.submit.submitted_at
                 stats.first_tokens.append((ttft, now - row.admitted_at))
             text = state.append(token, row.sampler.complete)
             reason = state.finish_reason
-            # stop: the stop string reached, set only once one ends the sequence
+            matched = state.stop.matched  # the stop string reached: set once one ends it
             events.append(
-                Token(row.id, token, text, reason, cached_tokens=cached, stop=state.stop.matched)
+                Token(
+                    row.id,
+                    token,
+                    text,
+                    reason,
+                    cached_tokens=cached,
+                    queue_time=queued,
+                    stop=matched,
+                )
             )
             if reason is not None:
                 urgent.add(row.id)
