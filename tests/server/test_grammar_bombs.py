@@ -96,8 +96,13 @@ def test_six_costly_grammars_leave_the_streams_a_p99_gap_within_200_ms(server: R
         elif answer.status_code == 200:
             text = answer.json()["choices"][0]["text"]
             assert set(text) == {"a"}, text
-        else:  # a mask that passed its budget on a busy host: its own error
-            assert answer.json()["error"]["code"] == "grammar_failed", answer.text
+        else:  # a mask that passed its budget on a busy host: its own error, from the engine
+            # (grammar_failed) or from the check before it was accepted (a 400 naming the field)
+            error = answer.json()["error"]
+            assert answer.status_code == 400, answer.text
+            assert error["code"] == "grammar_failed" or (
+                error["param"] == "structured_outputs" and "token mask took" in error["message"]
+            ), answer.text
     p99 = np.percentile(gaps, 99)
     assert p99 <= 0.200, f"p99 gap {p99 * 1e3:.0f} ms"
 
