@@ -232,7 +232,7 @@ def _kept_step_tensors(model: Transformer) -> _StepTensors:
 class _StepTensors:
     structure: int  # _structure when gathered
     weights: list[Tensor]  # the projection weights, as parameters
-    versions: list[tuple[int, int, tuple[int, ...]]]  # each one's version_of when gathered
+    versions: list[tuple[int | None, int, tuple[int, ...]]]  # each one's version_of when gathered
     blocks: list[Tensor]
     head: list[Tensor]
     architecture: list[int]  # _architecture's, with eps: the config's, read once

@@ -67,11 +67,14 @@ def _tiles(isa: str) -> bool:
     )
 
 
-def version_of(weight: Tensor) -> tuple[int, int, tuple[int, ...]]:
+def version_of(weight: Tensor) -> tuple[int | None, int, tuple[int, ...]]:
     """What a copy kept from ``weight`` must match to still hold its values: the version
     counter (any in-place change, loading included), the address (new data under the
     parameter) and the strides."""
-    return weight._version, weight.data_ptr(), weight.stride()
+    # An inference tensor (a model loaded under torch.inference_mode) keeps no version counter;
+    # it cannot be changed outside inference mode, and serving never changes its weights.
+    version = None if weight.is_inference() else weight._version
+    return version, weight.data_ptr(), weight.stride()
 
 
 def packed(weight: Tensor) -> Tensor:

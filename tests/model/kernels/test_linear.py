@@ -171,3 +171,16 @@ def test_bfloat16_weights_are_packed_for_the_tile_unit(
         assert not untile(packed, -(-outputs // 16) * 16)[outputs:].any()
         ragged = column_major_linear(100, outputs, bias=False, seed=outputs, narrow=True)
         assert linear_kernel.packed(ragged.weight).dim() == 3
+
+
+def test_a_model_loaded_under_inference_mode_projects_in_the_kernel() -> None:
+    """Weights made under torch.inference_mode (a benchmark or a script loading a checkpoint
+    there) keep no version counter: the packed copy is kept by the weight's address instead, and
+    the kernel's product is F.linear's."""
+    with torch.inference_mode():
+        linear = column_major_linear(128, 256, bias=True, seed=3)
+        assert linear.weight.is_inference()
+        x = torch.randn(2, 128)
+        assert linear_kernel.applies(x, linear.weight)
+        torch.testing.assert_close(linear(x), F.linear(x, linear.weight, linear.bias))
+        assert linear_kernel.packed(linear.weight) is linear_kernel.packed(linear.weight)
