@@ -222,20 +222,21 @@ void rotate(float* x, const float* cos, const float* sin, int64_t rot) {
   }
 }
 
-// The MLP's activation over n floats in place (libm's erf and tanh: the same on every ISA).
+// The MLP's activation over n floats in place, 16 at a time (simd.h's erf and tanh: the same
+// bits on every ISA).
 void activate(float* h, int64_t n, int64_t mlp) {
-  switch (mlp) {
-    case kGelu:
-      for (int64_t i = 0; i < n; ++i) h[i] = 0.5f * h[i] * (1.0f + std::erf(h[i] * 0.70710678f));
-      break;
-    case kGeluTanh:
-      for (int64_t i = 0; i < n; ++i) {
-        const float u = h[i];
-        h[i] = 0.5f * u * (1.0f + std::tanh(0.79788456f * (u + 0.044715f * u * u * u)));
-      }
-      break;
-    default:  // kRelu2
-      for (int64_t i = 0; i < n; ++i) h[i] = h[i] > 0.0f ? h[i] * h[i] : 0.0f;
+  for (int64_t i = 0; i < n; i += simd::kLanes) {
+    const int64_t lanes = std::min<int64_t>(simd::kLanes, n - i);
+    const f32x16 u = simd::load_first(h + i, lanes);
+    f32x16 out;
+    switch (mlp) {
+      case kGelu: out = 0.5f * u * (1.0f + simd::erf(u * 0.70710678f)); break;
+      case kGeluTanh:
+        out = 0.5f * u * (1.0f + simd::tanh(0.79788456f * (u + 0.044715f * u * u * u)));
+        break;
+      default: out = simd::select(u > 0.0f, u * u, simd::zero());  // kRelu2
+    }
+    simd::store_first(h + i, out, lanes);
   }
 }
 
