@@ -22,7 +22,8 @@ tokens): one stream of 256 tokens, then bursts of 32 and 64 streams of 128 token
 interleaved within each round with an idle gap before each run, medians over ``--rounds``. The
 inter-token gaps come from a second ordinal server with ``--stream-interval 0`` (every token its
 own event, as the peers send them). The table, with ordinal's ratio to each peer, goes into
-docs/benchmarks.md (re-rendered with ``bench.run``'s other results) from bench/results/peers.json.
+docs/benchmarks.md (re-rendered with ``bench.run``'s other results) from
+bench/results/<class>/peers.json, the class being ordinal's kernel variant (``bench.run``).
 ``bench/install-peers.sh`` installs both outside the repository (vLLM's CPU build, and the C++
 ``llama-server`` built from the llama.cpp source in llama-cpp-python's source package). The
 final figures are taken on a quiet machine with:
@@ -65,12 +66,12 @@ from bench.http import (
     session,
     stream_body,
 )
-from bench.run import cpu_model, load_results, peers_section, render
+from bench.run import cpu_class, cpu_model, peers_section, render_all
+from interop.gguf_export import export_gguf
+from interop.hf_export import export_folder, served_context
 from model.checkpoint import load_checkpoint
 from model.config import write_json_atomic
 from model.files import write_text_atomic
-from model.interop.gguf_export import export_gguf
-from model.interop.hf_export import export_folder, served_context
 from model.tokenizer import special_ids
 
 # Each stops mid-speech, so that no engine's completion is only the end of the speech.
@@ -346,6 +347,7 @@ def measure_load(args: argparse.Namespace, engines: list[str]) -> dict[str, Any]
     return {
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "cpu": cpu_model(),  # the hosts differ between sessions, and every engine with them
+        "cpu_isa": cpu_class(),  # ordinal's kernel variant (ORDINAL_CPU_ISA forces one)
         "load_average_at_start": load_average,
         "rounds": args.rounds,
         "engines": engines,
@@ -411,11 +413,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.load:
         load = measure_load(args, engines)
         print(peers_section(load))
+        folder = args.results / load["cpu_isa"]
         if args.smoke:
-            write_json_atomic(args.results / "peers-smoke.json", load)
+            write_json_atomic(folder / "peers-smoke.json", load)
         else:
-            write_json_atomic(args.results / "peers.json", load)
-            write_text_atomic(args.doc, render(load_results(args.results)))
+            write_json_atomic(folder / "peers.json", load)
+            write_text_atomic(args.doc, render_all(args.results))
             print(f"wrote {args.doc}")
     return 0 if every_match else 1
 

@@ -4,8 +4,10 @@ Stages: ``decode`` (in-process, bench.decode; the long one), ``http`` (the real 
 bench.http), ``bound`` (matmul bound, bench.bound), ``prefix`` (a repeated prompt's time to
 first token with and without the prefix cache, bench.prefix) and ``structured`` (what a
 choice-constrained row costs its batch, bench.structured). Each writes
-bench/results/<stage>.json; a stage left out of ``--stages`` is read back from there, so one
-figure can be redone alone.
+bench/results/<class>/<stage>.json, where the class is the kernel variant the run decodes with
+(``model.kernels``: avx512, avx2, ... or torch; ``ORDINAL_CPU_ISA=avx2`` measures the AVX2 code
+on an AVX-512 machine); a stage left out of ``--stages`` is read back from there, so one figure
+can be redone alone. docs/benchmarks.md has a section per class, each naming its CPU.
 
     python -m bench.run                      # everything, several minutes
     python -m bench.run --quick              # one repeat, rope only, short HTTP levels
@@ -20,6 +22,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -27,9 +30,10 @@ from typing import Any, NamedTuple
 
 import torch
 
+import model.cpu as cpu
 from bench import bound, decode, http, prefix, structured
+from lab.markdown import markdown_table
 from model.files import write_json_atomic, write_text_atomic
-from model.markdown import markdown_table
 from model.positional import SCHEMES
 
 STAGES = ("decode", "http", "bound", "prefix", "structured")
@@ -46,11 +50,28 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def cpu_class() -> str:
+    """The kernel variant this process decodes with (``torch``: none): the CPU class its
+    figures belong to, and their folder under bench/results."""
+    return cpu.chosen() or "torch"
+
+
+# Each class's title in docs/benchmarks.md, in the order the sections come.
+CLASS_TITLES = {
+    "avx512": "AVX-512",
+    "avx2": "AVX2",
+    "neon": "NEON",
+    "scalar": "scalar kernels",
+    "torch": "no kernels (torch)",
+}
+
+
 def machine() -> dict[str, Any]:
-    """What the figures were measured on."""
+    """What the figures were measured on: the CPU, and the kernel variant decoding."""
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
     return {
         "cpu": cpu_model(),
+        "cpu_isa": cpu_class(),
         "cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,
@@ -106,8 +127,10 @@ def divide(a: float | None, b: float | None) -> float | None:
 def machine_section(info: Results, decoded: Results) -> str:
     device = f"GPU {info['gpu']} (bfloat16)" if info["gpu"] else "CPU (float32)"
     where = f"{decoded.get('device', 'cpu')} in {decoded.get('dtype', 'float32')}"
+    variant = info.get("cpu_isa", "avx512")  # runs before the variants were all on AVX-512
     return (
-        f"Measured {info['date']} on {info['cpu']}, {info['cores']} cores "
+        f"Measured {info['date']} on {info['cpu']} with the {variant} kernels, "
+        f"{info['cores']} cores "
         f"(torch {info['torch']}, {info['torch_threads']} threads), device: {device}; "
         f"load average at start {info['load_average_at_start']:.2f}. In-process decode runs on "
         f"{where} with random weights, greedy, EOS ignored.\n"
@@ -637,6 +660,7 @@ def peers_section(load: Results) -> str:
         "## Against vLLM and llama.cpp (`bench.peers --load`)\n\n"
         f"`{load['command']}`, {load['date']}"
         + (f", {load['cpu']}" if "cpu" in load else "")
+        + (f", ordinal's {load['cpu_isa']} kernels" if "cpu_isa" in load else "")
         + ", load average at start "
         f"{load['load_average_at_start']:.2f}; medians of {load['rounds']} interleaved rounds, "
         "the same streaming client (aiohttp) and greedy requests for every server, one compute "
@@ -657,7 +681,8 @@ def load_results(folder: Path) -> dict[str, Results]:
 
 
 def render(results: dict[str, Results]) -> str:
-    """docs/benchmarks.md from the stage results (a missing stage is left out)."""
+    """One CPU class's part of docs/benchmarks.md from its stage results (a missing stage is
+    left out), its sections headed ``## ``."""
     decoded = results.get("decode", {"sizes": {}})
     in_process = decoded["sizes"].get("shipped", {}).get("ours", {}).get("rope", {}).get("batch_1")
     one_thread = decoded.get("rope_batch_1_one_thread")
@@ -675,9 +700,33 @@ def render(results: dict[str, Results]) -> str:
     # The targets need both the decode and the HTTP figures.
     present = set(results) | ({"targets"} if {"decode", "http"} <= set(results) else set())
     body = [text for stage, make in sections if stage in present and (text := make())]
-    intro = "# Benchmarks\n\nWritten by `make bench` (`python -m bench.run`); "
-    intro += "targets are shown beside the figures, ✓ where this run met them.\n\n"
-    return intro + machine_section(results["machine"], decoded) + "\n" + "\n".join(body)
+    opening = machine_section(results["machine"], decoded) + "\n" if "machine" in results else ""
+    return opening + "\n".join(body)
+
+
+def result_classes(folder: Path) -> list[Path]:
+    """The CPU classes with results under ``folder`` (bench/results), in CLASS_TITLES' order."""
+    found = [path for path in folder.iterdir() if path.is_dir() and any(path.glob("*.json"))]
+    order = list(CLASS_TITLES)
+    return sorted(found, key=lambda path: order.index(path.name) if path.name in order else 99)
+
+
+def render_all(folder: Path) -> str:
+    """docs/benchmarks.md: a section per CPU class under ``folder``, each naming its CPU."""
+    intro = (
+        "# Benchmarks\n\nWritten by `make bench` (`python -m bench.run`) and `bench.peers "
+        "--load`, one section per CPU class: the kernel variant that decoded (model/kernels; "
+        "`ORDINAL_CPU_ISA` forces one), and the CPU that ran it. Targets are shown beside the "
+        "figures, ✓ where the run met them.\n"
+    )
+    parts = [intro]
+    for path in result_classes(folder):
+        results = load_results(path)
+        cpu = next((r["cpu"] for r in results.values() if "cpu" in r), "an unrecorded CPU")
+        title = CLASS_TITLES.get(path.name, path.name)
+        demoted = re.sub(r"^(#+) ", r"#\1 ", render(results), flags=re.M)
+        parts.append(f"## {title}: {cpu}\n\n{demoted}")
+    return "\n".join(parts)
 
 
 # ----------------------------------------------------------------------------- command line
@@ -704,15 +753,17 @@ def main() -> None:
             setattr(args, name, quick if args.quick else full)
 
     info = machine()
+    folder = args.results / info["cpu_isa"]
+    print(f"measuring on {info['cpu']} with the {info['cpu_isa']} kernels, into {folder}")
     if "decode" in args.stages:  # the page's header dates the decode run (and the machine)
-        write_json_atomic(args.results / "machine.json", info)
+        write_json_atomic(folder / "machine.json", info)
     for stage in args.stages:
         started = time.strftime("%Y-%m-%d %H:%M")
         result = run_stage(stage, args)
         if stage == "http":  # the report dates a server run apart from the decode run
             result["date"], result["run"] = started, info["date"]
-        write_json_atomic(args.results / f"{stage}.json", result)
-    write_text_atomic(args.doc, render(load_results(args.results)))
+        write_json_atomic(folder / f"{stage}.json", result)
+    write_text_atomic(args.doc, render_all(args.results))
     print(f"wrote {args.doc}")
 
 

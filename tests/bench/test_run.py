@@ -12,18 +12,36 @@ from pathlib import Path
 
 import pytest
 
-from bench.run import STAGES, render
+from bench.run import CLASS_TITLES, STAGES, render, render_all, result_classes
 from tests.test_shipped_checkpoints import SHIPPED_SCHEMES as SCHEMES  # the benchmarked ones
 
 RESULTS = Path(__file__).parents[2] / "bench" / "results"
+DOC = Path(__file__).parents[2] / "docs" / "benchmarks.md"
+CLASSES = [path.name for path in result_classes(RESULTS)]
 
 
-@pytest.fixture(scope="module")
-def results() -> dict:
-    found = {"machine": json.loads((RESULTS / "machine.json").read_text())}
+@pytest.fixture(scope="module", params=CLASSES)
+def results(request: pytest.FixtureRequest) -> dict:
+    """Each CPU class's committed results (bench/results/<class>/), complete."""
+    folder = RESULTS / request.param
+    found = {"machine": json.loads((folder / "machine.json").read_text())}
     for stage in STAGES:
-        found[stage] = json.loads((RESULTS / f"{stage}.json").read_text())
+        found[stage] = json.loads((folder / f"{stage}.json").read_text())
+    if (folder / "peers.json").exists():
+        found["peers"] = json.loads((folder / "peers.json").read_text())
     return found
+
+
+def test_both_cpu_classes_are_measured_and_the_page_is_their_rendering() -> None:
+    """An AVX2 and an AVX-512 section, each naming the CPU that measured it, and the committed
+    page is exactly what the committed results render to."""
+    assert {"avx2", "avx512"} <= set(CLASSES)
+    page = render_all(RESULTS)
+    for name in CLASSES:
+        machine = json.loads((RESULTS / name / "machine.json").read_text())
+        assert f"## {CLASS_TITLES[name]}: {machine['cpu']}\n" in page
+        assert machine["cpu_isa"] == name
+    assert DOC.read_text() == page
 
 
 def test_every_scheme_is_timed_at_both_sizes_and_batches(results: dict) -> None:
