@@ -302,7 +302,7 @@ def collector_paused() -> Iterator[None]:
     again after. A full collection in this load generator, tens of thousands of timestamps in,
     stopped every stream for ~130 ms now and then, and each request sent meanwhile counted it in
     its time to first token: 3 of 8 runs of a 32-stream level had requests at 163-306 ms, none
-    of 6 with the collector off (docs/performance.md, seventh round)."""
+    of 6 with the collector off (docs/performance-log.md, seventh round)."""
     gc.collect()
     gc.disable()
     try:

@@ -57,7 +57,7 @@ class KVCache:
         self._reserve = (rows, max_length) if reserve is None else reserve
         # Doubling, even into such pages, a 64-stream burst grew a server's cache from 32 rows
         # to 64 in one step that copied the 32 rows' keys: 107 ms on this host, which the
-        # burst's first tokens waited for (docs/performance.md, fifteenth round).
+        # burst's first tokens waited for (docs/performance-log.md, fifteenth round).
         self.grows_to_most = torch.device(device).type == "cpu"
         self._keeps_state = SCHEMES[config.scheme].keeps_key_state
         # [layers, rows, heads, length] float32 (a cumulative sum runs over it), or empty.
@@ -289,7 +289,7 @@ def zeros(shape: tuple[int, ...], device: torch.device | str, dtype: torch.dtype
     read as zeros and take memory only once written (a few at a time, as rows write their
     keys). ``torch.zeros`` writes every byte at once: the step in which a burst of 64 requests
     grew a server's cache from 32 rows to 64 took 100-250 ms, which the burst's first tokens
-    waited for (docs/performance.md, fifteenth round)."""
+    waited for (docs/performance-log.md, fifteenth round)."""
     nbytes = math.prod(shape) * dtype.itemsize
     if torch.device(device).type != "cpu" or nbytes == 0:
         return torch.zeros(shape, device=device, dtype=dtype)

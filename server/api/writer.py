@@ -29,7 +29,7 @@ def joined(pieces: list[Piece]) -> list[Piece]:
     the last one's finish_reason). A stream's tokens that waited for one frame
     (``--stream-interval``) then leave as one event, as vLLM's output collector joins what its
     reader has not yet taken: at 32 streams the benchmark's client spent 0.10 core against 0.21
-    for the same tokens (docs/performance.md, fourteenth round). A piece with logprobs stays an
+    for the same tokens (docs/performance-log.md, fourteenth round). A piece with logprobs stays an
     event of its own: clients read one token's logprobs per chunk (the playground does)."""
     merged: list[Piece] = []
     for piece in pieces:

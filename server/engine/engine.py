@@ -141,7 +141,7 @@ class Outbox:
         events, each job's in order (ordinary tokens it had waiting included), and the stats;
         the other jobs' tokens wait on. A job's first token then travels in a frame of its own
         instead of taking every stream's waiting tokens along: at 32 streams such frames
-        came every ~5 ms, and the interval's batching was mostly lost (docs/performance.md,
+        came every ~5 ms, and the interval's batching was mostly lost (docs/performance-log.md,
         fourteenth round)."""
         if not self.events and not self.stats:
             return None
