@@ -42,12 +42,17 @@ Results = dict[str, Any]
 
 
 def cpu_model() -> str:
+    """The CPU's name and the widest vector ISA it runs ("AMD EPYC with AVX-512"): one name
+    covers CPUs of several classes, and a run may force a narrower variant than its CPU's."""
+    name = platform.processor() or platform.machine()
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.exists():
         for line in cpuinfo.read_text().splitlines():
             if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
+                name = line.split(":", 1)[1].strip()
+                break
+    widest = next((isa for isa in cpu.runnable() if isa != "scalar"), None)
+    return f"{name} with {CLASS_TITLES[widest]}" if widest else name
 
 
 def cpu_class() -> str:
