@@ -103,6 +103,14 @@ class Call(msgspec.Struct, tag=True, array_like=True):
     args: dict[str, Any]
 
 
+class Load(msgspec.Struct, tag=True, array_like=True):
+    """Load one more checkpoint (a folder that appeared in the served folder while serving):
+    announced, then loaded or failed, as a configured model is."""
+
+    name: str
+    folder: str
+
+
 class Shutdown(msgspec.Struct, tag=True, array_like=True):
     """Fail what is left (503) and exit."""
 
@@ -236,7 +244,7 @@ class Returned(msgspec.Struct, tag=True, array_like=True):
     body: bytes
 
 
-ToEngine = Submit | Cancel | Call | Shutdown
+ToEngine = Submit | Cancel | Call | Load | Shutdown
 FromEngine = ModelLoading | ModelLoaded | ModelFailed | Outputs | Returned
 
 _encoder = msgspec.msgpack.Encoder()

@@ -52,6 +52,7 @@ from server.messages import (
     EngineConfig,
     Failed,
     FromEngine,
+    Load,
     ModelFailed,
     ModelInfo,
     ModelLoaded,
@@ -237,6 +238,15 @@ class EngineClient:
         future = self._calls[call_id] = asyncio.get_running_loop().create_future()
         self._send(Call(call_id, model, method, args))
         return await future
+
+    def load(self, name: str, folder: str) -> None:
+        """Load checkpoint ``folder`` as model ``name`` beside the others (it answers through
+        the listener, as the configured ones do); a restarted engine loads it again."""
+        if all(model != name for model, _ in self.config.models):
+            models = [*self.config.models, (name, folder)]
+            self.config = msgspec.structs.replace(self.config, models=models)
+        if self._writer is not None and not self._stopping:  # else the next engine loads it
+            self._send(Load(name, folder))
 
     def _next_id(self) -> int:
         self._ids += 1

@@ -4,10 +4,18 @@ A model's name is its checkpoint folder's name. The engine process (``server.eng
 them after the app has started, one model after another (the default first), and each model loads
 — or fails — on its own: a broken checkpoint makes that model answer 503 with what is wrong,
 while the others serve. ``/health`` is 200 while at least one model is ready.
+
+While it serves, the folder is watched (``--watch-interval``): a checkpoint folder that appears
+is loaded once its files have stopped changing for one look, and answers on ``/v1/models`` as
+soon as it has loaded. One that is incomplete once still (a copy that stopped half-way) or fails
+to load (corrupt weights) is reported in ``/health`` and the log and never served; it is tried
+again when its files change. A served model is never replaced or removed while serving.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import functools
 import logging
 from dataclasses import dataclass
@@ -19,7 +27,7 @@ from tokenizers import Tokenizer
 
 import model.cpu as cpu
 from model.chat import ChatTemplate
-from model.files import CONFIG_FILE, TOKENIZER_FILE
+from model.files import CONFIG_FILE, MODEL_FILES, TOKENIZER_FILE
 from model.tokenizer import load_tokenizer, special_ids, vocabulary_tables
 from server.api.client import EngineClient, Launcher, ModelClient
 from server.api.errors import APIError, busy
@@ -52,6 +60,27 @@ def discover_checkpoints(folder: Path, names: list[str]) -> dict[str, Path]:
     if unknown:
         raise ValueError(f"models {unknown} are not in {str(folder)!r}; found {list(found)}")
     return {name: found[name] for name in names} if names else found
+
+
+# What a look at a checkpoint folder sees: each file's name, size and modification time.
+FolderState = tuple[tuple[str, int, int], ...]
+
+
+def folder_states(folder: Path) -> dict[str, FolderState]:
+    """The state of each folder in ``folder`` that holds any of a checkpoint's files, by name
+    (hidden folders left out): what the watcher compares between two looks."""
+    states = {}
+    for path in sorted(folder.iterdir()):
+        if path.name.startswith(".") or not path.is_dir():
+            continue
+        files = []
+        for file in sorted(path.iterdir()):
+            with contextlib.suppress(OSError):  # removed between the listing and the stat
+                stat = file.stat()
+                files.append((file.name, stat.st_size, stat.st_mtime_ns))
+        if any(name in MODEL_FILES for name, _, _ in files):
+            states[path.name] = tuple(files)
+    return states
 
 
 def choose_default(names: list[str], requested: str | None) -> str:
@@ -179,6 +208,12 @@ class Service:
         self.engine: EngineClient | None = None
         self._launcher = launcher
         self._folders: dict[str, Path] = {}
+        # The watcher's view: each folder's state when it was last acted on, the state seen at
+        # the last look of a folder that is changing, and the folders reported incomplete.
+        self._acted_on: dict[str, FolderState] = {}
+        self._changing: dict[str, FolderState] = {}
+        self._incomplete: set[str] = set()
+        self._watcher: asyncio.Task[None] | None = None
         self.tracing: Tracing | None = None  # with --otlp-traces-endpoint (create_app sets it)
 
     @property
@@ -234,6 +269,51 @@ class Service:
             max_traces=settings.max_traces,
         )
         await self.engine.start()
+        if settings.watch_interval > 0 and not settings.models:
+            self._acted_on = await asyncio.to_thread(folder_states, settings.checkpoints)
+            self._watcher = asyncio.create_task(self._watch(settings.watch_interval))
+
+    async def _watch(self, interval: float) -> None:
+        """Look at the checkpoints folder every ``interval`` seconds (the module's docstring)."""
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                states = await asyncio.to_thread(folder_states, self.settings.checkpoints)
+            except OSError as error:  # the folder itself went away: nothing new to serve
+                logger.warning("cannot look at the checkpoints folder: %s", error)
+                continue
+            for name, state in states.items():
+                self._look_at(name, state)
+
+    def _look_at(self, name: str, state: FolderState) -> None:
+        """Act on one folder's ``state``: once it has not changed for one look, load it if it
+        is new or failed before, and report it if it lacks a checkpoint's files."""
+        assert self.engine is not None
+        status = self.status.get(name)
+        if self._acted_on.get(name) == state or name in self.engine.crashed:
+            return
+        if status is not None and status.state != ModelState.FAILED:
+            return  # loading or served: a served model is not replaced while serving
+        if self._changing.get(name) != state:
+            self._changing[name] = state  # changed since the last look: wait for it to settle
+            return
+        del self._changing[name]
+        self._acted_on[name] = state
+        folder = self.settings.checkpoints / name
+        missing = [file for file in MODEL_FILES if not (folder / file).is_file()]
+        if missing:
+            self._incomplete.add(name)
+            self.failed(
+                name,
+                f"incomplete checkpoint folder: no {', '.join(missing)}; it is tried again "
+                "when its files change",
+            )
+            return
+        self._incomplete.discard(name)
+        logger.info("found checkpoint '%s' in %s: loading it", name, self.settings.checkpoints)
+        self._folders[name] = folder
+        self.status[name] = ModelStatus()
+        self.engine.load(name, str(folder))
 
     # ---- what the engine process reports (server.api.client.Listener) -------------------------
 
@@ -269,9 +349,12 @@ class Service:
         """The engine process died: nothing serves until its successor has loaded."""
         self.models.clear()
         for name in self.status:
-            self.status[name] = ModelStatus(ModelState.LOADING, "the engine is restarting")
+            if name not in self._incomplete:  # those the engine never had stay as they are
+                self.status[name] = ModelStatus(ModelState.LOADING, "the engine is restarting")
 
     async def close(self) -> None:
+        if self._watcher is not None:
+            self._watcher.cancel()
         if self.engine is not None:
             await self.engine.close()
         if self.tracing is not None:

@@ -206,6 +206,16 @@ class Settings(BaseSettings):
             "imported)"
         ),
     )
+    watch_interval: float = Field(
+        1.0,
+        ge=0,
+        description=(
+            "seconds between looks at the checkpoints folder: a checkpoint folder that appears "
+            "there is served once its files have not changed for one look, and one that fails "
+            "to load (half-copied, corrupt) is reported in /health and tried again when its "
+            "files change (0 = off; off with --models, which names what to serve)"
+        ),
+    )
     engine_stall_timeout: float = Field(
         10.0,
         gt=0,

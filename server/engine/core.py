@@ -3,7 +3,8 @@
 The API process (``server.api.client``) starts this process and talks to it over one socket
 (``server.messages``). The loop, in the process's main thread:
 
-1. takes the models a loader thread has finished loading (each announced as it is ready);
+1. takes the models a loader thread has finished loading (each announced as it is ready): the
+   configured ones at start, then any the API process finds later (a ``Load`` message);
 2. reads every message that has arrived — blocking only while there is nothing to decode (and
    at most ``COMPILE_POLL`` while a grammar compiles);
 3. queues the jobs whose grammar has compiled, and runs one step of every model that has work
@@ -49,6 +50,7 @@ from server.messages import (
     Channel,
     EngineConfig,
     Failed,
+    Load,
     ModelFailed,
     ModelLoaded,
     ModelLoading,
@@ -74,8 +76,12 @@ class EngineCore:
         self.channel = channel
         self.outbox = Outbox(send=self._send)
         self.engines: dict[str, ModelEngine] = {}
+        # The loader thread's results; None ends one batch of models (the configured ones, or
+        # one Load's). ``_loads`` batches are still to end, ``_requests`` holds those not begun.
         self._loaded: queue.SimpleQueue[LoadedModel | ModelFailed | None] = queue.SimpleQueue()
-        self._loading = True
+        self._requests: queue.SimpleQueue[list[tuple[str, str]]] = queue.SimpleQueue()
+        self._requests.put(config.models)
+        self._loads = 1
         self._last_send = 0.0
         self._calls: deque[Call] = deque()  # waiting to run, in arrival order
 
@@ -115,7 +121,7 @@ class EngineCore:
         to shrink, or for ever."""
         if self.busy:
             return 0.0
-        waits = [LOAD_POLL] if self._loading else []
+        waits = [LOAD_POLL] if self._loads else []
         if any(engine.compiling for engine in self.engines.values()):
             waits.append(COMPILE_POLL)
         dues = [due for engine in self.engines.values() if (due := engine.shrink_due) is not None]
@@ -129,17 +135,20 @@ class EngineCore:
         decode_step.share_large_steps(
             self.config.attention_helper and len(os.sched_getaffinity(0)) > 1
         )
-        for result in load_all(
-            self.config, announce=lambda name: self.channel.send(ModelLoading(name))
-        ):
-            self._loaded.put(result)
-        self._loaded.put(None)
+        while True:  # the configured models, then each Load's, one batch after another
+            models = self._requests.get()
+            batch = msgspec.structs.replace(self.config, models=models)
+            for result in load_all(
+                batch, announce=lambda name: self.channel.send(ModelLoading(name))
+            ):
+                self._loaded.put(result)
+            self._loaded.put(None)
 
     def _take_loaded(self) -> None:
-        while self._loading and not self._loaded.empty():
+        while self._loads and not self._loaded.empty():
             result = self._loaded.get()
             if result is None:
-                self._loading = False
+                self._loads -= 1
             elif isinstance(result, ModelFailed):
                 logger.error("model '%s' failed to load: %s", result.name, result.message)
                 self.channel.send(result)
@@ -170,6 +179,9 @@ class EngineCore:
                 engine.cancel(message.id)
         elif isinstance(message, Call):
             self._calls.append(message)
+        elif isinstance(message, Load):
+            self._loads += 1
+            self._requests.put([(message.name, message.folder)])
 
     def _engine_for(self, message: Submit | Call) -> ModelEngine | None:
         """The engine of the message's model, or None after answering 503 for it."""
