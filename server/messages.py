@@ -111,6 +111,13 @@ class Load(msgspec.Struct, tag=True, array_like=True):
     folder: str
 
 
+class Unload(msgspec.Struct, tag=True, array_like=True):
+    """Stop serving checkpoint ``name`` (and its rope variants): new jobs are refused, those it
+    holds finish first (its folder was removed)."""
+
+    name: str
+
+
 class Shutdown(msgspec.Struct, tag=True, array_like=True):
     """Fail what is left (503) and exit."""
 
@@ -244,7 +251,7 @@ class Returned(msgspec.Struct, tag=True, array_like=True):
     body: bytes
 
 
-ToEngine = Submit | Cancel | Call | Load | Shutdown
+ToEngine = Submit | Cancel | Call | Load | Unload | Shutdown
 FromEngine = ModelLoading | ModelLoaded | ModelFailed | Outputs | Returned
 
 _encoder = msgspec.msgpack.Encoder()

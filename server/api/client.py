@@ -60,6 +60,7 @@ from server.messages import (
     Outputs,
     Returned,
     Shutdown,
+    Unload,
     frame,
 )
 
@@ -247,6 +248,14 @@ class EngineClient:
             self.config = msgspec.structs.replace(self.config, models=models)
         if self._writer is not None and not self._stopping:  # else the next engine loads it
             self._send(Load(name, folder))
+
+    def unload(self, name: str) -> None:
+        """Stop serving checkpoint ``name`` (and its variants); a restarted engine leaves it."""
+        models = [(model, folder) for model, folder in self.config.models if model != name]
+        self.config = msgspec.structs.replace(self.config, models=models)
+        self.models = {key: model for key, model in self.models.items() if key != name}
+        if self._writer is not None and not self._stopping:
+            self._send(Unload(name))
 
     def _next_id(self) -> int:
         self._ids += 1

@@ -97,6 +97,18 @@ async def list_models(request: Request) -> Response:
     return _json({"object": "list", "data": models})
 
 
+@router.post("/v1/models/reload", response_model=None, responses=error_responses(401, 503))
+async def reload_models(request: Request) -> Response:
+    """Look at the checkpoints folder now, as the watcher does every ``--watch-interval``, but
+    acting at once: new and changed folders load, removed ones are unloaded, incomplete ones
+    are reported. Answers once the loads it started have ended: what loaded, what failed and
+    why, what was unloaded, and the models served."""
+    service = _service(request)
+    if service.engine is None:
+        raise busy(service.load_error or "the server is starting", status=503)
+    return _json(await service.reload())
+
+
 @router.get("/v1/models/{model_id}", response_model=None, responses=error_responses(401, 404, 503))
 async def get_model(model_id: str, request: Request) -> Response:
     service = _service(request)

@@ -5,11 +5,13 @@ them after the app has started, one model after another (the default first), and
 — or fails — on its own: a broken checkpoint makes that model answer 503 with what is wrong,
 while the others serve. ``/health`` is 200 while at least one model is ready.
 
-While it serves, the folder is watched (``--watch-interval``): a checkpoint folder that appears
-is loaded once its files have stopped changing for one look, and answers on ``/v1/models`` as
-soon as it has loaded. One that is incomplete once still (a copy that stopped half-way) or fails
-to load (corrupt weights) is reported in ``/health`` and the log and never served; it is tried
-again when its files change. A served model is never replaced or removed while serving.
+While it serves, the folder is watched (``--watch-interval``; ``POST /v1/models/reload`` looks
+at once): a checkpoint folder that appears, or whose files change, is loaded once its files have
+stopped changing for one look, and answers on ``/v1/models`` as soon as it has loaded (a
+replaced model's streams end on the weights they began with; new requests get the new ones). A
+folder that is removed is unloaded the same way. One that is incomplete once still (a copy that
+stopped half-way) or fails to load (corrupt weights) is reported in ``/health`` and the log and
+never served (a served model keeps its weights); it is tried again when its files change.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import asyncio
 import contextlib
 import functools
 import logging
+import time
+from collections import Counter
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -43,6 +47,7 @@ if TYPE_CHECKING:  # server.api.tracing reads the writers, which read this modul
 logger = logging.getLogger("ordinal.server")
 
 PREFERRED_DEFAULT = "rope"
+RELOAD_TIMEOUT = 60.0  # seconds ``POST /v1/models/reload`` waits for the loads it started
 
 
 def discover_checkpoints(folder: Path, names: list[str]) -> dict[str, Path]:
@@ -64,6 +69,7 @@ def discover_checkpoints(folder: Path, names: list[str]) -> dict[str, Path]:
 
 # What a look at a checkpoint folder sees: each file's name, size and modification time.
 FolderState = tuple[tuple[str, int, int], ...]
+_UNSEEN = ()  # a folder not seen changing (no folder state is empty: it holds a model file)
 
 
 def folder_states(folder: Path) -> dict[str, FolderState]:
@@ -211,9 +217,10 @@ class Service:
         # The watcher's view: each folder's state when it was last acted on, the state seen at
         # the last look of a folder that is changing, and the folders reported incomplete.
         self._acted_on: dict[str, FolderState] = {}
-        self._changing: dict[str, FolderState] = {}
+        self._changing: dict[str, FolderState | None] = {}
         self._incomplete: set[str] = set()
         self._watcher: asyncio.Task[None] | None = None
+        self._outcomes: Counter[str] = Counter()  # loads ended (loaded or failed), by model
         self.tracing: Tracing | None = None  # with --otlp-traces-endpoint (create_app sets it)
 
     @property
@@ -269,35 +276,79 @@ class Service:
             max_traces=settings.max_traces,
         )
         await self.engine.start()
-        if settings.watch_interval > 0 and not settings.models:
-            self._acted_on = await asyncio.to_thread(folder_states, settings.checkpoints)
+        self._acted_on = await asyncio.to_thread(self._folder_states)
+        if settings.watch_interval > 0:
             self._watcher = asyncio.create_task(self._watch(settings.watch_interval))
+
+    def _folder_states(self) -> dict[str, FolderState]:
+        """The checkpoint folders served or to be served: every one, or ``--models``'."""
+        states = folder_states(self.settings.checkpoints)
+        named = self.settings.models
+        return {name: state for name, state in states.items() if not named or name in named}
 
     async def _watch(self, interval: float) -> None:
         """Look at the checkpoints folder every ``interval`` seconds (the module's docstring)."""
         while True:
             await asyncio.sleep(interval)
-            try:
-                states = await asyncio.to_thread(folder_states, self.settings.checkpoints)
-            except OSError as error:  # the folder itself went away: nothing new to serve
-                logger.warning("cannot look at the checkpoints folder: %s", error)
-                continue
-            for name, state in states.items():
-                self._look_at(name, state)
+            await self.look(settle=True)
 
-    def _look_at(self, name: str, state: FolderState) -> None:
-        """Act on one folder's ``state``: once it has not changed for one look, load it if it
-        is new or failed before, and report it if it lacks a checkpoint's files."""
+    async def look(self, settle: bool) -> dict[str, list[str]]:
+        """One look at the checkpoints folder: act on each folder whose files have changed, or
+        that is gone, since it was last acted on; with ``settle``, only once it has not changed
+        for one look (a copy may be under way). Returns the names it acted on by what it did:
+        ``loading`` (new, changed or failed before), ``reported`` (incomplete), ``unloaded``."""
+        acted: dict[str, list[str]] = {"loading": [], "reported": [], "unloaded": []}
+        try:
+            states = await asyncio.to_thread(self._folder_states)
+        except OSError as error:  # the folder itself went away: leave everything as it is
+            logger.warning("cannot look at the checkpoints folder: %s", error)
+            return acted
         assert self.engine is not None
-        status = self.status.get(name)
-        if self._acted_on.get(name) == state or name in self.engine.crashed:
-            return
-        if status is not None and status.state != ModelState.FAILED:
-            return  # loading or served: a served model is not replaced while serving
-        if self._changing.get(name) != state:
-            self._changing[name] = state  # changed since the last look: wait for it to settle
-            return
-        del self._changing[name]
+        for name in [*states, *(set(self._acted_on) - set(states))]:
+            state = states.get(name)  # None: the folder is gone
+            if self._acted_on.get(name) == state or name in self.engine.crashed:
+                continue
+            if (status := self.status.get(name)) and status.state == ModelState.LOADING:
+                continue  # acted on when this load has ended
+            if settle and self._changing.get(name, _UNSEEN) != state:
+                self._changing[name] = state  # changed since the last look: let it settle
+                continue
+            self._changing.pop(name, None)
+            acted[self._act(name, state)].append(name)
+        return acted
+
+    async def reload(self) -> dict[str, Any]:
+        """``POST /v1/models/reload``: one look that acts at once on every change, and what
+        became of it once the loads it started have ended (``RELOAD_TIMEOUT`` at most)."""
+        before = self._outcomes.copy()
+        acted = await self.look(settle=False)
+        deadline = time.monotonic() + RELOAD_TIMEOUT
+        loading = acted["loading"]
+        while time.monotonic() < deadline and any(
+            self._outcomes[name] == before[name] for name in loading
+        ):
+            await asyncio.sleep(0.02)
+        failed = {
+            name: status.message
+            for name in [*loading, *acted["reported"]]
+            if (status := self.status.get(name)) is not None and status.message is not None
+        }
+        ended = [name for name in loading if self._outcomes[name] != before[name]]
+        return {
+            "loaded": [name for name in ended if name not in failed],
+            "failed": failed,
+            "still_loading": [name for name in loading if name not in ended],
+            "unloaded": acted["unloaded"],
+            "models": list(self.models),
+        }
+
+    def _act(self, name: str, state: FolderState | None) -> str:
+        """Unload, report or load checkpoint folder ``name`` as ``state`` finds it."""
+        assert self.engine is not None
+        if state is None:
+            self._acted_on.pop(name, None)
+            self._unload(name)
+            return "unloaded"
         self._acted_on[name] = state
         folder = self.settings.checkpoints / name
         missing = [file for file in MODEL_FILES if not (folder / file).is_file()]
@@ -308,12 +359,28 @@ class Service:
                 f"incomplete checkpoint folder: no {', '.join(missing)}; it is tried again "
                 "when its files change",
             )
-            return
+            return "reported"
         self._incomplete.discard(name)
-        logger.info("found checkpoint '%s' in %s: loading it", name, self.settings.checkpoints)
+        served = name in self.models
+        logger.info("checkpoint '%s' %s: loading it", name, "changed" if served else "found")
         self._folders[name] = folder
-        self.status[name] = ModelStatus()
+        if not served:  # a served model answers from the weights it has until the new load
+            self.status[name] = ModelStatus()
         self.engine.load(name, str(folder))
+        return "loading"
+
+    def _unload(self, name: str) -> None:
+        """Stop serving checkpoint ``name`` and its rope variants: requests naming them get a
+        404 from now on, and the streams they have finish first in the engine."""
+        assert self.engine is not None
+        gone = [served for served, model in self.models.items() if model.info.base == name]
+        for served in {name, *gone}:
+            self.models.pop(served, None)
+            self.status.pop(served, None)
+        self._folders.pop(name, None)
+        self._incomplete.discard(name)
+        logger.info("checkpoint '%s' was removed: no longer served", name)
+        self.engine.unload(name)
 
     # ---- what the engine process reports (server.api.client.Listener) -------------------------
 
@@ -328,6 +395,7 @@ class Service:
             return
         self.models[info.name] = served
         self.status[info.name] = ModelStatus(ModelState.READY)
+        self._outcomes[info.name] += 1
         backend = info.decode_backend + (f" ({info.cpu_isa})" if info.cpu_isa else "")
         logger.info(
             "model '%s' ready: %s %s, %s parameters, decoded by %s, loaded in %.1f s",
@@ -342,7 +410,14 @@ class Service:
             logger.info("serving %s (default %s)", list(self.models), self.default_model)
 
     def failed(self, name: str, message: str) -> None:
-        self.status[name] = ModelStatus(ModelState.FAILED, message)
+        """Model ``name`` failed to load; one that serves (its folder changed and the new files
+        failed) goes on serving the weights it loaded before, and says so."""
+        if name in self.models:
+            message += "; the weights loaded before still serve"
+            self.status[name] = ModelStatus(ModelState.READY, message)
+        else:
+            self.status[name] = ModelStatus(ModelState.FAILED, message)
+        self._outcomes[name] += 1
         logger.error("model '%s' failed to load: %s", name, message)
 
     def lost(self) -> None:
@@ -387,7 +462,7 @@ class Service:
                 raise busy("the models are still loading", status=503)
             raise APIError(
                 404,
-                f"model {name!r} does not exist; available: {list(self.status)}",
+                f"model {wanted!r} does not exist; available: {list(self.status)}",
                 param="model",
                 code="model_not_found",
             )

@@ -4,7 +4,9 @@ The API process (``server.api.client``) starts this process and talks to it over
 (``server.messages``). The loop, in the process's main thread:
 
 1. takes the models a loader thread has finished loading (each announced as it is ready): the
-   configured ones at start, then any the API process finds later (a ``Load`` message);
+   configured ones at start, then any the API process finds later (a ``Load`` message). A
+   model loaded again replaces the one of its name, and one unloaded (``Unload``) goes: the
+   engine it had finishes the jobs it holds (new ones go to its successor), then is dropped;
 2. reads every message that has arrived — blocking only while there is nothing to decode (and
    at most ``COMPILE_POLL`` while a grammar compiles);
 3. queues the jobs whose grammar has compiled, and runs one step of every model that has work
@@ -58,6 +60,7 @@ from server.messages import (
     Shutdown,
     Submit,
     ToEngine,
+    Unload,
 )
 
 logger = logging.getLogger("ordinal.engine")
@@ -76,6 +79,7 @@ class EngineCore:
         self.channel = channel
         self.outbox = Outbox(send=self._send)
         self.engines: dict[str, ModelEngine] = {}
+        self._retiring: list[ModelEngine] = []  # replaced or unloaded: finishing their jobs
         # The loader thread's results; None ends one batch of models (the configured ones, or
         # one Load's). ``_loads`` batches are still to end, ``_requests`` holds those not begun.
         self._loaded: queue.SimpleQueue[LoadedModel | ModelFailed | None] = queue.SimpleQueue()
@@ -86,8 +90,13 @@ class EngineCore:
         self._calls: deque[Call] = deque()  # waiting to run, in arrival order
 
     @property
+    def every_engine(self) -> list[ModelEngine]:
+        """The engines that take jobs, then those finishing theirs before they go."""
+        return [*self.engines.values(), *self._retiring]
+
+    @property
     def busy(self) -> bool:
-        return bool(self._calls) or any(not engine.idle for engine in self.engines.values())
+        return bool(self._calls) or any(not engine.idle for engine in self.every_engine)
 
     def run(self) -> None:
         """Serve until a ``Shutdown`` arrives or the API process goes away."""
@@ -104,13 +113,14 @@ class EngineCore:
                 if self.channel.closed:
                     return
                 self._send()  # answers to cancellations must not wait for a step
-                for engine in list(self.engines.values()):
+                for engine in self.every_engine:
                     if engine.compiling:
                         engine.take_compiled()
                     if not engine.idle:
                         engine.step()
                 self._run_calls()
                 self._send()
+                self._drop_retired()
                 now = time.monotonic()
                 for engine in self.engines.values():
                     engine.shrink_if_due(now)
@@ -122,7 +132,7 @@ class EngineCore:
         if self.busy:
             return 0.0
         waits = [LOAD_POLL] if self._loads else []
-        if any(engine.compiling for engine in self.engines.values()):
+        if any(engine.compiling for engine in self.every_engine):
             waits.append(COMPILE_POLL)
         dues = [due for engine in self.engines.values() if (due := engine.shrink_due) is not None]
         if dues:
@@ -154,6 +164,8 @@ class EngineCore:
                 self.channel.send(result)
             else:
                 pin_threads(self.config.threads)  # what the loader's count of 1 changed
+                if (replaced := self.engines.get(result.name)) is not None:
+                    self._retiring.append(replaced)
                 self.engines[result.name] = ModelEngine(
                     result,
                     self.config.max_batch_size,
@@ -175,13 +187,31 @@ class EngineCore:
             if (engine := self._engine_for(message)) is not None:
                 engine.submit(message)
         elif isinstance(message, Cancel):
-            for engine in self.engines.values():
+            for engine in self.every_engine:
                 engine.cancel(message.id)
         elif isinstance(message, Call):
             self._calls.append(message)
         elif isinstance(message, Load):
             self._loads += 1
             self._requests.put([(message.name, message.folder)])
+        elif isinstance(message, Unload):  # the checkpoint and its rope variants
+            for name, engine in list(self.engines.items()):
+                if engine.loaded.base == message.name:
+                    self._retiring.append(self.engines.pop(name))
+
+    def _drop_retired(self) -> None:
+        """Drop the retiring engines that have finished their jobs. Their objects were frozen
+        out of the collector's way when they loaded (_take_loaded): unfrozen for one
+        collection, so that a model replaced again and again does not pile up."""
+        still = [engine for engine in self._retiring if not engine.idle or engine.compiling]
+        if len(still) == len(self._retiring):
+            return
+        dropped = [engine.name for engine in self._retiring if engine not in still]
+        self._retiring = still
+        logger.info("dropped the engines of %s, replaced or unloaded", ", ".join(dropped))
+        gc.unfreeze()
+        gc.collect()
+        gc.freeze()
 
     def _engine_for(self, message: Submit | Call) -> ModelEngine | None:
         """The engine of the message's model, or None after answering 503 for it."""
@@ -227,7 +257,7 @@ class EngineCore:
             self._last_send = now
 
     def shutdown(self) -> None:
-        for engine in self.engines.values():
+        for engine in self.every_engine:
             engine.shutdown()
         outputs = self.outbox.take()
         if outputs is not None:

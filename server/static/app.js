@@ -32,24 +32,47 @@ function showView(view, push = true) {
 
 const showModelInfo = () => { $("model-info").textContent = describeModel(modelInfo(model())); };
 
-// The model picker (the default model chosen) and Compare's boxes, from /v1/models.
-function fillModels() {
+// The model picker (the default model chosen, or the one picked before) and Compare's boxes
+// (those ticked before, or the defaults), from /v1/models.
+function fillModels(picked = null, ticked = null) {
   const select = $("model");
   select.replaceChildren(...state.models.map((entry) => new Option(`${entry.id} (${entry.scheme}, ctx ${entry.context_length})`, entry.id)));
-  select.value = (state.models.find((entry) => entry.default) ?? state.models[0]).id;
+  const kept = state.models.find((entry) => entry.id === picked);
+  select.value = (kept ?? state.models.find((entry) => entry.default) ?? state.models[0]).id;
   showModelInfo();
   const boxes = $("compare-models");
+  for (const label of boxes.querySelectorAll(":scope > label")) label.remove(); // not the legend
   for (const entry of state.models) {
     const label = document.createElement("label");
     const box = document.createElement("input");
     box.type = "checkbox";
     box.value = entry.id;
-    box.checked = COMPARE_DEFAULT.includes(entry.id);
+    box.checked = (ticked ?? COMPARE_DEFAULT).includes(entry.id);
     label.append(box, entry.id);
     boxes.append(label);
   }
   $("status").textContent = `${state.models.length} models loaded`;
   $("status").setAttribute("role", "status");
+}
+
+// The server loads, reloads and unloads checkpoints while it serves (its folder is watched):
+// the pickers follow, looked at again when the model picker is opened and every REFRESH_MS
+// while the page is shown.
+const REFRESH_MS = 10000;
+async function refreshModels() {
+  if (document.visibilityState !== "visible") return;
+  let models;
+  try {
+    const response = await call("/v1/models");
+    if (!response.ok) return;
+    models = (await response.json()).data;
+  } catch {
+    return; // the server is restarting or gone: the next look tries again
+  }
+  if (JSON.stringify(models) === JSON.stringify(state.models)) return;
+  const ticked = [...$("compare-models").querySelectorAll("input:checked")].map((box) => box.value);
+  state.models = models;
+  fillModels(model(), ticked);
 }
 
 // The tabs, the settings panel and the experiment's controls; Back and Forward.
@@ -125,6 +148,8 @@ async function start() {
   }
   state.models = data.data;
   fillModels();
+  $("model").addEventListener("focus", refreshModels);
+  setInterval(refreshModels, REFRESH_MS);
   wireSettings();
   await fillCorpora();
   wireViews();

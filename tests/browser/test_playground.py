@@ -4,13 +4,15 @@ draws each scheme's encoding beside its measured geometry report."""
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
 from typing import Any
 
 import httpx
 
 from tests.browser.conftest import Watched
 from tests.browser.pages import drawn, open_encodings, open_inside, set_value
-from tests.server.conftest import Running
+from tests.server.conftest import Running, running_server, test_settings
 
 PROMPT = "To be, or not to be, that is the question"
 
@@ -210,7 +212,6 @@ def test_the_data_dependent_schemes_and_fire_draw_what_they_compute(watched: Wat
 def test_a_server_with_an_api_key_asks_for_it_once(browser: Any, checkpoints: Any) -> None:
     """With ORDINAL_API_KEY set the page's /v1 calls get a 401: it asks for the key, then
     sends it on every call (the page itself and its assets need none)."""
-    from tests.server.conftest import running_server, test_settings
 
     settings = test_settings(checkpoints, models=["rope"], api_key="sesame", stream_interval=0)
     with running_server(settings) as running:
@@ -238,4 +239,46 @@ def test_a_server_with_an_api_key_asks_for_it_once(browser: Any, checkpoints: An
             "document.querySelector('#generate-stats').textContent.includes('finished')"
         )
         assert sent[0] is None and set(sent[1:]) == {"Bearer sesame"}
+        context.close()
+
+
+def test_the_pickers_follow_checkpoints_loaded_while_serving(
+    browser: Any, checkpoints: Path, tmp_path: Path
+) -> None:
+    """A checkpoint loaded while the page is open (here by ``POST /v1/models/reload``) appears
+    in the model picker when it is next opened, and in Compare's boxes; the picked model and
+    the ticked boxes stay; a removed one leaves both."""
+
+    import httpx
+
+    from tests.server.conftest import running_server, test_settings
+
+    shutil.copytree(checkpoints / "rope", tmp_path / "rope")
+    shutil.copytree(checkpoints / "alibi", tmp_path / "alibi")
+    settings = test_settings(tmp_path, watch_interval=0, stream_interval=0)
+    with running_server(settings) as running:
+        context = browser.new_context()
+        page = context.new_page()
+        page.goto(running.url + "/")
+        page.wait_for_selector("body[data-ready=true]")
+        page.select_option("#model", "alibi")
+        options = "[...document.querySelectorAll('#model option')].map((o) => o.value)"
+        assert sorted(page.evaluate(options)) == ["alibi", "rope"]
+
+        shutil.copytree(checkpoints / "learned", tmp_path / "learned")
+        assert httpx.post(running.url + "/v1/models/reload", timeout=60).json()["loaded"] == [
+            "learned"
+        ]
+        page.focus("#model")
+        page.wait_for_function(f"{options}.includes('learned')")
+        assert page.input_value("#model") == "alibi"
+        ticked = "[...document.querySelectorAll('#compare-models input:checked')]"
+        assert sorted(page.evaluate(f"{ticked}.map((box) => box.value)")) == ["alibi", "rope"]
+
+        shutil.rmtree(tmp_path / "learned")
+        httpx.post(running.url + "/v1/models/reload", timeout=60)
+        page.focus("#status")
+        page.focus("#model")
+        page.wait_for_function(f"!{options}.includes('learned')")
+        assert page.text_content("#status") == "2 models loaded"
         context.close()

@@ -36,7 +36,7 @@ class Streams:
             thread.start()
 
     def _run(self) -> None:
-        body = {"model": self.model, "prompt": "Now is", "max_tokens": 96, "ignore_eos": True}
+        body = {"model": self.model, "prompt": "Now is", "max_tokens": 48, "ignore_eos": True}
         with httpx.Client(base_url=self.url, timeout=30) as client:
             while not self.stop.is_set():
                 try:
@@ -158,3 +158,82 @@ def test_with_models_named_nothing_else_is_served(folder: Path, checkpoints: Pat
         time.sleep(10 * LOOK)
         assert served(running) == ["rope"]
         assert health_of(running, "learned") is None
+
+
+def scheme_of(running: Running, name: str) -> str | None:
+    models = httpx.get(f"{running.url}/v1/models").json()["data"]
+    return next((model["scheme"] for model in models if model["id"] == name), None)
+
+
+def replace_atomically(source: Path, target: Path) -> None:
+    """Put a copy of ``source`` in ``target``'s place as ``ordinal train`` writes: staged
+    beside it under a hidden name, then swapped in by renames."""
+    staged, old = target.parent / f".{target.name}-new", target.parent / f".{target.name}-old"
+    shutil.copytree(source, staged)
+    target.rename(old)
+    staged.rename(target)
+    shutil.rmtree(old)
+
+
+def test_a_replaced_checkpoint_reloads_and_a_removed_one_goes(
+    folder: Path, checkpoints: Path
+) -> None:
+    shutil.copytree(checkpoints / "learned", folder / "mine")
+    settings = test_settings(folder, watch_interval=LOOK, stream_interval=0)
+    with running_server(settings) as running:
+        assert scheme_of(running, "mine") == "learned"
+        streams = Streams(running.url, "mine", 4)  # streams on the model being replaced
+        try:
+            replace_atomically(checkpoints / "alibi", folder / "mine")
+            wait_for(lambda: scheme_of(running, "mine") == "alibi", "the reload", LOADED_WITHIN)
+            assert health_of(running, "mine") == {"state": "ready"}
+        finally:
+            streams.finish()
+        assert streams.errors == []  # streams begun on the old weights ended normally
+
+        # New files that fail to load: the weights loaded before still serve, and it says so.
+        (folder / "mine" / WEIGHTS_FILE).write_bytes(b"\xff" * 4096)
+        wait_for(
+            lambda: "still serve" in (health_of(running, "mine") or {}).get("message", ""),
+            "the failed reload's report",
+        )
+        assert scheme_of(running, "mine") == "alibi"
+
+        shutil.rmtree(folder / "mine")
+        wait_for(lambda: scheme_of(running, "mine") is None, "the unload", LOADED_WITHIN)
+        assert health_of(running, "mine") is None
+        answer = httpx.post(
+            f"{running.url}/v1/completions", json={"model": "mine", "prompt": "a", "max_tokens": 2}
+        )
+        assert answer.status_code == 404
+        assert served(running) == ["rope"]
+
+
+def test_reload_acts_at_once_and_says_what_it_did(folder: Path, checkpoints: Path) -> None:
+    settings = test_settings(folder, watch_interval=0, api_key="sesame")
+    key = {"Authorization": "Bearer sesame"}
+    with running_server(settings) as running:
+        reload_url = f"{running.url}/v1/models/reload"
+        assert httpx.post(reload_url).status_code == 401  # behind the API key
+
+        shutil.copytree(checkpoints / "learned", folder / "learned")
+        shutil.copytree(checkpoints / "fox", folder / "fox")
+        (folder / "fox" / WEIGHTS_FILE).write_bytes(b"\xff" * 4096)
+        (folder / "alibi").mkdir()
+        shutil.copy(checkpoints / "alibi" / CONFIG_FILE, folder / "alibi")
+        answer = httpx.post(reload_url, headers=key, timeout=60).json()
+        assert answer["loaded"] == ["learned"]
+        assert set(answer["failed"]) == {"fox", "alibi"}
+        assert "no model.safetensors" in answer["failed"]["alibi"]
+        assert answer["models"] == ["rope", "learned"]
+        assert "learned" in [
+            m["id"] for m in httpx.get(f"{running.url}/v1/models", headers=key).json()["data"]
+        ]
+
+        shutil.rmtree(folder / "learned")
+        answer = httpx.post(reload_url, headers=key, timeout=60).json()
+        assert answer["unloaded"] == ["learned"]
+        assert answer["models"] == ["rope"]
+        # Nothing changed since: a look that does nothing.
+        again = httpx.post(reload_url, headers=key, timeout=60).json()
+        assert again == {**again, "loaded": [], "failed": {}, "unloaded": []}
