@@ -61,11 +61,8 @@ def trace_document(
     device = next(model.parameters()).device
     ids = torch.tensor(prompt_ids, device=device)  # [T]
     positions = positions_table(len(prompt_ids), device) + position_offset  # [1, T]
-    intervention = Intervention(
-        position_offset=position_offset,
-        ablate=frozenset((layer, head) for layer, head in ablate),
-        drop_positional=frozenset(drop_positional),
-    )
+    ablated = frozenset((layer, head) for layer, head in ablate)
+    intervention = Intervention(position_offset, ablated, frozenset(drop_positional))
     with torch.inference_mode():
         recorder = AttentionRecorder(weights=attention)
         logits = model.traced_forward(ids.unsqueeze(0), recorder, intervention)
@@ -79,22 +76,11 @@ def trace_document(
         logprobs = torch.log_softmax(logits[:-1], dim=-1).gather(-1, ids[1:, None])[:, 0]
 
     top = min(top, vocab)
-    vectors = None if position_vectors is None else position_vectors[0].float()
     return {
-        "object": "trace",
-        "model": served.name,
-        "scheme": model.config.scheme,
-        "context_length": model.config.context_length,
-        "limit": limit,
-        "n_layers": model.config.n_layers,
-        "n_heads": model.config.n_heads,
+        **_header(served, limit),
         "tokens": [{"id": token, "text": names[token]} for token in prompt_ids],
         "positions": positions[0].tolist(),
-        "embedding": {
-            "token_norm": _array(token_vectors.norm(dim=-1)),
-            "position_norm": None if vectors is None else _array(vectors.norm(dim=-1)),
-            "position_vectors": None if vectors is None else _rounded(vectors),
-        },
+        "embedding": _embedding(token_vectors, position_vectors),
         # [L, H, T, T] (a batch of one)
         **_attention(recorder.weights if attention else None, attention_encoding),
         "position_bias": None if bias is None else _lower_triangle(bias[0].float()),
@@ -108,6 +94,31 @@ def trace_document(
         "logit_lens": _lens(model, recorder.residuals, vocab, names, lens_top)
         if logit_lens
         else None,
+    }
+
+
+def _header(served: LoadedModel, limit: int) -> dict[str, Any]:
+    """A trace's first fields: what it is, and the model's."""
+    config = served.model.config
+    return {
+        "object": "trace",
+        "model": served.name,
+        "scheme": config.scheme,
+        "context_length": config.context_length,
+        "limit": limit,
+        "n_layers": config.n_layers,
+        "n_heads": config.n_heads,
+    }
+
+
+def _embedding(token_vectors: Tensor, position_vectors: Tensor | None) -> dict[str, Any]:
+    """The norms of the tokens' vectors [T, d] and of the scheme's added vectors [1, T, d]
+    (None without them), and those vectors."""
+    vectors = None if position_vectors is None else position_vectors[0].float()
+    return {
+        "token_norm": _array(token_vectors.norm(dim=-1)),
+        "position_norm": None if vectors is None else _array(vectors.norm(dim=-1)),
+        "position_vectors": None if vectors is None else _rounded(vectors),
     }
 
 
