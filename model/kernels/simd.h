@@ -156,12 +156,14 @@ SIMD_INLINE void store(float* p, f32x16 v) {
 // The first n lanes (n ≤ 16) from p, the others `fill`.
 template <typename T>
 SIMD_INLINE f32x16 load_first(const T* p, int64_t n, float fill = 0.0f) {
+  if (n >= kLanes) return load(p);  // a whole vector: no lane-by-lane copy
   T part[kLanes];
   for (int i = 0; i < kLanes; ++i) part[i] = i < n ? p[i] : T{};
   return select(lane_index() < static_cast<int32_t>(n), load(part), broadcast(fill));
 }
 
 SIMD_INLINE void store_first(float* p, f32x16 v, int64_t n) {
+  if (n >= kLanes) return store(p, v);
   float lanes[kLanes];
   store(lanes, v);
   for (int64_t i = 0; i < n; ++i) p[i] = lanes[i];
