@@ -333,3 +333,26 @@ def check_compose(args: list[str], env: dict[str, str]) -> None:
         assert set(services[name].get("profiles", [])) <= profiles, name
     for profile in profiles:
         assert any(profile in service.get("profiles", []) for service in services.values())
+
+
+def test_the_speed_table_is_the_kept_peers_results() -> None:
+    """The README's speed table repeats ``bench.peers --load``'s kept medians
+    (bench/results/<variant>/peers.json): each ordinal figure is its variant's run, and each
+    peer's range spans its two runs, so a new run that is not copied in fails here."""
+    runs = {
+        isa: json.loads((REPO / "bench/results" / isa / "peers.json").read_text())
+        for isa in ("avx512", "avx2")
+    }
+    text = (REPO / "README.md").read_text()
+    for run in runs.values():
+        assert run["cpu"] == "AMD EPYC with AVX-512" and run["cpu"].split(" with")[0] in text
+    for label in ("1 stream × 256", "32 streams × 128", "64 streams × 128"):
+
+        def rate(isa: str, engine: str, label: str = label) -> int:
+            return round(runs[isa]["medians"][label][engine]["tokens_per_s"])
+
+        cells = [f"{rate('avx512', 'ordinal'):,}", f"{rate('avx2', 'ordinal'):,}"]
+        for engine in ("llama.cpp", "vllm"):
+            low, high = sorted(rate(isa, engine) for isa in runs)
+            cells.append(f"{low:,}–{high:,}")
+        assert f"| {label} | {' | '.join(cells)} |" in text
