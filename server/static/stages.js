@@ -1,5 +1,5 @@
 // The sampling stages: the next token's distribution after each stage of the sampler, in its
-// order (Generate's alternatives and Inside's panel 5).
+// order (Generate's alternatives and Inside's panel 4).
 /* global Plot */
 
 import { visible } from "./dom.js";
