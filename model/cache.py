@@ -189,16 +189,27 @@ class KVCache:
         rows = len(counts)
         if not rows or min(counts) < 1:
             raise ValueError(f"every row takes at least one token, got {list(counts)}")
-        start = self.lengths[:rows]
-        count = torch.tensor(counts)
-        slot_rows = torch.repeat_interleave(torch.arange(rows), count)
-        first = torch.cumsum(count, 0) - count  # each cache row's first pass row
-        within = torch.arange(len(slot_rows)) - first[slot_rows]  # 0, 1, … along each row
-        positions = (start[slot_rows] + within).unsqueeze(1)
-        end = start + count
-        key_length = int(end.max())
+        # Built as lists, three tensors at the end: a decode step's plan is a few dozen
+        # entries, where each torch op costs more than the Python.
+        starts = self.lengths[:rows].tolist()
+        slot_rows = [row for row, count in enumerate(counts) for _ in range(count)]
+        positions = [
+            slot
+            for start, count in zip(starts, counts, strict=True)
+            for slot in range(start, start + count)
+        ]
+        end = [start + count for start, count in zip(starts, counts, strict=True)]
+        key_length = max(end)
         self.make_room(key_length)
-        return CacheWrite(slice(0, rows), positions, end, key_length, None, None, slot_rows)
+        return CacheWrite(
+            slice(0, rows),
+            torch.tensor(positions).unsqueeze(1),
+            torch.tensor(end),
+            key_length,
+            None,
+            None,
+            torch.tensor(slot_rows),
+        )
 
     def static_plan(self, rows: int, positions: Tensor) -> CacheWrite:
         """The write of a captured decode step (``model.captured``): one token for each of the

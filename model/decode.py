@@ -26,7 +26,7 @@ counts only while some row uses a frequency or presence penalty.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
 import torch
@@ -37,6 +37,7 @@ from model.cache import KVCache
 from model.kernels import decode_step
 from model.sampling import RowSampler, SamplingBatch, token_logprobs
 from model.sampling_params import FailureReason
+from model.speculative import NgramLookup, Speculation, refusal, speculates
 from model.transformer import Transformer
 
 GROW_FROM = (4, 64)  # (rows, positions) a growing cache starts with
@@ -68,7 +69,7 @@ class Row:
     ``logprobs``: how many top logprobs to report per sampled token (None: no logprobs).
     ``max_new_tokens``: the most tokens it may generate, whose slots a growing cache allocates
     when it joins (None: only its first). ``index`` is the row's slot in the cache while it
-    holds one (None before and after).
+    holds one (None before and after). ``lookup``: its tokens' n-grams, once it speculates.
     """
 
     tokens: TokenHistory
@@ -76,6 +77,7 @@ class Row:
     logprobs: int | None = None
     max_new_tokens: int | None = None
     index: int | None = None
+    lookup: NgramLookup | None = None
 
 
 R = TypeVar("R", bound=Row)  # the caller's row type (the engine's Request is a Row)
@@ -84,12 +86,22 @@ R = TypeVar("R", bound=Row)  # the caller's row type (the engine's Request is a 
 @dataclass(frozen=True)
 class Sampled(Generic[R]):
     """One step's draw: a token for each of ``rows`` (in row order), and the rows that failed
-    (position in ``rows`` → why; their token is meaningless and they should leave)."""
+    (position in ``rows`` → why; their token is meaningless and they should leave).
+
+    A row that speculated (``model.speculative``) offered ``drafted[position]`` draft tokens;
+    those it kept, ``accepted[position]``, come before its token: the row's new tokens are
+    ``accepted.get(position, []) + [tokens[position]]``."""
 
     rows: list[R]
     tokens: list[int]
     failures: dict[int, FailureReason]
     logprobs: StepLogprobs | None
+    drafted: dict[int, int] = field(default_factory=dict)
+    accepted: dict[int, list[int]] = field(default_factory=dict)
+
+    def new_tokens(self, position: int) -> list[int]:
+        """The tokens row ``position`` gained this step, in order."""
+        return [*self.accepted.get(position, ()), self.tokens[position]]
 
 
 class DecodeBatch(Generic[R]):
@@ -103,7 +115,9 @@ class DecodeBatch(Generic[R]):
     empty (the server waits until a model has been idle a while: allocating and zeroing the
     cache again for the next request cost ~1 ms of its time to first token). ``graphs``:
     replay decode steps from CUDA graphs (``model.captured``; None: on a GPU unless
-    ``ORDINAL_CUDA_GRAPHS=0``).
+    ``ORDINAL_CUDA_GRAPHS=0``). ``speculation``: rows that can speculate propose drafts by
+    n-gram lookup and verify them in the step's pass (``model.speculative``; ValueError if
+    the model cannot verify exactly: ``model.speculative.refusal``).
     """
 
     def __init__(
@@ -116,6 +130,7 @@ class DecodeBatch(Generic[R]):
         *,
         grow: bool = False,
         graphs: bool | None = None,
+        speculation: Speculation | None = None,
     ) -> None:
         weights = model.token_embedding.weight
         self.model = model
@@ -146,6 +161,10 @@ class DecodeBatch(Generic[R]):
             if graphs
             else None
         )
+        if speculation is not None and (why := refusal(model)) is not None:
+            raise ValueError(f"speculative decoding: {why}")
+        self.speculation = speculation
+        self._expanded: dict[tuple[int, ...], SamplingBatch] = {}  # by each row's positions
 
     def __len__(self) -> int:
         return len(self.members)
@@ -162,11 +181,12 @@ class DecodeBatch(Generic[R]):
         Returns the draw of the decoding rows, or None when no row could sample (only a partial
         prompt was prefilled).
         """
-        if (
-            chunks
-            and self.captured is None
-            and decode_step.applies(self.model, self.inputs[:1, None])
-        ):
+        kernel = self.captured is None and decode_step.applies(self.model, self.inputs[:1, None])
+        drafts = self._propose() if kernel and self.speculation and self.decoding else {}
+        if drafts:
+            logits = self._decode_with_prompts(chunks, drafts)
+            return self._verify(logits, drafts)
+        if chunks and kernel:
             logits = self._decode_with_prompts(chunks)
             return self._sample(logits) if self.decoding else None
         parts = [self._decode()] if self.decoding else []
@@ -208,10 +228,14 @@ class DecodeBatch(Generic[R]):
         tokens = self.inputs[:n].unsqueeze(1)
         return self.model(tokens, self.cache, rows=slice(0, n), last_only=True)[:, : self.vocab]
 
-    def _decode_with_prompts(self, chunks: Sequence[tuple[R, int]]) -> Tensor:
+    def _decode_with_prompts(
+        self, chunks: Sequence[tuple[R, int]], drafts: dict[int, list[int]] | None = None
+    ) -> Tensor:
         """The decoding rows and the chunks' prompt tokens in one decode kernel pass, each prompt
         token a pass row of its own (``KVCache.entries``) → logits [c, V] of the decoding rows
-        and of the rows whose prompt this completes (the last token of each).
+        and of the rows whose prompt this completes (the last token of each). A decoding row
+        with ``drafts`` (row → its draft tokens) is fed them after its own token, and has the
+        logits of each of those positions, in order.
 
         Where the kernel applies, every prompt is prefilled this way, alone or beside decoding
         rows, so a seeded row's numbers do not depend on what shares its batch. A 32-token
@@ -219,19 +243,23 @@ class DecodeBatch(Generic[R]):
         beside those rows in the pass it adds 0.45-0.55 ms (docs/performance.md, thirteenth
         round)."""
         begins = self._check(chunks)
-        prompts = [
-            token
-            for (row, count), begin in zip(chunks, begins, strict=True)
-            for token in row.tokens.prompt_ids[begin : begin + count]
-        ]
         self._seat([row for row, _ in chunks if row.index is None])
         counts = [count for _, count in chunks]
-        plan = self.cache.entries([1] * self.decoding + counts)
-        fed = torch.tensor(prompts, dtype=torch.long, device=self.device).unsqueeze(1)
-        tokens = torch.cat((self.inputs[: self.decoding].unsqueeze(1), fed))
+        fed = self.inputs[: self.decoding].tolist()  # each decoding row's token, then drafts
+        own = [1] * self.decoding
+        if drafts:
+            own = [1 + len(drafts.get(row, ())) for row in range(self.decoding)]
+            fed = [token for row, last in enumerate(fed) for token in (last, *drafts.get(row, ()))]
+        decoding = len(fed)
+        for (row, count), begin in zip(chunks, begins, strict=True):
+            fed += row.tokens.prompt_ids[begin : begin + count]
+        plan = self.cache.entries(own + counts)
+        tokens = torch.tensor(fed, dtype=torch.long, device=self.device).unsqueeze(1)
         complete = self._completed(chunks, begins)
-        lasts = torch.tensor(counts[:complete], dtype=torch.long).cumsum(0) - 1 + self.decoding
-        wanted = torch.cat((torch.arange(self.decoding), lasts))  # the rows that sample
+        wanted = None  # the rows that sample: all of them, without a prompt left unfinished
+        if complete < len(chunks) or any(count > 1 for count in counts):
+            lasts = torch.tensor(counts[:complete], dtype=torch.long).cumsum(0) - 1 + decoding
+            wanted = torch.cat((torch.arange(decoding), lasts))
         logits = self.model.decode_entries(tokens, self.cache, plan, wanted)
         self._start_decoding([row for row, _ in chunks[:complete]])
         return logits[:, : self.vocab]
@@ -324,6 +352,83 @@ class DecodeBatch(Generic[R]):
         self.inputs[:n] = tokens
         return Sampled(self.members[:n], tokens.tolist(), failures, self._logprobs(logits, tokens))
 
+    def _propose(self) -> dict[int, list[int]]:
+        """Each speculating decoding row's draft tokens (row → drafts; rows without any left
+        out), as many as its token budget and the cache leave room for after its next token."""
+        assert self.speculation is not None
+        spec, drafts = self.speculation, {}
+        lengths = self.cache.lengths[: self.decoding].tolist()
+        for index, row in enumerate(self.members[: self.decoding]):
+            if not speculates(row.sampler, row.logprobs):
+                continue
+            history = row.tokens
+            room = min(spec.tokens, self.cache.max_length - lengths[index] - 1)
+            if row.max_new_tokens is not None:
+                room = min(room, row.max_new_tokens - len(history.generated_ids) - 1)
+            if room < 1:
+                continue
+            if row.lookup is None:
+                row.lookup = NgramLookup(spec.ngram_min, spec.ngram_max)
+            row.lookup.catch_up(history.prompt_ids, history.generated_ids)
+            if proposal := row.lookup.propose(room):
+                drafts[index] = proposal
+        return drafts
+
+    def _verify(self, logits: Tensor, drafts: dict[int, list[int]]) -> Sampled[R]:
+        """Draw every decoding row's next tokens from ``logits`` [P, V], P = each row's
+        positions (1 + its drafts) in row order (``model.speculative``): first every row's
+        first position, as a step without drafts draws it; then, while a row's draws equal its
+        drafts, its next position. A row shortens its cache by the drafts it did not keep."""
+        n = self.decoding
+        firsts, position = [], 0  # each row's first position in logits
+        for row in range(n):
+            firsts.append(position)
+            position += 1 + len(drafts.get(row, ()))
+        first = self._sample(logits[firsts])
+        tokens, failures = list(first.tokens), dict(first.failures)
+        accepted: dict[int, list[int]] = {}
+        alive = [row for row, drafted in drafts.items() if tokens[row] == drafted[0]]
+        position = 1
+        while alive := [row for row in alive if row not in failures]:
+            for row in alive:
+                accepted.setdefault(row, []).append(tokens[row])
+            rows = tuple(alive)
+            sampling = self._expanded.get(rows)
+            if sampling is None:  # kept until the rows change, as _sampling is
+                sampling = SamplingBatch([self.members[row].sampler for row in rows], self.device)
+                self._expanded[rows] = sampling
+            draw = sampling.draw(logits[[firsts[row] + position for row in rows]])
+            drawn = draw.tokens.tolist()
+            for index, row in enumerate(rows):
+                tokens[row] = drawn[index]
+                if index in draw.failures:
+                    failures[row], tokens[row] = draw.failures[index], self.filler
+            alive = [
+                row
+                for row in rows
+                if position < len(drafts[row]) and tokens[row] == drafts[row][position]
+            ]
+            position += 1
+        for row in drafts:
+            if (lookup := self.members[row].lookup) is not None:
+                lookup.verified(len(accepted.get(row, ())))
+        discarded = [len(drafts.get(row, ())) - len(accepted.get(row, ())) for row in range(n)]
+        self.cache.lengths[:n] -= torch.tensor(discarded)
+        for row, kept in accepted.items():
+            self.inputs[row] = tokens[row]
+            if self.seen is not None or self.counts is not None:
+                self._note_drawn(row, [*kept[1:], tokens[row]])  # the first is noted
+        drafted = {row: len(proposal) for row, proposal in drafts.items()}
+        return Sampled(first.rows, tokens, failures, first.logprobs, drafted, accepted)
+
+    def _note_drawn(self, row: int, tokens: list[int]) -> None:
+        """Mark ``tokens``, drawn for ``row``, in the seen mask and the counts (where kept)."""
+        ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
+        if self.seen is not None:
+            self.seen[row, ids] = True
+        if self.counts is not None:
+            self.counts[row].scatter_add_(0, ids, torch.ones_like(ids, dtype=self.counts.dtype))
+
     def _logprobs(self, logits: Tensor, tokens: Tensor) -> StepLogprobs | None:
         """Raw-model logprobs of ``tokens`` for the rows that asked for them, or None."""
         if self._logprob_rows is None:
@@ -391,6 +496,7 @@ class DecodeBatch(Generic[R]):
     def _refresh(self) -> None:
         """Rebuild what depends on the sampled rows: sampling tensors, logprob rows, masks."""
         self._changed = False
+        self._expanded.clear()
         sampled = self.members[: self.decoding]
         if not sampled:
             self._sampling, self._logprob_rows, self.seen, self.counts = None, None, None, None

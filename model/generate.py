@@ -19,6 +19,7 @@ from model.decode import DecodeBatch, Row, Sampled, Tokens
 from model.grammar import constraint_of
 from model.sampling import RowSampler, raise_if_failed
 from model.sampling_params import SamplingParams
+from model.speculative import Speculation
 from model.tokenizer import IncrementalDecoder, encode_prompt, special_ids
 from model.transformer import Transformer
 
@@ -136,12 +137,19 @@ def _check_room(model: Transformer, longest: int, max_new_tokens: int) -> None:
 
 
 def _start(
-    model: Transformer, rows: list[Row], max_new_tokens: int, vocab: int, pad_id: int
+    model: Transformer,
+    rows: list[Row],
+    max_new_tokens: int,
+    vocab: int,
+    pad_id: int,
+    speculation: Speculation | None = None,
 ) -> tuple[DecodeBatch, Sampled | None]:
     """A batch holding ``rows``, their prompts prefilled in one ragged pass, and its first draw."""
     longest = max(len(row.tokens.prompt_ids) for row in rows)
     _check_room(model, longest, max_new_tokens)
-    batch: DecodeBatch[Row] = DecodeBatch(model, len(rows), longest + max_new_tokens, vocab, pad_id)
+    batch: DecodeBatch[Row] = DecodeBatch(
+        model, len(rows), longest + max_new_tokens, vocab, pad_id, speculation=speculation
+    )
     return batch, batch.step([(row, len(row.tokens.prompt_ids)) for row in rows])
 
 
@@ -197,6 +205,7 @@ def generate(
     max_new_tokens: int = 64,
     sampling: SamplingParams | Sequence[SamplingParams] = GREEDY,
     stop: Sequence[str] = (),
+    speculation: Speculation | None = None,
 ) -> list[Completion]:
     """Generate a completion for each prompt, all rows decoded together with one KV cache.
 
@@ -204,6 +213,8 @@ def generate(
     forward for the rows still generating. A row stops (and leaves the batch) on <|eos|>, a stop
     string or ``max_new_tokens``. ``sampling`` is one SamplingParams for all rows or one per
     row. Tokens past the tokenizer's vocabulary (padding rows of the embedding) are never drawn.
+    ``speculation``: decode by exact n-gram speculation (``model.speculative``): the same
+    completions, in fewer steps where the text repeats itself.
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be ≥ 1, got {max_new_tokens}")
@@ -214,19 +225,23 @@ def generate(
     ]
     eos = special_ids(tokenizer).eos
     rows = [
-        Row(state, RowSampler(p, constraint_of(p, tokenizer, eos)))
+        Row(state, RowSampler(p, constraint_of(p, tokenizer, eos)), max_new_tokens=max_new_tokens)
         for state, p in zip(states, params, strict=True)
     ]
     vocab = min(tokenizer.get_vocab_size(), model.config.vocab_size)
-    batch, sampled = _start(model, rows, max_new_tokens, vocab, special_ids(tokenizer).pad)
+    pad = special_ids(tokenizer).pad
+    batch, sampled = _start(model, rows, max_new_tokens, vocab, pad, speculation)
     while sampled is not None:
         finished = []
-        for row, token in zip(sampled.rows, _sample_all(sampled), strict=True):
+        _sample_all(sampled)
+        for position, row in enumerate(sampled.rows):
             state = row.tokens
             assert isinstance(state, SequenceState)
-            state.append(token, row.sampler.complete)
-            if state.finished:
-                finished.append(row)
+            for token in sampled.new_tokens(position):
+                state.append(token, row.sampler.complete)
+                if state.finished:
+                    finished.append(row)
+                    break
         batch.remove(finished)
         sampled = batch.step()
     return [

@@ -173,6 +173,18 @@ class RowSampler:
             self._unused_uniforms = block[::-1]  # pop() takes the first drawn
         return self._unused_uniforms.pop()
 
+    def peek_uniforms(self, count: int) -> list[float]:
+        """The row's next ``count`` uniforms, left to be drawn (speculative decoding reads the
+        ones its positions will take, to give back those of the positions it discards)."""
+        uniforms = [self.next_uniform() for _ in range(count)]
+        self.unread(uniforms)
+        return uniforms
+
+    def unread(self, uniforms: Sequence[float]) -> None:
+        """Give ``uniforms`` back, drawn and not used: the next :meth:`next_uniform` returns
+        ``uniforms[0]``, so the row's sequence of uniforms is as if they were never drawn."""
+        self._unused_uniforms.extend(reversed(uniforms))
+
     @cached_property
     def bias(self) -> tuple[Tensor, Tensor]:
         """The row's logit bias as (token ids [K] long, biases [K] float32), CPU: made once per

@@ -70,6 +70,10 @@ class EngineConfig(msgspec.Struct, tag=True):
     cuda_graphs: bool = True  # on a GPU, decode steps replayed from CUDA graphs
     attention_helper: bool = False  # on a CPU, large steps share their attention with a thread
     priority_aging: float = 0.0  # seconds of waiting worth one level of priority; 0: none
+    speculative: str | None = None  # "ngram": rows decode by exact speculation
+    num_speculative_tokens: int = 3  # the most draft tokens a row verifies per step
+    prompt_lookup_max: int = 4  # the longest and shortest n-gram a draft is looked up by
+    prompt_lookup_min: int = 2
 
 
 class Submit(msgspec.Struct, tag=True, array_like=True):
@@ -140,6 +144,9 @@ class ModelInfo(msgspec.Struct):
     load_seconds: float
     decode_backend: str  # model.backend's: "cpu-kernel", "cuda-graphs" or "torch"
     cpu_isa: str | None  # the kernel variant decoding it ("avx2", ...), or None
+    # "ngram, up to K tokens", or "off: why" where the server asked and the model cannot verify
+    # exactly (model.speculative.refusal); None: not asked for
+    speculative: str | None = None
 
 
 class ModelLoading(msgspec.Struct, tag=True, array_like=True):
@@ -232,6 +239,9 @@ class ModelStats(msgspec.Struct, array_like=True):
     kv_cache_usage: float = 0.0  # gauge: the fraction of the KV cache's most in use
     prefix_queries: int = 0  # prompt tokens looked up in the prefix cache (vLLM's counters)
     prefix_hits: int = 0  # of those, the tokens it held
+    spec_drafts: int = 0  # speculative proposals verified (vLLM's spec_decode counters)
+    spec_draft_tokens: int = 0  # the tokens they proposed
+    spec_accepted_tokens: int = 0  # of those, the tokens kept
 
 
 Event = Token | Scores | Failed | Dropped

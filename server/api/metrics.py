@@ -73,6 +73,9 @@ class ModelMetrics:
     kv_cache_usage: Gauge
     prefix_cache_queries: Counter  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: Counter  # of those, the tokens it held
+    spec_decode_num_drafts: Counter  # speculative proposals verified
+    spec_decode_num_draft_tokens: Counter  # the tokens they proposed
+    spec_decode_num_accepted_tokens: Counter  # of those, the tokens kept
 
     def record(self, stats: ModelStats) -> None:
         """Apply what the engine process measured since its previous frame."""
@@ -102,6 +105,10 @@ class ModelMetrics:
         if stats.prefix_queries:
             self.prefix_cache_queries.inc(stats.prefix_queries)
             self.prefix_cache_hits.inc(stats.prefix_hits)
+        if stats.spec_drafts:
+            self.spec_decode_num_drafts.inc(stats.spec_drafts)
+            self.spec_decode_num_draft_tokens.inc(stats.spec_draft_tokens)
+            self.spec_decode_num_accepted_tokens.inc(stats.spec_accepted_tokens)
 
 
 class Metrics:
@@ -188,6 +195,19 @@ class Metrics:
             model,
             registry=registry,
         )
+        self._speculation_counters(model)
+
+    def _speculation_counters(self, model: list[str]) -> None:
+        """vLLM's speculative decoding counters (acceptance = accepted / draft tokens)."""
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(f"ordinal_spec_decode_num_{name}", doc, model, registry=self.registry)
+
+        self.spec_decode_num_drafts = counter("drafts", "Speculative proposals verified")
+        self.spec_decode_num_draft_tokens = counter("draft_tokens", "Tokens speculation proposed")
+        self.spec_decode_num_accepted_tokens = counter(
+            "accepted_tokens", "Proposed tokens that verification kept"
+        )
 
     def for_model(self, name: str) -> ModelMetrics:
         """``name``'s label children, bound once (``record`` runs for every engine frame)."""
@@ -216,6 +236,9 @@ class Metrics:
             kv_cache_usage=self.kv_cache_usage.labels(name),
             prefix_cache_queries=self.prefix_cache_queries.labels(name),
             prefix_cache_hits=self.prefix_cache_hits.labels(name),
+            spec_decode_num_drafts=self.spec_decode_num_drafts.labels(name),
+            spec_decode_num_draft_tokens=self.spec_decode_num_draft_tokens.labels(name),
+            spec_decode_num_accepted_tokens=self.spec_decode_num_accepted_tokens.labels(name),
         )
 
     def render(self) -> bytes:

@@ -176,6 +176,7 @@ class ServedModel:
             "parameters": info.parameters,
             "decode_backend": info.decode_backend,  # model.backend: which code decodes it
             "cpu_isa": info.cpu_isa,  # the kernel variant, on the cpu-kernel backend
+            "speculative": info.speculative,  # --speculative as this model decodes it
         }
 
 
@@ -264,6 +265,10 @@ class Service:
             cuda_graphs=settings.cuda_graphs,
             attention_helper=settings.attention_helper,
             priority_aging=settings.priority_aging,
+            speculative=None if settings.speculative == "off" else settings.speculative,
+            num_speculative_tokens=settings.num_speculative_tokens,
+            prompt_lookup_max=settings.prompt_lookup_max,
+            prompt_lookup_min=settings.prompt_lookup_min,
         )
         capacity = settings.max_batch_size + settings.max_queue
         self.engine = EngineClient(

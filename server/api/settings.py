@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from model.device import Device, Dtype
@@ -111,6 +111,25 @@ class Settings(BaseSettings):
             "bounded time: a priority 0 request goes before every -1 that arrives this long "
             "after it (0 = vLLM's strict order, where a stream of -1s holds a 0 back forever)"
         ),
+    )
+    speculative: Literal["off", "ngram"] = Field(
+        "off",
+        description=(
+            "ngram: exact speculative decoding by prompt lookup (vLLM's method): a stream whose "
+            "last tokens occurred earlier proposes the tokens that followed them there, and one "
+            "step verifies them; the output is the same token for token, greedy or seeded. "
+            "Models that cannot verify exactly (not on the CPU decode kernel, rope's dynamic "
+            "scaling) say so in the log and /v1/models and decode one token a step"
+        ),
+    )
+    num_speculative_tokens: int = Field(
+        3, ge=1, le=16, description="the most draft tokens a stream verifies in one step"
+    )
+    prompt_lookup_max: int = Field(
+        4, ge=1, le=16, description="the longest n-gram a speculative draft is looked up by"
+    )
+    prompt_lookup_min: int = Field(
+        2, ge=1, le=16, description="the shortest n-gram a speculative draft is looked up by"
     )
     max_priority: int | None = Field(
         None,
@@ -240,6 +259,14 @@ class Settings(BaseSettings):
         keys = [parse_priority_key(entry.get_secret_value()) for entry in value]
         if len({key for key, _ in keys}) < len(keys):
             raise ValueError("names one key twice")
+        return value
+
+    @field_validator("prompt_lookup_min")
+    @classmethod
+    def _lookup_within_max(cls, value: int, info: ValidationInfo) -> int:
+        longest = info.data.get("prompt_lookup_max")
+        if longest is not None and value > longest:
+            raise ValueError(f"is above prompt_lookup_max ({longest})")
         return value
 
     @field_validator("rope_variants")

@@ -44,7 +44,7 @@ import torch
 from model.grammar import GrammarError
 from model.kernels import decode_step
 from server.engine.calls import run_call
-from server.engine.engine import ModelEngine, Outbox
+from server.engine.engine import ModelEngine, Outbox, speculation_of
 from server.engine.loader import LoadedModel, load_all
 from server.messages import (
     Call,
@@ -174,8 +174,11 @@ class EngineCore:
                     self.config.prefix_cache_tokens,
                     self.config.cuda_graphs,
                     self.config.priority_aging,
+                    speculation_of(self.config),
                 )
-                self.channel.send(ModelLoaded(result.info()))
+                info = result.info()
+                info.speculative = self.engines[result.name].speculative
+                self.channel.send(ModelLoaded(info))
                 # A full collection walks every tracked object: with fifteen models loaded, 300k of
                 # them, 138 ms during which no stream gets a token. What exists once a model is
                 # loaded lives as long as the process, so it is frozen out of the collector's

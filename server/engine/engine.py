@@ -37,6 +37,7 @@ from model.grammar import GrammarError, GrammarMatcher, constraint_of
 from model.prefix_cache import PrefixCache, block_digests
 from model.sampling import RowSampler
 from model.sampling_params import FailureReason
+from model.speculative import Speculation, refusal
 from model.tokenizer import IncrementalDecoder
 from server.engine.loader import LoadedModel
 from server.engine.scheduler import Phase, Scheduler
@@ -44,6 +45,7 @@ from server.messages import (
     MODEL_ERROR,
     SHUTDOWN,
     Dropped,
+    EngineConfig,
     Event,
     Failed,
     Finish,
@@ -157,6 +159,18 @@ class Outbox:
         return outputs
 
 
+def speculation_of(config: EngineConfig) -> Speculation | None:
+    """How the server's rows speculate (``--speculative``), or None."""
+    if config.speculative is None:
+        return None
+    return Speculation(
+        config.num_speculative_tokens,
+        config.prompt_lookup_max,
+        config.prompt_lookup_min,
+        config.speculative,
+    )
+
+
 class ModelEngine:
     """The jobs of one loaded model: a scheduler and a batch of ``max_rows`` rows."""
 
@@ -169,13 +183,25 @@ class ModelEngine:
         prefix_cache_tokens: int = 0,
         cuda_graphs: bool = True,
         priority_aging: float = 0.0,
+        speculation: Speculation | None = None,
     ) -> None:
         """``prefix_cache_tokens``: the most prompt tokens whose keys and values are kept for
         reuse (0: no prefix cache; none either for a scheme that is not ``prefix_stable``).
         ``cuda_graphs``: False decodes every step eagerly on a GPU too (``model.captured``).
-        ``priority_aging``: seconds of waiting worth one level of priority (the scheduler's)."""
+        ``priority_aging``: seconds of waiting worth one level of priority (the scheduler's).
+        ``speculation``: rows speculate (``model.speculative``), where the model verifies
+        exactly; ``speculative`` says how, or why not (``ModelInfo.speculative``)."""
         self.loaded = loaded
         self.name = loaded.name
+        self.speculative: str | None = None
+        if speculation is not None:
+            why = refusal(loaded.model)
+            if why is None:
+                self.speculative = f"{speculation.method}, up to {speculation.tokens} tokens"
+            else:
+                self.speculative = f"off: {why}"
+                logger.info("model '%s': speculative decoding off: %s", self.name, why)
+                speculation = None
         self.batch: DecodeBatch[Request] = DecodeBatch(
             loaded.model,
             max_rows,
@@ -184,6 +210,7 @@ class ModelEngine:
             loaded.bos,
             grow=True,
             graphs=None if cuda_graphs else False,  # None: on a GPU (model.captured.wanted)
+            speculation=speculation,
         )
         self.prefix: PrefixCache | None = None
         if prefix_cache_tokens and loaded.model.positional.prefix_stable:
@@ -384,50 +411,34 @@ class ModelEngine:
         self._end(request, scores)
 
     def _advance(self, sampled: Sampled, now: float, stats: ModelStats) -> list[Request]:
-        """Hand each row's token to its job; fail the rows that could not be sampled; return
-        the rows that leave (finished or failed). It runs once a row every step, so the loop keeps
-        to what each row needs: 31 µs at 32 rows, 48 before (one-off, in isolation)."""
-        events: list[Token | None] = []
+        """Hand each row's new tokens to its job (one, or more where its drafts were kept);
+        fail the rows that could not be sampled; return the rows that leave (finished or
+        failed). It runs once a row every step, so the loop keeps to what each row needs: 31 µs
+        at 32 rows, 48 before (one-off, in isolation)."""
+        events: list[Token | None] = []  # each row's last event (None: it failed)
+        tokens: list[Token] = []  # every event, in row order
         leaving: list[Request] = []
         urgent: set[int] = set()  # the jobs whose first or last token this is
-        failures = sampled.failures
+        failures, accepted = sampled.failures, sampled.accepted
         for position, (row, token) in enumerate(zip(sampled.rows, sampled.tokens, strict=True)):
-            state = row.state
-            assert state is not None  # rows that only score never sample
             if failures and position in failures:
                 events.append(None)
                 leaving.append(row)
                 continue
-            cached, queued = 0, 0.0
-            if not row.first_token_at:
-                row.first_token_at, cached = now, row.cached_tokens
-                queued = row.admitted_at - row.submit.submitted_at
-                urgent.add(row.id)
-                ttft = now - row.submit.submitted_at
-                stats.first_tokens.append((ttft, now - row.admitted_at))
-            text = state.append(token, row.sampler.complete)
-            reason = state.finish_reason
-            matched = state.stop.matched  # the stop string reached: set once one ends it
-            events.append(
-                Token(
-                    row.id,
-                    token,
-                    text,
-                    reason,
-                    cached_tokens=cached,
-                    queue_time=queued,
-                    stop=matched,
-                )
-            )
-            if reason is not None:
-                urgent.add(row.id)
-                leaving.append(row)
-                e2e, decode = now - row.submit.submitted_at, now - row.first_token_at
-                stats.finished.append(Finish(reason, e2e, decode, len(state.generated_ids)))
+            new = [*accepted[position], token] if accepted and position in accepted else [token]
+            for each in new:  # its kept drafts, then its token, until one ends it
+                tokens.append(self._token(row, each, now, stats, urgent))
+                if tokens[-1].finish_reason is not None:
+                    leaving.append(row)
+                    break
+            events.append(tokens[-1])
         self._add_logprobs(sampled, events)
-        tokens = [event for event in events if event is not None]
         self.outbox.extend(tokens, urgent)
         stats.generation_tokens += len(tokens)
+        if sampled.drafted:
+            stats.spec_drafts += len(sampled.drafted)
+            stats.spec_draft_tokens += sum(sampled.drafted.values())
+            stats.spec_accepted_tokens += sum(len(kept) for kept in accepted.values())
         for position, reason in failures.items():
             row = sampled.rows[position]
             logger.error("model '%s': request failed alone: %s", self.name, reason)
@@ -436,6 +447,35 @@ class ModelEngine:
         for request in leaving:
             request.done = True  # its terminal event is in the outbox
         return leaving
+
+    @staticmethod
+    def _token(row: Request, token: int, now: float, stats: ModelStats, urgent: set[int]) -> Token:
+        """``token`` appended to ``row``'s sequence, as the event that streams it."""
+        state = row.state
+        assert state is not None  # rows that only score never sample
+        cached, queued = 0, 0.0
+        if not row.first_token_at:
+            row.first_token_at, cached = now, row.cached_tokens
+            queued = row.admitted_at - row.submit.submitted_at
+            urgent.add(row.id)
+            ttft = now - row.submit.submitted_at
+            stats.first_tokens.append((ttft, now - row.admitted_at))
+        text = state.append(token, row.sampler.complete)
+        reason = state.finish_reason
+        if reason is not None:
+            urgent.add(row.id)
+            e2e, decode = now - row.submit.submitted_at, now - row.first_token_at
+            stats.finished.append(Finish(reason, e2e, decode, len(state.generated_ids)))
+        # the stop string reached: set once one ends it
+        return Token(
+            row.id,
+            token,
+            text,
+            reason,
+            cached_tokens=cached,
+            queue_time=queued,
+            stop=state.stop.matched,
+        )
 
     @staticmethod
     def _sampling_failure(row: Request, reason: FailureReason) -> Failed:
