@@ -13,6 +13,10 @@ Offline ``generate()`` and the server's engine both drive a :class:`DecodeBatch`
 3. samples, in one :class:`~model.sampling.SamplingBatch` call (the one place sampling is
    applied), the decoding rows and the rows whose prompt is now complete.
 
+With ``speculation`` (``model.speculative``), a decoding row whose last tokens occurred before
+is also fed the tokens that followed them there, as more pass rows in 1-2; 3 then draws its
+positions in turn and keeps the drafts its draws confirm (:meth:`DecodeBatch._verify`).
+
 The caller records each sampled token in its sequence (``generated_ids``) and says which rows
 leave (:meth:`DecodeBatch.remove`). Rows are kept in order: decoding rows first, rows still
 prefilling after them, so each forward covers one slice of the cache. When a row leaves, the
