@@ -123,6 +123,21 @@ def test_greedy_completions_are_identical_with_speculation(
     assert verified_steps["kept"] > 0, verified_steps  # verification did keep drafts
 
 
+@pytest.mark.parametrize("name", ["rope", "cope"])  # a rotation, a data-dependent bias
+def test_every_kernel_variant_verifies_exactly(
+    name: str, every_isa: str, verified_steps: Counter[str]
+) -> None:
+    """The AVX2 and scalar variants too (forced here on an AVX-512 CPU): exactness rests on each
+    variant computing a pass row alone."""
+    model, tokenizer = load_checkpoint(SHIPPED / name)[:2]
+    assert refusal(model) is None and kernels.active() == every_isa
+    batch = prompts(tokenizer, 16)  # fewer than above: the scalar variant is slow
+    plain = generate(model, tokenizer, batch, max_new_tokens=NEW_TOKENS)
+    fast = generate(model, tokenizer, batch, max_new_tokens=NEW_TOKENS, speculation=SPECULATION)
+    assert [c.token_ids for c in fast] == [c.token_ids for c in plain]
+    assert verified_steps["kept"] > 0, verified_steps
+
+
 @pytest.mark.skipif(kernels.active() is None, reason="speculation needs the CPU decode kernel")
 @pytest.mark.parametrize(
     "params",
