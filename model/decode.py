@@ -168,7 +168,8 @@ class DecodeBatch(Generic[R]):
         if speculation is not None and (why := refusal(model)) is not None:
             raise ValueError(f"speculative decoding: {why}")
         self.speculation = speculation
-        self._expanded: dict[tuple[int, ...], SamplingBatch] = {}  # by each row's positions
+        # the samplers of the rows still verifying drafts, by those rows (kept as _sampling is)
+        self._verifying: dict[tuple[int, ...], SamplingBatch] = {}
 
     def __len__(self) -> int:
         return len(self.members)
@@ -185,12 +186,11 @@ class DecodeBatch(Generic[R]):
         Returns the draw of the decoding rows, or None when no row could sample (only a partial
         prompt was prefilled).
         """
-        kernel = self.captured is None and decode_step.applies(self.model, self.inputs[:1, None])
-        drafts = self._propose() if kernel and self.speculation and self.decoding else {}
+        drafts = self._propose() if self.speculation and self.decoding and self._on_kernel() else {}
         if drafts:
             logits = self._decode_with_prompts(chunks, drafts)
             return self._verify(logits, drafts)
-        if chunks and kernel:
+        if chunks and self._on_kernel():
             logits = self._decode_with_prompts(chunks)
             return self._sample(logits) if self.decoding else None
         parts = [self._decode()] if self.decoding else []
@@ -199,6 +199,10 @@ class DecodeBatch(Generic[R]):
         if not self.decoding:
             return None
         return self._sample(torch.cat(parts) if len(parts) > 1 else parts[0])
+
+    def _on_kernel(self) -> bool:
+        """Whether this step's pass can be the decode kernel's (``decode_step.applies``)."""
+        return self.captured is None and decode_step.applies(self.model, self.inputs[:1, None])
 
     def join(self, row: R) -> int:
         """``row`` takes the next free cache row now rather than with its first chunk, so that
@@ -254,7 +258,7 @@ class DecodeBatch(Generic[R]):
         if drafts:
             own = [1 + len(drafts.get(row, ())) for row in range(self.decoding)]
             fed = [token for row, last in enumerate(fed) for token in (last, *drafts.get(row, ()))]
-        decoding = len(fed)
+        decoding_rows = len(fed)  # pass rows of the decoding rows, before the prompts'
         for (row, count), begin in zip(chunks, begins, strict=True):
             fed += row.tokens.prompt_ids[begin : begin + count]
         plan = self.cache.entries(own + counts)
@@ -262,8 +266,8 @@ class DecodeBatch(Generic[R]):
         complete = self._completed(chunks, begins)
         wanted = None  # the rows that sample: all of them, without a prompt left unfinished
         if complete < len(chunks) or any(count > 1 for count in counts):
-            lasts = torch.tensor(counts[:complete], dtype=torch.long).cumsum(0) - 1 + decoding
-            wanted = torch.cat((torch.arange(decoding), lasts))
+            lasts = torch.tensor(counts[:complete], dtype=torch.long).cumsum(0) - 1 + decoding_rows
+            wanted = torch.cat((torch.arange(decoding_rows), lasts))
         logits = self.model.decode_entries(tokens, self.cache, plan, wanted)
         self._start_decoding([row for row, _ in chunks[:complete]])
         return logits[:, : self.vocab]
@@ -397,10 +401,10 @@ class DecodeBatch(Generic[R]):
             for row in alive:
                 accepted.setdefault(row, []).append(tokens[row])
             rows = tuple(alive)
-            sampling = self._expanded.get(rows)
-            if sampling is None:  # kept until the rows change, as _sampling is
+            sampling = self._verifying.get(rows)
+            if sampling is None:
                 sampling = SamplingBatch([self.members[row].sampler for row in rows], self.device)
-                self._expanded[rows] = sampling
+                self._verifying[rows] = sampling
             draw = sampling.draw(logits[[firsts[row] + position for row in rows]])
             drawn = draw.tokens.tolist()
             for index, row in enumerate(rows):
@@ -500,7 +504,7 @@ class DecodeBatch(Generic[R]):
     def _refresh(self) -> None:
         """Rebuild what depends on the sampled rows: sampling tensors, logprob rows, masks."""
         self._changed = False
-        self._expanded.clear()
+        self._verifying.clear()
         sampled = self.members[: self.decoding]
         if not sampled:
             self._sampling, self._logprob_rows, self.seen, self.counts = None, None, None, None

@@ -173,17 +173,11 @@ class RowSampler:
             self._unused_uniforms = block[::-1]  # pop() takes the first drawn
         return self._unused_uniforms.pop()
 
-    def peek_uniforms(self, count: int) -> list[float]:
-        """The row's next ``count`` uniforms, left to be drawn (speculative decoding reads the
-        ones its positions will take, to give back those of the positions it discards)."""
-        uniforms = [self.next_uniform() for _ in range(count)]
-        self.unread(uniforms)
-        return uniforms
-
-    def unread(self, uniforms: Sequence[float]) -> None:
-        """Give ``uniforms`` back, drawn and not used: the next :meth:`next_uniform` returns
-        ``uniforms[0]``, so the row's sequence of uniforms is as if they were never drawn."""
-        self._unused_uniforms.extend(reversed(uniforms))
+    @cached_property
+    def reads_history(self) -> bool:
+        """Whether the row's next distribution depends on its tokens so far (a penalty on them,
+        a grammar's state) and not on its logits alone."""
+        return bool(self.params.set_fields() & HISTORY_ADJUSTMENTS)
 
     @cached_property
     def bias(self) -> tuple[Tensor, Tensor]:
@@ -469,9 +463,12 @@ _PATHS: dict[str, frozenset[str]] = {
     "vocabulary order": frozenset({"min_p"}),
     "sorted": frozenset({"top_k", "top_p", "min_p"}),
 }
-ADJUSTMENTS = frozenset(
-    {"repetition_penalty", "frequency_penalty", "presence_penalty", "logit_bias", "grammar"}
+# The adjustments that read the row's history (its tokens so far, its grammar's state): a row
+# setting none of them draws from its logits alone (model.speculative relies on it).
+HISTORY_ADJUSTMENTS = frozenset(
+    {"repetition_penalty", "frequency_penalty", "presence_penalty", "grammar"}
 )
+ADJUSTMENTS = HISTORY_ADJUSTMENTS | {"logit_bias"}
 
 
 def _path(params: SamplingParams) -> str:

@@ -83,14 +83,7 @@ def refusal(model: Transformer) -> str | None:
 def speculates(sampler: RowSampler, logprobs: int | None) -> bool:
     """Whether a row with ``sampler`` (reporting ``logprobs``) may speculate: its next
     distribution must depend on its logits alone."""
-    params = sampler.params
-    return (
-        logprobs is None
-        and sampler.constraint is None
-        and params.repetition_penalty == 1.0
-        and not params.frequency_penalty
-        and not params.presence_penalty
-    )
+    return logprobs is None and not sampler.reads_history
 
 
 class NgramLookup:

@@ -4,6 +4,7 @@ counts vLLM's speculative-decoding counters; bad settings are refused naming the
 
 from __future__ import annotations
 
+import argparse
 import re
 from pathlib import Path
 
@@ -77,7 +78,5 @@ def test_speculation_serves_the_same_text_and_counts_its_drafts(checkpoints: Pat
     ],
 )
 def test_bad_speculation_settings_name_the_setting(flags: dict, named: str) -> None:
-    import argparse
-
     with pytest.raises(ValueError, match=rf"^{named}: "):
         settings_from_args(argparse.Namespace(**flags))
