@@ -81,7 +81,7 @@ async def completion(client: aiohttp.ClientSession, prompt: str, tokens: int) ->
 
 
 def acceptance(url: str) -> dict[str, float]:
-    """The speculative server's counters from /metrics."""
+    """The speculative server's counters from /metrics (totals since it started)."""
     metrics = httpx.get(f"{url}/metrics").text
     found = {}
     for name in ("drafts", "draft_tokens", "accepted_tokens"):
@@ -99,6 +99,7 @@ async def measure(
     results: dict[str, Any] = {}
     try:
         for name, prompts in sets.items():
+            before = acceptance(urls["speculative"])
             best = {mode: 0.0 for mode in urls}
             texts: dict[str, list[str]] = {mode: [] for mode in urls}
             for round_index in range(rounds + 1):  # round 0 warms both servers up
@@ -113,10 +114,16 @@ async def measure(
                 if round_index:
                     for mode in urls:
                         best[mode] = max(best[mode], tokens * len(prompts) / seconds[mode])
+            kept = acceptance(urls["speculative"])
+            kept = {key: value - before[key] for key, value in kept.items()}
+            generated = tokens * len(prompts) * (rounds + 1)  # every round, the warm-up's too
             results[name] = {
                 "tokens_per_second": best,
                 "speedup": best["speculative"] / best["plain"],
                 "identical_texts": texts["speculative"] == texts["plain"],
+                "acceptance": kept,  # this set's drafts, every round
+                # each kept draft saves a step: the tokens a step gave the stream
+                "tokens_per_step": generated / (generated - kept["accepted_tokens"]),
             }
     finally:
         for client in clients.values():
@@ -145,7 +152,6 @@ def main() -> None:
         }
         sets = prompt_sets(args.prompts)
         results = asyncio.run(measure(urls, sets, args.tokens, args.rounds))
-        counters = acceptance(urls["speculative"])
     report = {
         "machine": machine(),
         "command": "python -m bench.speculative "
@@ -157,7 +163,6 @@ def main() -> None:
         "speculative_tokens": args.speculative_tokens,
         "requests": {"prompts_per_set": args.prompts, "new_tokens": args.tokens, "greedy": True},
         **results,
-        "acceptance": counters,
     }
     for name in sets:
         row = results[name]
@@ -166,7 +171,11 @@ def main() -> None:
             f"{name:9s} plain {rates['plain']:7.0f} tok/s  speculative {rates['speculative']:7.0f}"
             f" tok/s  {row['speedup']:.2f}x  identical {row['identical_texts']}"
         )
-    print("acceptance:", counters)
+        kept = row["acceptance"]
+        print(
+            f"{'':9s} {kept['accepted_tokens']:.0f} of {kept['draft_tokens']:.0f} draft tokens kept"
+            f" in {kept['drafts']:.0f} proposals: {row['tokens_per_step']:.2f} tokens a step"
+        )
     if args.out:
         write_json_atomic(args.out, report)
 
