@@ -53,6 +53,7 @@ from server.api.schemas import (
     ToolCall,
     ToolName,
     Unsupported,
+    content_text,
     only_one,
     refused_unless,
     tool_call_of,
@@ -103,9 +104,7 @@ class InputMessage(StrictBody):
 
     @property
     def text(self) -> str:
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(block.text for block in self.content)
+        return content_text(self.content)
 
 
 class Tool(StrictBody):
@@ -187,10 +186,8 @@ class Conversation(StrictBody):
     def conversation(self) -> list[ChatMessage]:
         """``system`` and ``messages`` as chat messages (already validated)."""
         messages = [(m.role, m.text, m.name) for m in self.messages]
-        if isinstance(self.system, str):
-            messages.insert(0, ("system", self.system, None))
-        elif self.system is not None:
-            messages.insert(0, ("system", "".join(block.text for block in self.system), None))
+        if self.system is not None:
+            messages.insert(0, ("system", content_text(self.system), None))
         return [
             ChatMessage.model_construct(role=role, content=text, name=name)
             for role, text, name in messages

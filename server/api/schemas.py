@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal, cast
+from typing import Annotated, Any, Literal, Protocol, cast
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
@@ -177,6 +177,20 @@ ANY_JSON_OBJECT = {"type": "object"}
 JsonSchema = dict[str, Any]
 
 
+class _HasText(Protocol):
+    text: str
+
+
+def content_text(content: str | Sequence[_HasText] | None) -> str:
+    """A message's content as one text: a string as it is, text parts (chat's, Responses',
+    Anthropic's blocks) joined in order."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    return "".join(part.text for part in content)
+
+
 def only_one(constraints: list[Constraint | None]) -> Constraint | None:
     """The one constraint given (None: none); a 400 naming the second when two are."""
     given = [constraint for constraint in constraints if constraint is not None]
@@ -334,9 +348,7 @@ class ChatMessage(StrictBody):
 
     @property
     def text(self) -> str:
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(part.text for part in self.content)
+        return content_text(self.content)
 
 
 class JsonObjectFormat(StrictBody):
@@ -541,9 +553,7 @@ class InputMessage(StrictBody):
 
     @property
     def text(self) -> str:
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(part.text for part in self.content)
+        return content_text(self.content)
 
 
 class ResponsesJsonSchema(StrictBody):
