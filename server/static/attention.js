@@ -96,7 +96,7 @@ function drawSchemeSide(trace, layer, head, size) {
     side.replaceChildren(biasHeatmap(trace.layer_bias[layer][head], size, `${trace.scheme} score bias, layer ${layer}, head ${head}: ${what}`));
   } else if (trace.rotation) {
     if (side.dataset.scheme !== "rope" || side.dataset.length !== `${trace.positions[0]}+${length}`) {
-      side.replaceChildren(rotationChart(trace.rotation, size + 60, "rope: rotation angle per dimension pair (mod 2π), all heads and layers"));
+      side.replaceChildren(rotationChart(trace.rotation, size + 60, "rope: rotation angle per dimension pair (mod 2π), all heads and layers", trace.positions));
     }
   } else {
     side.replaceChildren(note(

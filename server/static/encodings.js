@@ -131,7 +131,7 @@ function dataDependent(trace) {
 function rotation(trace) {
   const points = trace.rotation.map((angles, distance) => ({ distance, value: d3.mean(angles, Math.cos) }));
   return [
-    [rotationChart(trace.rotation, 330, "rope: the rotation angle per position and dimension pair (mod 2π)")],
+    [rotationChart(trace.rotation, 330, "rope: the rotation angle per position and dimension pair (mod 2π)", trace.positions)],
     distancePlot(points, {
       title: "how alike two positions d apart look after rope's rotation (mean cos of d × each frequency)", y: "dot product",
     }),

@@ -104,7 +104,7 @@ async function showAlternatives(index, span) {
       branches.append(button);
     }
     if (!alternatives.length) branches.append("(no other token survives the filters here)");
-    target.replaceChildren(heading, stagesChart(trace, generation.ids[index]), branches);
+    target.replaceChildren(heading, stagesChart(trace, generation.ids[index], target.clientWidth), branches);
   } catch (error) {
     target.replaceChildren();
     showError(target, error);

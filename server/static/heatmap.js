@@ -121,9 +121,10 @@ export function vectorHeatmap(vectors, width, height, title) {
 }
 
 // rope's rotation angles [T][pairs] (mod 2π) as a position × dimension-pair heatmap.
-export function rotationChart(rotation, height, title) {
-  const cells = rotation.flatMap((row, position) => row.map((angle, pair) => ({
-    position, pair, angle: ((angle % (2 * Math.PI)) + 2 * Math.PI) % (2 * Math.PI),
+// `positions`: each row's position (the trace's, moved by an offset experiment).
+export function rotationChart(rotation, height, title, positions) {
+  const cells = rotation.flatMap((row, index) => row.map((angle, pair) => ({
+    position: positions[index], pair, angle: ((angle % (2 * Math.PI)) + 2 * Math.PI) % (2 * Math.PI),
   })));
   const every = rotation.length <= 24 ? 2 : 16;
   return plot({

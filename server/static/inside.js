@@ -94,7 +94,7 @@ async function runStages() {
       model: model(), prompt: $("prompt").value, ...interventions(), ...samplingSettings(), top: 15, attention: false,
     });
     const target = $("stages-chart");
-    target.replaceChildren(stagesChart(trace));
+    target.replaceChildren(stagesChart(trace, null, target.clientWidth));
     target.dataset.drawn = String(Number(target.dataset.drawn || 0) + 1);
   } catch (error) {
     $("stages-chart").replaceChildren();

@@ -30,27 +30,48 @@ function stageRows(stages, chosen) {
   return { rows, order: [...shown].map(([id, text]) => `${visible(text)} ·${id}`) };
 }
 
-// Bars of the next-token distribution, one small multiple per sampling stage.
-export function stagesChart(trace, chosen = null) {
+const STAGE_WIDTH = 150; // the least a stage's bars need beside the others
+
+// Bars of the next-token distribution, one small multiple per sampling stage: side by side where
+// `width` (the container's, px) holds them, else one above the next at that width, so that a
+// phone shows them at the size of their text instead of shrinking four into its screen.
+export function stagesChart(trace, chosen = null, width = Infinity) {
   const stages = trace.next_token.stages;
   const { rows, order } = stageRows(stages, chosen);
-  return plot({
-    width: Math.max(620, 150 * stages.length),
-    height: 28 + 19 * order.length,
+  const names = stages.map((s) => `${s.name} (${s.kept} kept)`);
+  const options = (height) => ({
+    height,
     marginLeft: 90,
     marginTop: 24,
     style: { fontSize: "11px" },
-    fx: { domain: stages.map((s) => `${s.name} (${s.kept} kept)`), label: null, padding: 0.12 },
     x: { domain: [0, 1], ticks: [0, 0.5], label: "probability", grid: true },
     y: { domain: order, label: null },
     color: { domain: [false, true], range: ["#748ffc", "#e8590c"] },
-    marks: [
-      Plot.barX(rows, { fx: "stage", y: "token", x: "prob", fill: "chosen", tip: true }),
-      Plot.text(rows, {
-        fx: "stage", y: "token", x: "prob", text: (d) => (d.dropped ? "✕ dropped" : d.prob >= 0.005 ? d.prob.toFixed(2) : ""),
-        dx: 3, textAnchor: "start", fontSize: 9, fill: (d) => (d.dropped ? "#b42318" : "currentColor"),
-      }),
-      Plot.ruleX([0]),
-    ],
   });
+  const marks = (data, facet) => [
+    Plot.barX(data, { ...facet, y: "token", x: "prob", fill: "chosen", tip: true }),
+    Plot.text(data, {
+      ...facet, y: "token", x: "prob", text: (d) => (d.dropped ? "✕ dropped" : d.prob >= 0.005 ? d.prob.toFixed(2) : ""),
+      dx: 3, textAnchor: "start", fontSize: 9, fill: (d) => (d.dropped ? "#b42318" : "currentColor"),
+    }),
+    Plot.ruleX([0]),
+  ];
+  if (!(width > 0) || width >= STAGE_WIDTH * stages.length) { // 0: drawn while hidden
+    return plot({
+      ...options(28 + 19 * order.length),
+      width: Math.max(620, STAGE_WIDTH * stages.length),
+      fx: { domain: names, label: null, padding: 0.12 },
+      marks: marks(rows, { fx: "stage" }),
+    });
+  }
+  const column = document.createElement("div");
+  column.className = "stage-column";
+  for (const name of names) {
+    const caption = document.createElement("p");
+    caption.className = "stage-name";
+    caption.textContent = name;
+    const stageRowsOnly = rows.filter((row) => row.stage === name);
+    column.append(caption, plot({ ...options(38 + 19 * order.length), marginTop: 8, width, marks: marks(stageRowsOnly, {}) }));
+  }
+  return column;
 }

@@ -2,7 +2,8 @@
 the window and passes axe-core (vendored, injected here; the page never loads it); the URL
 keeps the view (reload restores it, Back returns); a head switch at 256 tokens draws in under
 200 ms; the position offset moves learned's next-token bars and not rope's; a sampling slider
-never re-fetches attention."""
+never re-fetches attention; the sampling stages keep their text size on a phone, and rope's
+rotation chart names the positions an offset moved the prompt to."""
 
 from __future__ import annotations
 
@@ -103,6 +104,33 @@ def test_the_url_keeps_the_view_reload_restores_it_and_back_returns(watched: Wat
 
 def widths(page: Any) -> list[float]:
     return page.eval_on_selector_all(BARS, "rs => rs.map(r => +r.getAttribute('width'))")
+
+
+@pytest.mark.parametrize("viewport", SIZES, ids=["desktop", "phone"])
+def test_stage_bars_keep_their_text_size_and_ropes_angles_their_positions(
+    watched: Watched, viewport: dict[str, int]
+) -> None:
+    """Panel 4's stages sit side by side where they fit and one above the next on a phone,
+    never shrunk to fit (their 11 px text would be 5 px); the rotation chart names the
+    positions the prompt took, moved by the offset."""
+    page = watched.open()
+    page.goto(watched.url + "?view=inside&model=rope&offset=20")  # the settings fold on a phone
+    page.wait_for_selector(BARS, state="attached", timeout=30_000)
+    charts = page.eval_on_selector_all(
+        "#stages-chart svg[width]",
+        "svgs => svgs.map(s => [s.getBoundingClientRect().width, +s.getAttribute('width')])",
+    )
+    assert len(charts) == (1 if viewport["width"] > 800 else 4)
+    assert all(shown >= drawn_at - 1 for shown, drawn_at in charts), charts
+    ticks = page.evaluate(
+        """[...document.querySelectorAll('figure')]
+        .filter(f => f.textContent.includes('rotation angle'))
+        .flatMap(f => [...f.querySelectorAll('g[aria-label="y-axis tick label"] text')])
+        .map(t => t.textContent)"""
+    )
+    tokens = int(page.inner_text("#trace-stats").split()[0])
+    labelled = [int(tick) for tick in ticks if tick]  # every 2nd or 16th position is named
+    assert labelled and all(20 <= position < 20 + tokens for position in labelled), ticks
 
 
 @pytest.mark.parametrize(("model", "moves"), [("learned", True), ("rope", False)])
