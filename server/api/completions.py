@@ -18,7 +18,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from model.tokenizer import encode_prompt
-from server.api.errors import APIError
+from server.api.errors import APIError, too_long
 from server.api.job import Job
 from server.api.metrics import TIMEOUT
 from server.api.offload import check_prompt_size, tokenised
@@ -197,13 +197,13 @@ def _max_tokens(
     limit, scoring = served.max_context, body.max_tokens == 0
     allowed = limit if scoring else limit - 1  # generating needs room for one token at least
     if prompt_length > allowed:
-        raise APIError(
-            400,
-            f"{names.prompt_text} is {prompt_length} tokens long (a text counts its <|bos|>) "
-            f"but model '{served.name}' takes at most {allowed}: its context holds {limit} tokens, "
-            "prompt and completion together",
-            param=names.prompt,
-            code="context_length_exceeded",
+        raise too_long(
+            names.prompt_text,
+            prompt_length,
+            f"model '{served.name}'",
+            allowed,
+            names.prompt,
+            f": its context holds {limit} tokens, prompt and completion together",
         )
     room = limit - prompt_length
     if body.max_tokens is None:

@@ -25,7 +25,7 @@ from typing import Annotated, Literal, cast
 from pydantic import Field
 
 from server.api.completions import prompt_ids_of
-from server.api.errors import APIError
+from server.api.errors import APIError, too_long
 from server.api.schemas import (
     Prompt,
     StrictBody,
@@ -91,12 +91,8 @@ async def create_embeddings(body: EmbeddingRequest, served: ServedModel) -> tupl
     for field, given in body.inputs.items():
         ids.append(await prompt_ids_of(given, served, field))
         if len(ids[-1]) > served.max_context:
-            raise APIError(
-                400,
-                f"{field} is {len(ids[-1])} tokens long (a text counts its <|bos|>) but model "
-                f"'{served.name}' takes at most {served.max_context}",
-                param="input",
-                code="context_length_exceeded",
+            raise too_long(
+                field, len(ids[-1]), f"model '{served.name}'", served.max_context, "input"
             )
     total = sum(map(len, ids))
     if total > MAX_TOKENS:

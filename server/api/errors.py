@@ -151,6 +151,18 @@ class APIError(Exception):
         )
 
 
+def too_long(text: str, tokens: int, taker: str, limit: int, param: str, why: str = "") -> APIError:
+    """The 400 (``context_length_exceeded``) for ``text`` (the request's field, in prose) of
+    ``tokens`` tokens where ``taker`` takes at most ``limit``; ``why`` follows the limit."""
+    return APIError(
+        400,
+        f"{text} is {tokens} tokens long (a text counts its <|bos|>) but {taker} takes at most "
+        f"{limit}{why}",
+        param=param,
+        code="context_length_exceeded",
+    )
+
+
 def busy(message: str, status: int = 429) -> APIError:
     """Queue full (429) or not ready (503): the client should retry after a second."""
     code = "queue_full" if status == 429 else "unavailable"

@@ -44,7 +44,7 @@ from dataclasses import asdict
 from pydantic import BaseModel, Field
 
 from server.api.completions import prompt_ids_of
-from server.api.errors import APIError
+from server.api.errors import APIError, too_long
 from server.api.schemas import DEFAULT_LENS_TOP, MAX_TRACE_TOKENS, TraceRequest
 from server.api.service import ServedModel
 from server.api.structured import compile_constraint
@@ -163,12 +163,8 @@ async def create_trace(body: TraceRequest, served: ServedModel) -> bytes:
     prompt_ids = await prompt_ids_of(body.prompt, served)
     limit = trace_limit(served)
     if len(prompt_ids) > limit:
-        raise APIError(
-            400,
-            f"the prompt is {len(prompt_ids)} tokens long (a text counts its <|bos|>) but a "
-            f"trace of model '{served.name}' takes at most {limit}",
-            param="prompt",
-            code="context_length_exceeded",
+        raise too_long(
+            "the prompt", len(prompt_ids), f"a trace of model '{served.name}'", limit, "prompt"
         )
     grammar = await compile_constraint(body.constraint(), served)
     # a bad field is a 400 here, not in the engine
