@@ -413,8 +413,7 @@ class ModelEngine:
     def _advance(self, sampled: Sampled, now: float, stats: ModelStats) -> list[Request]:
         """Hand each row's new tokens to its job (one, or more where its drafts were kept);
         fail the rows that could not be sampled; return the rows that leave (finished or
-        failed). It runs once a row every step, so the loop keeps to what each row needs: 31 µs
-        at 32 rows, 48 before (one-off, in isolation)."""
+        failed). It runs once a row every step, so the loop keeps to what each row needs."""
         events: list[Token | None] = []  # each row's last event (None: it failed)
         tokens: list[Token] = []  # every event, in row order
         leaving: list[Request] = []
