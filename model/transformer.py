@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -58,25 +59,41 @@ class AttentionRecorder:
     keeps only those.
     """
 
-    def __init__(self, weights: bool = True) -> None:
+    def __init__(
+        self, weights: bool = True, scores_of: int | None = None, outputs: bool = False
+    ) -> None:
         self.keep_weights = weights
         self.weights: list[Tensor] = []
         self.layer_biases: list[LayerBias] = []
-        # Each block's output [B, T, d_model], the residual stream the logit lens reads
-        # (Transformer.unembed); the last one is what the served logits are computed from.
+        # The residual stream entering layer 0 [B, T, d_model], then each block's output, which
+        # the logit lens reads (Transformer.unembed); the last is what the logits come from.
+        self.embedded: Tensor | None = None
         self.residuals: list[Tensor] = []
+        # ``scores_of`` layer: what its scores are made of (server/engine/explain.py splits them)
+        self.scores_of = scores_of
+        self.scores: LayerScores | None = None
+        # ``outputs``: each layer's heads' outputs [B, H, T, hd] before the output projection,
+        # and each MLP's output [B, T, d_model]: the parts a logit is the sum of
+        self.keep_outputs = outputs
+        self.head_outputs: list[Tensor] = []
+        self.mlp_outputs: list[Tensor] = []
 
     def record(
         self,
+        layer: int,
         queries: Tensor,
         keys: Tensor,
         mask: AttentionMask,
         layer_bias: LayerBias | None = None,
+        unrotated: Tensor | None = None,
     ) -> None:
         """queries [B, H, Tq, hd], keys [B, Hkv, Tk, hd]: softmax(q·kᵀ/√hd + mask), as SDPA
-        (each key head shared by H / Hkv consecutive query heads)."""
+        (each key head shared by H / Hkv consecutive query heads); ``unrotated`` [B, H + Hkv,
+        T, hd]: the queries and keys before any rotation."""
         if layer_bias is not None:
             self.layer_biases.append(layer_bias)
+        if layer == self.scores_of:
+            self.scores = LayerScores(queries, keys, unrotated, mask)
         if not self.keep_weights:
             return
         keys = keys.repeat_interleave(queries.shape[1] // keys.shape[1], dim=1)
@@ -92,6 +109,33 @@ class AttentionRecorder:
         self.weights.append(scores.softmax(dim=-1))
 
 
+class LayerScores(NamedTuple):
+    """What one layer's attention scores were computed from (a traced pass, one layer)."""
+
+    queries: Tensor  # [B, H, T, hd], rotated where the scheme rotates
+    keys: Tensor  # [B, Hkv, T, hd], likewise
+    unrotated: Tensor | None  # [B, H + Hkv, T, hd]: queries then keys, before the rotation
+    mask: AttentionMask  # causality, and the scheme's bias (its own and the layer's)
+
+
+@dataclass(frozen=True)
+class ResidualPatch:
+    """Activation patching: before block ``s`` (``s`` = n_layers: after the last), row b's
+    residual stream at position ``positions[b]`` becomes ``values[b]`` where ``streams[b]`` is
+    ``s``. ``streams``, ``positions`` [B]; ``values`` [B, d_model]."""
+
+    streams: Tensor
+    positions: Tensor
+    values: Tensor
+
+    def apply(self, x: Tensor, stream: int) -> Tensor:
+        """``x`` [B, T, d_model] with this stream's patches written in."""
+        rows = (self.streams == stream).nonzero()[:, 0]
+        if rows.numel() == 0:
+            return x
+        return x.index_put((rows, self.positions[rows]), self.values[rows].to(x.dtype))
+
+
 @dataclass(frozen=True)
 class Intervention:
     """Pass one to an uncached :meth:`Transformer.forward` to change it, testing what a scheme
@@ -103,11 +147,13 @@ class Intervention:
     ``drop_positional``: in these layers the scheme's signal is removed (no rotation, no score
     bias); an added vector enters the residual stream once, before layer 0, so it is left out
     when layer 0 is dropped. Dropping every layer runs the weights as the ``none`` scheme.
+    ``patch``: residual streams replaced at chosen positions (ResidualPatch).
     """
 
     position_offset: int = 0
     ablate: frozenset[tuple[int, int]] = frozenset()
     drop_positional: frozenset[int] = frozenset()
+    patch: ResidualPatch | None = None
 
     def head_gates(self, layer: int, n_heads: int, device: torch.device) -> Tensor | None:
         """[H, 1, 1]: 0 for this layer's ablated heads, 1 for the others; None if none is."""
@@ -268,6 +314,7 @@ class Attention(nn.Module):
         if self.qk_norm is not None:  # queries and keys normalised, each with its own gain
             queries, keys = F.rms_norm(queries_keys, (self.head_dim,)).split([heads, kv_heads], 1)
             queries_keys = torch.cat([queries * self.qk_norm[0], keys * self.qk_norm[1]], dim=1)
+        unrotated = queries_keys  # apply_rotation makes a new tensor: a recorder may keep this
         if rotation is not None:  # queries and keys in one call: half the small ops
             queries_keys = apply_rotation(queries_keys, *rotation)
         queries, keys = queries_keys.split([heads, kv_heads], dim=1)  # [B, H|Hkv, T, hd]
@@ -284,12 +331,14 @@ class Attention(nn.Module):
         if layer_bias is not None:
             mask = mask.plus(layer_bias.bias.to(queries.dtype))
         if recorder is not None:
-            recorder.record(queries, keys, mask, layer_bias)
+            recorder.record(layer, queries, keys, mask, layer_bias, unrotated)
         out = attend(
             queries, keys, values, mask, self.dropout if self.training else 0.0, kv_heads != heads
         )  # [B, H, T, hd]
         if head_gates is not None:
             out = out * head_gates.to(out.dtype)
+        if recorder is not None and recorder.keep_outputs:
+            recorder.head_outputs.append(out)
         out = self.proj(out.transpose(1, 2).reshape(batch, length, width))
         return F.dropout(out, self.dropout) if self.training else out
 
@@ -335,7 +384,10 @@ class Block(nn.Module):
     def forward(self, x: Tensor, inputs: LayerInputs, layer: int) -> Tensor:
         """``x`` [B, T, d_model] → [B, T, d_model], as layer ``layer`` of the pass ``inputs``."""
         x = x + self.attention(self.attention_norm(x), inputs, layer)
-        return x + self.mlp(self.mlp_norm(x))
+        fed = self.mlp(self.mlp_norm(x))
+        if inputs.recorder is not None and inputs.recorder.keep_outputs:
+            inputs.recorder.mlp_outputs.append(fed)
+        return x + fed
 
 
 class Transformer(nn.Module):
@@ -429,10 +481,12 @@ class Transformer(nn.Module):
         tokens: Tensor,
         recorder: AttentionRecorder | None = None,
         intervention: Intervention | None = None,
+        last_only: bool = False,
     ) -> Tensor:
         """The trace's uncached pass (``server/engine/trace.py``): ``forward``'s logits for
-        ``tokens`` [B, T] → [B, T, vocab], each layer's attention and residual stream kept by
-        ``recorder``, the pass changed by ``intervention`` (see Intervention)."""
+        ``tokens`` [B, T] → [B, T, vocab] (or [B, vocab] with ``last_only``), each layer's
+        attention and residual stream kept by ``recorder``, the pass changed by
+        ``intervention`` (see Intervention)."""
         change = intervention or Intervention()
         positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0)  # [1, T]
         positions = positions + change.position_offset
@@ -440,13 +494,19 @@ class Transformer(nn.Module):
         mask = self._attention_mask(positions, positions[0], None, x.dtype)
         kept = LayerInputs(self.positional.rotation(positions), mask, scheme=self.positional)
         dropped = LayerInputs(None, AttentionMask(None, is_causal=True))  # as `none`'s
+        if recorder is not None:
+            recorder.embedded = x
         for layer, block in enumerate(self.blocks):
+            if change.patch is not None:
+                x = change.patch.apply(x, layer)
             inputs = dropped if layer in change.drop_positional else kept
             gates = change.head_gates(layer, self.config.n_heads, tokens.device)
             x = block(x, replace(inputs, recorder=recorder, head_gates=gates), layer)
             if recorder is not None:
                 recorder.residuals.append(x)
-        return self.lm_head(self.final_norm(x))
+        if change.patch is not None:
+            x = change.patch.apply(x, len(self.blocks))
+        return self.lm_head(self.final_norm(self._last(x, None, last_only)))
 
     def embed(self, tokens: Tensor, positions: Tensor, with_vector: bool = True) -> Tensor:
         """The residual stream's start: ``tokens`` [B, T] embedded, plus the scheme's position

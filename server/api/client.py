@@ -142,13 +142,22 @@ class ModelClient:
     async def call(self, method: str, args: dict[str, Any]) -> bytes:
         """The JSON the engine function ``method`` (``server.engine.calls``) returns for
         ``args``, its keyword arguments (MessagePack-encodable); a 429 APIError (Retry-After)
-        while ``max_traces`` calls of this model (traces, embeddings) are in the engine."""
+        while ``max_traces`` calls of this model (traces, embeddings, patches) are in the
+        engine."""
+        return (await self.calls(method, [args]))[0]
+
+    async def calls(self, method: str, each: list[dict[str, Any]]) -> list[bytes]:
+        """``call`` for each arguments of ``each`` in turn, admitted once as one call: the
+        engine runs one a turn of its loop, so streams decode between them."""
         self._admit(
-            self.tracing, self.max_traces, "traces or embeddings running or queued", "is busy"
+            self.tracing,
+            self.max_traces,
+            "traces, embeddings or patches running or queued",
+            "is busy",
         )
         self.tracing += 1
         try:
-            return await self.client.call(self.name, method, args)
+            return [await self.client.call(self.name, method, args) for args in each]
         finally:
             self.tracing -= 1
 

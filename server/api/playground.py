@@ -26,7 +26,8 @@ from starlette.responses import FileResponse, Response
 from starlette.staticfiles import StaticFiles
 
 from server.api.errors import APIError, error_responses
-from server.api.schemas import TraceRequest
+from server.api.explain import PatchResponse, create_patch
+from server.api.schemas import PatchRequest, TraceRequest
 from server.api.service import Service
 from server.api.trace import TraceResponse, create_trace
 
@@ -64,6 +65,25 @@ async def trace(body: TraceRequest, request: Request) -> Response:
     service: Service = request.app.state.service
     served = service.get(body.model)
     content = await create_trace(body, served)
+    return Response(content, media_type="application/json")
+
+
+@router.post(
+    "/v1/patch",
+    response_model=None,
+    responses={
+        200: {"model": PatchResponse, "description": "the effect of each stream and position"},
+        **error_responses(400, 401, 404, 413, 429, 503),
+    },
+)
+async def patch(body: PatchRequest, request: Request) -> Response:
+    """Activation patching: for every residual stream (the embeddings, each layer's output)
+    and position, run ``corrupted`` with that stream replaced by ``clean``'s there, and report
+    how much of the target's clean − corrupted logit difference comes back. The prompts must
+    tokenise to one length, at most 128 tokens (``server.api.explain``)."""
+    service: Service = request.app.state.service
+    served = service.get(body.model)
+    content = await create_patch(body, served)
     return Response(content, media_type="application/json")
 
 

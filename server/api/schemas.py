@@ -726,6 +726,35 @@ class TraceRequest(PromptRequest, Structured):
         description="every layer's residual stream read through the final norm and the "
         "unembedding: its top tokens at each position",
     )
+    score_parts: HeadRef | None = Field(
+        None,
+        description="split this head's scores of the last query into content and position "
+        "(and, for rope, each rotation pair's share)",
+    )
+    attribution: bool = Field(
+        False,
+        description="split the next-token logit of target into the embedding, the positional "
+        "vector, each head and each MLP",
+    )
+    target: TokenId | None = Field(
+        None, description="the token attribution explains; null: the most probable one"
+    )
+
+
+# A patch runs the corrupted prompt once for each layer and position: (layers + 1) × T passes.
+MAX_PATCH_TOKENS = 128
+
+
+class PatchRequest(StrictBody):
+    """``POST /v1/patch``: activation patching of two prompts of one length (text or token
+    ids, tokenised as a prompt is)."""
+
+    model: Text | None = None
+    clean: Prompt
+    corrupted: Prompt
+    target: TokenId | None = Field(
+        None, description="the token whose logit is restored; null: clean's most probable"
+    )
 
 
 class DetokenizeRequest(StrictBody):

@@ -45,7 +45,8 @@ from pydantic import BaseModel, Field
 
 from server.api.completions import prompt_ids_of
 from server.api.errors import APIError, too_long
-from server.api.schemas import DEFAULT_LENS_TOP, MAX_TRACE_TOKENS, TraceRequest
+from server.api.explain import Attribution, ScoreParts
+from server.api.schemas import DEFAULT_LENS_TOP, MAX_TRACE_TOKENS, HeadRef, TraceRequest
 from server.api.service import ServedModel
 from server.api.structured import compile_constraint
 
@@ -153,6 +154,10 @@ class TraceResponse(BaseModel):
         description="[T] −log₂ p(token | prefix) of each prompt token (null for <|bos|>)"
     )
     logit_lens: TraceLens | None = Field(description="null unless the request's logit_lens is true")
+    score_parts: ScoreParts | None = Field(description="null unless the request names a head")
+    attribution: Attribution | None = Field(
+        description="null unless the request's attribution is true"
+    )
 
 
 # ---- computing it ---------------------------------------------------------------------------
@@ -185,6 +190,9 @@ async def create_trace(body: TraceRequest, served: ServedModel) -> bytes:
         "logit_lens": body.logit_lens,
         "lens_top": DEFAULT_LENS_TOP,
         "attention_encoding": body.attention_encoding,
+        "score_parts": None if (ref := body.score_parts) is None else (ref.layer, ref.head),
+        "attribution": body.attribution,
+        "target": body.target,
     }
     return await served.engine.call("trace", args)
 
@@ -193,18 +201,23 @@ def check_interventions(body: TraceRequest, served: ServedModel, length: int) ->
     """A 400 naming the field for a layer or head the model lacks, or an offset that takes the
     last of ``length`` positions past the scheme's table (as a too-long prompt would)."""
     info = served.info
+    if body.score_parts is not None:
+        _check_head(body.score_parts, "score_parts", "score_parts", served)
+    if body.target is not None and not body.attribution:
+        raise APIError(
+            400,
+            "target names the token attribution explains: it needs attribution: true",
+            param="target",
+        )
+    if body.target is not None and body.target >= served.vocab:
+        raise APIError(
+            400,
+            f"target is {body.target}, outside model '{served.name}''s vocabulary "
+            f"[0, {served.vocab})",
+            param="target",
+        )
     for index, ref in enumerate(body.ablate):
-        for field, value, count in (
-            ("layer", ref.layer, info.n_layers),
-            ("head", ref.head, info.n_heads),
-        ):
-            if value >= count:
-                raise APIError(
-                    400,
-                    f"ablate[{index}].{field} is {value}, but model '{served.name}' has "
-                    f"{count} {field}s (0..{count - 1})",
-                    param="ablate",
-                )
+        _check_head(ref, f"ablate[{index}]", "ablate", served)
     if body.drop_positional != "all":
         for index, layer in enumerate(body.drop_positional):
             if layer >= info.n_layers:
@@ -224,6 +237,22 @@ def check_interventions(body: TraceRequest, served: ServedModel, length: int) ->
             param="position_offset",
             code="context_length_exceeded",
         )
+
+
+def _check_head(ref: HeadRef, where: str, param: str, served: ServedModel) -> None:
+    """A 400 naming ``where`` (e.g. ``ablate[2].head``) for a layer or head the model lacks."""
+    info = served.info
+    for field, value, count in (
+        ("layer", ref.layer, info.n_layers),
+        ("head", ref.head, info.n_heads),
+    ):
+        if value >= count:
+            raise APIError(
+                400,
+                f"{where}.{field} is {value}, but model '{served.name}' has "
+                f"{count} {field}s (0..{count - 1})",
+                param=param,
+            )
 
 
 def trace_limit(served: ServedModel) -> int:

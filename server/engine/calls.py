@@ -19,6 +19,7 @@ from torch import Tensor
 
 from model.sampling_params import SamplingParams
 from model.transformer import AttentionRecorder, Transformer
+from server.engine.explain import patch_effects
 from server.engine.loader import LoadedModel
 from server.engine.trace import trace_document
 
@@ -69,7 +70,18 @@ def hidden_state(model: Transformer, tokens: Tensor, layer: int | None) -> Tenso
     return recorder.residuals[layer - 1]
 
 
-CALLS: dict[str, Callable[..., dict[str, Any]]] = {"trace": trace, "embed": embed}
+def patch(
+    loaded: LoadedModel,
+    clean: list[int],
+    corrupted: list[int],
+    target: int | None,
+    sites: list[tuple[int, int]],
+) -> dict[str, Any]:
+    """``POST /v1/patch``, a share of its sites (``server.api.explain``)."""
+    return patch_effects(loaded.model, loaded.vocab, clean, corrupted, target, sites)
+
+
+CALLS: dict[str, Callable[..., dict[str, Any]]] = {"trace": trace, "embed": embed, "patch": patch}
 
 
 def run_call(loaded: LoadedModel, method: str, args: dict[str, Any]) -> bytes:

@@ -29,6 +29,7 @@ from model.positional.rotation import Rotation
 from model.sampling import sampling_stages
 from model.sampling_params import SamplingParams
 from model.transformer import AttentionRecorder, Intervention, Transformer
+from server.engine import explain
 
 if TYPE_CHECKING:
     from server.engine.loader import LoadedModel
@@ -49,6 +50,9 @@ def trace_document(
     logit_lens: bool = False,
     lens_top: int = 3,
     attention_encoding: str = "lists",
+    score_parts: tuple[int, int] | None = None,
+    attribution: bool = False,
+    target: int | None = None,
 ) -> dict[str, Any]:
     """The trace of ``prompt_ids`` (already checked against ``limit``, the most tokens a trace
     of this model takes), as a dict orjson writes (numpy arrays included). ``top``: how many
@@ -56,7 +60,8 @@ def trace_document(
     (``attention_encoding`` "lists" or "uint8"). The interventions (``position_offset``,
     ``ablate`` as (layer, head) pairs, ``drop_positional`` layers; checked in the API process)
     change that one forward, and every field is that of the changed pass; ``logit_lens`` adds
-    each layer's ``lens_top`` most probable next tokens."""
+    each layer's ``lens_top`` most probable next tokens. ``score_parts`` (layer, head) and
+    ``attribution`` (of ``target``, default the argmax) add ``server.engine.explain``'s."""
     model, vocab, names = served.model, served.vocab, served.token_strings
     device = next(model.parameters()).device
     ids = torch.tensor(prompt_ids, device=device)  # [T]
@@ -64,7 +69,11 @@ def trace_document(
     ablated = frozenset((layer, head) for layer, head in ablate)
     intervention = Intervention(position_offset, ablated, frozenset(drop_positional))
     with torch.inference_mode():
-        recorder = AttentionRecorder(weights=attention)
+        recorder = AttentionRecorder(
+            weights=attention,
+            scores_of=None if score_parts is None else score_parts[0],
+            outputs=attribution,
+        )
         logits = model.traced_forward(ids.unsqueeze(0), recorder, intervention)
         logits = logits[0, :, :vocab].float()  # [T, V]
         token_vectors = model.token_embedding(ids).float()  # [T, d_model]
@@ -74,6 +83,17 @@ def trace_document(
         constraint = constraint_of(params, served.tokenizer, served.eos)
         stages = sampling_stages(logits[-1], params, seen, constraint=constraint)
         logprobs = torch.log_softmax(logits[:-1], dim=-1).gather(-1, ids[1:, None])[:, 0]
+        vectors = None if position_vectors is None else position_vectors[0]  # [T, d]
+        parts = None
+        if score_parts is not None:
+            layer, head = score_parts
+            dropped = layer in drop_positional
+            parts = explain.score_parts(model, recorder, layer, head, ids, vectors, dropped)
+        attributed = None
+        if attribution:
+            chosen = int(logits[-1].argmax()) if target is None else target
+            logit = float(logits[-1, chosen])
+            attributed = explain.attribution(model, recorder, ids, vectors, logit, chosen, names)
 
     top = min(top, vocab)
     return {
@@ -94,6 +114,8 @@ def trace_document(
         "logit_lens": _lens(model, recorder.residuals, vocab, names, lens_top)
         if logit_lens
         else None,
+        "score_parts": parts,
+        "attribution": attributed,
     }
 
 
