@@ -9,7 +9,8 @@ strings of tokenizer.json, specials marked as control tokens) and its merges in 
 under the ``gpt-2`` pre-tokenizer, whose split (GPT-2's regular expression) is the one
 ``tokenizers``' ByteLevel pre-tokenizer makes, so llama.cpp tokenizes as ordinal does; a
 <|bos|> is added before every prompt, as ordinal adds it. Schemes with no GGUF architecture
-(every one but rope) are refused with the reason.
+(every one but rope), and a rope nemotron does not compute exactly (p-RoPE's unturned pairs, a
+scaling it lacks), are refused with the reason.
 """
 
 from __future__ import annotations

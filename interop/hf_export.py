@@ -12,12 +12,13 @@ Where an architecture they know is exactly ordinal's model, the folder is that a
   at n_positions there), GPT-2's biases are zero where ordinal has none, Conv1D weights are
   ordinal's transposed.
 
-Anything else (alibi, t5, the formula schemes whose positions have no last row, or a config the
-native architecture cannot express: RMSNorm, SwiGLU, query/key norm, a rope scaling without an
-equal Hugging Face rope type) is written as custom code: ``remote/modeling_ordinal.py``, a
-self-contained port loaded with ``trust_remote_code=True``, holding ordinal's own tensor names.
-``--target custom`` writes every scheme that way; ``--target native`` refuses a checkpoint
-that has no exact native architecture, saying why.
+Anything else (alibi, t5 and fire, biases on the scores; fox and cope, whose biases each layer
+computes from its own queries and keys; the formula schemes whose positions have no last row;
+or a config the native architecture cannot express: p-RoPE's unturned pairs, RMSNorm, SwiGLU,
+query/key norm, a rope scaling without an equal Hugging Face rope type) is written as custom
+code: ``remote/modeling_ordinal.py``, a self-contained port loaded with ``trust_remote_code=True``,
+holding ordinal's own tensor names. ``--target custom`` writes every scheme that way;
+``--target native`` refuses a checkpoint that has no exact native architecture, saying why.
 
 Every folder also carries ``config.json`` ``ordinal_config`` (the checkpoint's own config, so an
 import can restore it), a tokenizer that adds ``<|bos|>`` as ordinal does, and a chat template
@@ -112,21 +113,19 @@ class Exported:
 # What maps exactly
 
 
-# The schemes the custom-code port (remote/modeling_ordinal.py) computes, and positional settings
-# it does not, with the value each must keep (tests/model/interop checks this against the port).
+# The schemes the custom-code port (remote/modeling_ordinal.py) computes, each with every one of
+# its parameters (tests/interop/test_export.py checks both against the port and the registry).
+# A scheme registered since is refused until the port has it.
 PORTED_SCHEMES = (
-    "none", "integer", "binary", "sinusoidal", "learned", "rope", "alibi", "t5", "mds", "lowrank"
+    "none", "integer", "binary", "sinusoidal", "learned", "rope", "alibi", "t5", "mds", "lowrank",
+    "fox", "cope", "fire",
 )  # fmt: skip
-UNPORTED_SETTINGS: dict[str, dict[str, Any]] = {"rope": {"fraction": 1.0}}
 
 
 def unported_positional(config: ModelConfig) -> str | None:
     """Why no export computes ``config``'s positional scheme exactly, or None."""
     if config.scheme not in PORTED_SCHEMES:
         return f"scheme {config.scheme!r} has no Hugging Face export yet (ported: {PORTED_SCHEMES})"
-    for name, kept in UNPORTED_SETTINGS.get(config.scheme, {}).items():
-        if config.positional.get(name, kept) != kept:
-            return f"{config.scheme}'s {name} {config.positional[name]!r} is not exported yet"
     return None
 
 
@@ -154,8 +153,14 @@ def _block_mismatch(config: ModelConfig, architecture: str) -> str | None:
 def nemotron_mismatch(model: Transformer) -> str | None:
     """Why ``model`` is not exactly a NemotronForCausalLM, or None when it is."""
     config, scheme = model.config, model.positional
-    if not isinstance(scheme, RotaryPositions):
+    # by name: a scheme built on rope's module (a subclass) is another scheme
+    if config.scheme != "rope" or not isinstance(scheme, RotaryPositions):
         return f"NemotronForCausalLM rotates queries and keys (rope); this is {config.scheme}"
+    if scheme.kept_pairs < scheme.rotary_dim // 2:
+        return (
+            f"p-RoPE (fraction {scheme.params.fraction}) leaves its slowest pairs unturned; "
+            "NemotronForCausalLM turns every pair it rotates"
+        )
     mismatch = _block_mismatch(config, "NemotronForCausalLM")
     if mismatch:
         return mismatch
@@ -175,7 +180,13 @@ def gpt2_mismatch(model: Transformer) -> str | None:
     """Why ``model`` is not exactly a GPT2LMHeadModel, or None when it is."""
     config, scheme = model.config, model.positional
     probe = positions_table(2)
-    if scheme.rotation(probe) is not None or scheme.attention_bias(probe, probe[0]) is not None:
+    acts_inside = (
+        scheme.data_dependent  # fox, cope: a bias from each layer's queries and keys
+        or scheme.replaces_softmax  # stick-breaking: its own weights, not softmax's
+        or scheme.rotation(probe) is not None
+        or scheme.attention_bias(probe, probe[0]) is not None
+    )
+    if acts_inside:
         return f"GPT-2 only adds a vector per position; {config.scheme} acts inside attention"
     if scheme.embedding(probe) is not None and not scheme.is_table:
         return (

@@ -3,19 +3,21 @@ only), loaded with ``trust_remote_code=True``.
 
 The same model as ordinal's ``model/transformer.py`` with the same parameter names, so the
 folder's model.safetensors holds ordinal's own tensors: token embedding → positional scheme →
-pre-norm blocks (fused QKV attention, MLP) → final norm → logits. Every one of ordinal's ten
-positional schemes is here, each as the small class ordinal has in ``model/positional/``:
-an added vector (none, integer, binary, sinusoidal, learned, mds, lowrank), a rotation of
-queries and keys (rope, with its context extensions), or a bias on the scores (alibi, t5).
+pre-norm blocks (fused QKV attention, MLP) → final norm → logits. Each of ordinal's positional
+schemes is here, as the small class ordinal has in ``model/positional/``: an added vector (none,
+integer, binary, sinusoidal, learned, mds, lowrank), a rotation of queries and keys (rope, with
+p-RoPE's ``fraction`` and its context extensions), a bias on the scores from positions (alibi,
+t5, fire), or a bias each layer computes from its own queries and keys (fox, cope).
 
 Positions follow the attention mask (position = how many real tokens came before), so
 left-padded batches in ``generate()`` get the positions each row would have alone; keys and
-values are kept in a transformers ``DynamicCache``. This file was copied from ordinal
-(interop/remote/) by ``ordinal export``.
+values are kept in a transformers ``DynamicCache``, and so are fox's per-token log forget gates
+(:func:`update_cache`). This file was copied from ordinal (interop/remote/) by
+``ordinal export``.
 """
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -30,8 +32,13 @@ Rotation = tuple[Tensor, Tensor]  # (cos, sin), each [B, 1, T, rotary_dim]
 
 
 # ----------------------------------------------------------------------------------------------
-# Positional schemes: embedding(positions [B, T]) → [B, T, d] | None; rotation(positions) →
-# Rotation | None; bias(queries [B, Tq], keys [B, Tk]) → [B, H, Tq, Tk] | None.
+# Positional schemes. Each fills the hooks that carry its positions, once per pass:
+#   embedding(positions [B, T]) → [B, T, d] | None: a vector added to the token embeddings;
+#   rotation(positions [B, T]) → Rotation | None: queries and keys turned;
+#   bias(q_positions [B, Tq], k_positions [B, Tk]) → [B, H, Tq, Tk] | None: added to the scores;
+# or, a data-dependent scheme (fox, cope), in each layer from what that layer sees:
+#   key_state(layer, hidden [B, T, d]) → [B, H, T] | None: per-token scalars later queries need;
+#   layer_bias(layer, queries, keys, key_state, allowed) → [B, H, Tq, Tk] | None.
 
 
 class Scheme(nn.Module):
@@ -48,7 +55,17 @@ class Scheme(nn.Module):
     def rotation(self, positions: Tensor) -> Rotation | None:
         return None
 
-    def bias(self, queries: Tensor, keys: Tensor) -> Tensor | None:
+    def bias(self, q_positions: Tensor, k_positions: Tensor) -> Tensor | None:
+        return None
+
+    def key_state(self, layer: int, hidden: Tensor) -> Tensor | None:
+        return None
+
+    def layer_bias(
+        self, layer: int, queries: Tensor, keys: Tensor, key_state: Tensor | None, allowed: Tensor
+    ) -> Tensor | None:
+        """``queries`` [B, H, Tq, hd], ``keys`` [B, H, Tk, hd] (the cached ones included),
+        ``key_state`` [B, H, Tk], ``allowed`` [B, 1, Tq, Tk] bool (where a query may look)."""
         return None
 
 
@@ -115,12 +132,14 @@ class LowRank(Scheme):
 
 class Rope(Scheme):
     """NeoX half-split rotation of the first rotary_dim dims; ``scaling`` linear, ntk, dynamic
-    or yarn as ordinal's model/positional/rope.py (Hugging Face's definitions)."""
+    or yarn as ordinal's model/positional/rope.py (Hugging Face's definitions). ``fraction``
+    (p-RoPE) keeps the fastest kept_pairs pairs turning and leaves the slowest where they are."""
 
     def __init__(self, config: OrdinalConfig, params: dict[str, Any]) -> None:
         super().__init__(config, params)
         head_dim = config.d_model // config.n_heads
         self.rotary_dim = int(head_dim * params.get("rotary_fraction", 1.0)) // 2 * 2
+        self.kept_pairs = int(params.get("fraction", 1.0) * self.rotary_dim // 2)
         self.scaling = params.get("scaling")
         self.factor = params.get("scaling_factor", 1.0)
         self.original = params.get("original_context") or config.context_length
@@ -160,6 +179,7 @@ class Rope(Scheme):
         frequencies, scale = self.frequencies(needed, positions.device)
         angles = positions.to(torch.float64).unsqueeze(-1) * frequencies  # [B, T, rot/2]
         cos, sin = angles.cos() * scale, angles.sin() * scale
+        cos[..., self.kept_pairs :], sin[..., self.kept_pairs :] = 1.0, 0.0  # p-RoPE: unturned
         cos, sin = torch.cat((cos, cos), dim=-1).float(), torch.cat((sin, sin), dim=-1).float()
         return cos.unsqueeze(1), sin.unsqueeze(1)
 
@@ -177,10 +197,10 @@ def alibi_slopes(n_heads: int) -> Tensor:
 
 
 class Alibi(Scheme):
-    def bias(self, queries: Tensor, keys: Tensor) -> Tensor:
-        distance = (queries.unsqueeze(-1) - keys.unsqueeze(1)).unsqueeze(1)  # [B, 1, Tq, Tk]
+    def bias(self, q_positions: Tensor, k_positions: Tensor) -> Tensor:
+        distance = (q_positions.unsqueeze(-1) - k_positions.unsqueeze(1)).unsqueeze(1)
         slopes = alibi_slopes(self.config.n_heads) * self.params.get("scale", 1.0)
-        slopes = slopes.to(queries.device).view(1, -1, 1, 1)
+        slopes = slopes.to(q_positions.device).view(1, -1, 1, 1)
         return -slopes * distance.to(torch.float32)
 
 
@@ -191,14 +211,102 @@ class T5(Scheme):
         self.max_distance = params.get("max_distance", 128)
         self.bias_table = nn.Parameter(torch.zeros(self.buckets, config.n_heads))
 
-    def bias(self, queries: Tensor, keys: Tensor) -> Tensor:
-        distance = (queries.unsqueeze(-1) - keys.unsqueeze(1)).clamp(min=0)  # [B, Tq, Tk]
+    def bias(self, q_positions: Tensor, k_positions: Tensor) -> Tensor:
+        distance = (q_positions.unsqueeze(-1) - k_positions.unsqueeze(1)).clamp(min=0)
         exact = self.buckets // 2
         ratio = distance.clamp(min=1).float() / exact
         log_ratio = torch.log(ratio) / math.log(self.max_distance / exact)
         large = (exact + (log_ratio * (self.buckets - exact)).long()).clamp(max=self.buckets - 1)
         buckets = torch.where(distance < exact, distance, large)
         return self.bias_table[buckets].permute(0, 3, 1, 2)
+
+
+class Fire(Scheme):
+    """FIRE: b_h(i, j) = MLP(ψ(i − j) / ψ(max(L, i)))_h, a learned function of the log
+    distance ψ(x) = log(|c|·x + 1) over that of the query's position, floored at a learned
+    threshold L; c and L's multiplier are learned. ``log_transform`` False: ψ(x) = x;
+    ``normalise`` False: the MLP reads ψ(i − j) itself."""
+
+    EPSILON = 1e-6  # keeps the divisor away from 0
+
+    def __init__(self, config: OrdinalConfig, params: dict[str, Any]) -> None:
+        super().__init__(config, params)
+        hidden = params.get("hidden", 32)
+        self.mlp_in = nn.Linear(1, hidden)
+        self.mlp_out = nn.Linear(hidden, config.n_heads)
+        self.c = nn.Parameter(torch.tensor(params.get("c", 0.1)))
+        self.threshold = params.get("threshold") or config.context_length / 4
+        self.threshold_scale = nn.Parameter(torch.tensor(1.0))
+
+    def psi(self, x: Tensor) -> Tensor:
+        return torch.log(self.c.abs() * x + 1) if self.params.get("log_transform", True) else x
+
+    def bias(self, q_positions: Tensor, k_positions: Tensor) -> Tensor:
+        query = q_positions.unsqueeze(-1).float()  # [B, Tq, 1]
+        distance = (query - k_positions.unsqueeze(1).float()).clamp(min=0)  # later keys: masked
+        inputs = self.psi(distance)  # [B, Tq, Tk]
+        if self.params.get("normalise", True):
+            threshold = (self.threshold_scale * self.threshold).abs()
+            inputs = inputs / (self.psi(torch.maximum(query, threshold)) + self.EPSILON)
+        hidden = torch.relu(self.mlp_in(inputs.unsqueeze(-1).to(self.mlp_in.weight.dtype)))
+        return self.mlp_out(hidden).permute(0, 3, 1, 2)  # [B, Tq, Tk, H] → [B, H, Tq, Tk]
+
+
+def sum_back_to_each_key(values: Tensor, allowed: Tensor) -> Tensor:
+    """For each query i and key j, the sum of ``values`` [B, H, Tq|1, Tk] over the keys t ≥ j
+    that i may see (``allowed`` [B, 1, Tq, Tk]) → [B, H, Tq, Tk]. Summed from the query's last
+    visible key back, so keys it may not see (later slots, padding) add exact zeros."""
+    return torch.where(allowed, values, 0.0).flip(-1).cumsum(-1).flip(-1)
+
+
+class Fox(Scheme):
+    """FoX, the Forgetting Transformer: each layer and head gates every token,
+    f_t = σ(w·x_t + b) from the layer's normalised input, and query i's score for key j gets
+    Σ_{l=j+1..i} log f_l (a key forgets by every token after it). The log gates are each
+    token's key state, kept in the cache beside its key."""
+
+    def __init__(self, config: OrdinalConfig, params: dict[str, Any]) -> None:
+        super().__init__(config, params)
+        layers, heads = config.n_layers, config.n_heads
+        self.gate_weight = nn.Parameter(torch.zeros(layers, heads, config.d_model))
+        self.gate_bias = nn.Parameter(torch.zeros(layers, heads))
+
+    def key_state(self, layer: int, hidden: Tensor) -> Tensor:
+        """log f_t → [B, H, T], in float32 (it is summed over many tokens)."""
+        weight, bias = self.gate_weight[layer].float(), self.gate_bias[layer].float()
+        return F.logsigmoid(F.linear(hidden.float(), weight, bias)).transpose(1, 2)
+
+    def layer_bias(
+        self, layer: int, queries: Tensor, keys: Tensor, key_state: Tensor | None, allowed: Tensor
+    ) -> Tensor:
+        assert key_state is not None  # every layer is handed its keys' log gates
+        from_key = sum_back_to_each_key(key_state.unsqueeze(-2), allowed)  # Σ over l ≥ j
+        return F.pad(from_key[..., 1:], (0, 1))  # Σ over l > j (nothing after the last key)
+
+
+class Cope(Scheme):
+    """CoPE, contextual positions: query i counts key j's position as p_ij = Σ_{t=j..i}
+    σ(q_i·k_t/√hd) over the keys it may see, and its score gets q_i·e[p_ij], e read between
+    the rows ⌊p⌋ and ⌈p⌉ of the layer's table (clamped to its last row)."""
+
+    def __init__(self, config: OrdinalConfig, params: dict[str, Any]) -> None:
+        super().__init__(config, params)
+        rows = params.get("n_positions") or config.context_length
+        self.table = nn.Parameter(
+            torch.zeros(config.n_layers, rows, config.d_model // config.n_heads)
+        )
+
+    def layer_bias(
+        self, layer: int, queries: Tensor, keys: Tensor, key_state: Tensor | None, allowed: Tensor
+    ) -> Tensor:
+        table = self.table[layer].float()  # [n, hd]
+        queries, keys = queries.float(), keys.float()  # a running count needs float32
+        gates = (queries @ keys.transpose(-2, -1) / math.sqrt(queries.shape[-1])).sigmoid()
+        positions = sum_back_to_each_key(gates, allowed).clamp(max=table.shape[0] - 1)
+        at_rows = queries @ table.T  # [B, H, Tq, n]: q_i·e[k] for every row k
+        below, above = positions.floor().long(), positions.ceil().long()
+        weight = positions - below
+        return at_rows.gather(-1, above) * weight + at_rows.gather(-1, below) * (1 - weight)
 
 
 SCHEMES: dict[str, type[Scheme]] = {
@@ -212,6 +320,9 @@ SCHEMES: dict[str, type[Scheme]] = {
     "t5": T5,
     "mds": Mds,
     "lowrank": LowRank,
+    "fox": Fox,
+    "cope": Cope,
+    "fire": Fire,
 }
 
 
@@ -234,6 +345,34 @@ def apply_rotation(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return torch.cat((out, passed), dim=-1)
 
 
+class PassInputs(NamedTuple):
+    """What every layer of a pass reads besides its input."""
+
+    scheme: Scheme
+    rotation: Rotation | None
+    allowed: Tensor  # [B, 1, T, Tk] bool: where each query may look
+    mask: Tensor  # [B, 1|H, T, Tk] additive: the scheme's position bias, −inf where not allowed
+    cache: DynamicCache | None
+
+
+def update_cache(
+    cache: DynamicCache, layer: int, keys: Tensor, values: Tensor, key_state: Tensor | None
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Append this pass's ``keys``, ``values`` [B, H, T, hd] and ``key_state`` [B, H, T] (or
+    None) to layer ``layer``'s cache → all of them so far, [B, H, Tk, hd] and [B, H, Tk].
+
+    A key state is kept as one more channel of its key, so whatever generate() does to the
+    cache (crop it, reorder beams, select rows) keeps each token's state with its key. It is
+    stored in the keys' dtype (float32, ordinal's, when the model is loaded in float32).
+    """
+    if key_state is None:
+        keys, values = cache.update(keys, values, layer)
+        return keys, values, None
+    with_state = torch.cat((keys, key_state.unsqueeze(-1).to(keys.dtype)), dim=-1)
+    stored, values = cache.update(with_state, values, layer)
+    return stored[..., :-1], values, stored[..., -1]
+
+
 class Attention(nn.Module):
     def __init__(self, config: OrdinalConfig, layer: int) -> None:
         super().__init__()
@@ -245,20 +384,25 @@ class Attention(nn.Module):
             nn.Parameter(torch.ones(2, 1, 1, 1, self.head_dim)) if config.qk_norm else None
         )
 
-    def forward(
-        self, x: Tensor, rotation: Rotation | None, mask: Tensor, cache: DynamicCache | None
-    ) -> Tensor:
-        """``x`` [B, T, d]; ``mask`` [B, 1|H, T, Tk] additive → [B, T, d]."""
+    def forward(self, x: Tensor, inputs: PassInputs) -> Tensor:
+        """``x`` [B, T, d] (normalised) → [B, T, d]; a data-dependent scheme adds its bias."""
         batch, length, width = x.shape
         qkv = self.qkv(x).view(batch, length, 3, self.n_heads, self.head_dim)
         qkv = qkv.permute(2, 0, 3, 1, 4)  # [3, B, H, T, hd]
         if self.qk_norm is not None:
             qkv = torch.cat([F.rms_norm(qkv[:2], (self.head_dim,)) * self.qk_norm, qkv[2:]])
         queries, keys, values = qkv
-        if rotation is not None:
-            queries, keys = apply_rotation(qkv[:2], *rotation)
-        if cache is not None:
-            keys, values = cache.update(keys, values, self.layer)
+        if inputs.rotation is not None:
+            queries, keys = apply_rotation(qkv[:2], *inputs.rotation)
+        key_state = inputs.scheme.key_state(self.layer, x)  # [B, H, T] or None
+        if inputs.cache is not None:
+            keys, values, key_state = update_cache(
+                inputs.cache, self.layer, keys, values, key_state
+            )
+        mask = inputs.mask
+        bias = inputs.scheme.layer_bias(self.layer, queries, keys, key_state, inputs.allowed)
+        if bias is not None:
+            mask = mask + bias.to(mask.dtype)
         out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask)
         return self.proj(out.transpose(1, 2).reshape(batch, length, width))
 
@@ -291,8 +435,8 @@ class Block(nn.Module):
         self.mlp_norm = make_norm(config)
         self.mlp = FeedForward(config)
 
-    def forward(self, x: Tensor, *attention_inputs: Any) -> Tensor:
-        x = x + self.attention(self.attention_norm(x), *attention_inputs)
+    def forward(self, x: Tensor, inputs: PassInputs) -> Tensor:
+        x = x + self.attention(self.attention_norm(x), inputs)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -378,8 +522,9 @@ class OrdinalForCausalLM(PreTrainedModel, GenerationMixin):
             scores = scores + bias.to(x.dtype)
         mask = scores.masked_fill(~allowed, float("-inf"))
 
+        inputs = PassInputs(self.positional, rotation, allowed, mask, cache)
         for block in self.blocks:
-            x = block(x, rotation, mask, cache)
+            x = block(x, inputs)
         x = self.final_norm(x)
         weight = self.token_embedding.weight if self.lm_head is None else self.lm_head.weight
         logits = F.linear(x, weight)

@@ -1,13 +1,14 @@
 """``ordinal export`` then ``ordinal import``: the checkpoint comes back as it was.
 
-Every shipped checkpoint is exported as custom code (all ten), and rope (Nemotron), learned and
-none (GPT-2) also natively; each folder is imported back and must give the same config, every
-tensor bit for bit in the stored dtype (bfloat16: the weights file's data identical), the same
-tokenizer and chat template, and logits equal to the original's. The GPT-2 exports of mds and
-lowrank baked their parameters into a position table: their import is refused, saying so. A
-folder edited after the export is refused where the edit makes it another model than its
-``ordinal_config``, and a custom-code folder trained on since imports in float32 only when asked
-(``--dtype``), never rounded silently.
+Every shipped checkpoint is exported as custom code (each scheme, p-RoPE and DroPE), and rope
+(Nemotron), learned, none and DroPE (GPT-2) also natively; each folder is imported back and must
+give the same config, every tensor bit for bit in the stored dtype (bfloat16: the weights file's
+data identical), the same tokenizer and chat template, and logits equal to the original's. The
+GPT-2 exports of mds and lowrank baked their parameters into a position table: their import is
+refused, saying so. A folder edited after the export is refused where the edit makes it another
+model than its ``ordinal_config`` (p-RoPE's fraction dropped from config.json among them), and a
+custom-code folder trained on since imports in float32 only when asked (``--dtype``), never
+rounded silently.
 """
 
 from __future__ import annotations
@@ -25,14 +26,15 @@ from interop.hf_export import NATIVE, export_folder
 from interop.hf_import import EXPORT_INVERSES
 from model.checkpoint import data_section, load_checkpoint
 from model.generate import encode_prompt
-from tests.test_shipped_checkpoints import SHIPPED_SCHEMES
+from tests.test_shipped_checkpoints import SHIPPED_MODELS
 
 SHIPPED = Path(__file__).resolve().parents[2] / "checkpoints"
 # (scheme, --target) of every folder that must import back exactly.
-EXACT = [(scheme, "custom") for scheme in SHIPPED_SCHEMES] + [
+EXACT = [(name, "custom") for name in SHIPPED_MODELS] + [
     ("rope", "auto"),  # NemotronForCausalLM
     ("learned", "auto"),  # GPT2LMHeadModel, the table as GPT-2's
     ("none", "auto"),  # GPT2LMHeadModel, a table of zeros
+    ("drope", "auto"),  # likewise (none's scheme)
 ]
 LOSSY = ["mds", "lowrank"]  # their GPT2LMHeadModel exports
 
@@ -127,6 +129,7 @@ def edited_copy(
         (("learned", "auto"), None, "transformer.h.1.attn.c_attn.bias", "attn.c_attn.bias"),
         (("none", "auto"), None, "transformer.wpe.weight", "transformer.wpe.weight"),
         (("alibi", "custom"), {"n_heads": 2}, None, "n_heads"),
+        (("prope", "custom"), {"positional": {"scheme": "rope"}}, None, "positional"),
         (("alibi", "custom"), {"architectures": ["NemotronForCausalLM"]}, None, "alibi"),
         (("learned", "custom"), {"architectures": ["GPT2LMHeadModel"]}, None, "wte.weight"),
     ],
