@@ -13,10 +13,11 @@ Where an architecture they know is exactly ordinal's model, the folder is that a
   ordinal's transposed.
 
 Anything else (alibi, t5 and fire, biases on the scores; fox and cope, whose biases each layer
-computes from its own queries and keys; the formula schemes whose positions have no last row;
-or a config the native architecture cannot express: p-RoPE's unturned pairs, RMSNorm, SwiGLU,
-query/key norm, a rope scaling without an equal Hugging Face rope type) is written as custom
-code: ``remote/modeling_ordinal.py``, a self-contained port loaded with ``trust_remote_code=True``,
+computes from its own queries and keys; irope, rope in some layers only; stick-breaking, which
+replaces softmax; the formula schemes whose positions have no last row; or a config the native
+architecture cannot express: p-RoPE's unturned pairs, RMSNorm, SwiGLU, query/key norm, a rope
+scaling without an equal Hugging Face rope type) is written as custom code:
+``remote/modeling_ordinal.py``, a self-contained port loaded with ``trust_remote_code=True``,
 holding ordinal's own tensor names. ``--target custom`` writes every scheme that way;
 ``--target native`` refuses a checkpoint that has no exact native architecture, saying why.
 
@@ -118,7 +119,7 @@ class Exported:
 # A scheme registered since is refused until the port has it.
 PORTED_SCHEMES = (
     "none", "integer", "binary", "sinusoidal", "learned", "rope", "alibi", "t5", "mds", "lowrank",
-    "fox", "cope", "fire",
+    "fox", "cope", "fire", "irope", "stickbreaking",
 )  # fmt: skip
 
 
@@ -155,6 +156,12 @@ def nemotron_mismatch(model: Transformer) -> str | None:
     config, scheme = model.config, model.positional
     # by name: a scheme built on rope's module (a subclass) is another scheme
     if config.scheme != "rope" or not isinstance(scheme, RotaryPositions):
+        left_out = [layer for layer in range(config.n_layers) if not scheme.acts_at(layer)]
+        if isinstance(scheme, RotaryPositions) and left_out:
+            return (
+                f"NemotronForCausalLM rotates queries and keys in every layer alike; "
+                f"{config.scheme} leaves layers {left_out} unrotated (NoPE)"
+            )
         return f"NemotronForCausalLM rotates queries and keys (rope); this is {config.scheme}"
     if scheme.kept_pairs < scheme.rotary_dim // 2:
         return (

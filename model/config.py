@@ -356,7 +356,13 @@ _V2_POSITIONAL: dict[str, dict[str, Any]] = {
 # A locality prior for the two bias schemes: ALiBi's slopes ×4 (1, 1/4, 1/16, 1/64 for 4 heads),
 # and t5's table starting there: 2.065 and 2.063 bpc against 2.083 and 2.079 without, and better
 # at every length (checkpoints/README.md, "The locality prior").
-_SHIPPED_POSITIONAL = {**_V2_POSITIONAL, "alibi": {"scale": 4.0}, "t5": {"alibi_init": 4.0}}
+# irope: Llama 4's schedule (every fourth layer NoPE), its temperature from the trained length on.
+_SHIPPED_POSITIONAL = {
+    **_V2_POSITIONAL,
+    "alibi": {"scale": 4.0},
+    "t5": {"alibi_init": 4.0},
+    "irope": {"temperature_floor": 128},
+}
 
 PRESETS: dict[str, Preset] = {
     # The recipe every shipped checkpoint was trained with (checkpoints/README.md, issue #25):

@@ -86,15 +86,20 @@ class AttentionRecorder:
         mask: AttentionMask,
         layer_bias: LayerBias | None = None,
         unrotated: Tensor | None = None,
+        weights: Tensor | None = None,
     ) -> None:
         """queries [B, H, Tq, hd], keys [B, Hkv, Tk, hd]: softmax(q·kᵀ/√hd + mask), as SDPA
-        (each key head shared by H / Hkv consecutive query heads); ``unrotated`` [B, H + Hkv,
-        T, hd]: the queries and keys before any rotation."""
+        (each key head shared by H / Hkv consecutive query heads), or the ``weights`` a scheme
+        that replaces softmax gave [B, H, Tq, Tk]; ``unrotated`` [B, H + Hkv, T, hd]: the
+        queries and keys before any rotation."""
         if layer_bias is not None:
             self.layer_biases.append(layer_bias)
         if layer == self.scores_of:
             self.scores = LayerScores(queries, keys, unrotated, mask)
         if not self.keep_weights:
+            return
+        if weights is not None:
+            self.weights.append(weights.float())
             return
         keys = keys.repeat_interleave(queries.shape[1] // keys.shape[1], dim=1)
         scores = queries.float() @ keys.float().transpose(-2, -1) / math.sqrt(queries.shape[-1])
@@ -178,6 +183,7 @@ class LayerInputs:
     scheme: PositionalScheme | None = None
     recorder: AttentionRecorder | None = None
     head_gates: Tensor | None = None  # [H, 1, 1]: 0 for an ablated head, 1 for the others
+    query_scale: Tensor | None = None  # [B|1, 1, T, 1]: the scheme's, where it skips a layer
 
 
 class Linear(nn.Linear):
@@ -235,6 +241,18 @@ def make_norm(config: ModelConfig) -> nn.Module:
 # 91% of it in attention). Flash and memory-efficient attention need no plan; the math kernel
 # takes what they cannot.
 GPU_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def weigh(queries: Tensor, keys: Tensor, mask: AttentionMask, scheme: PositionalScheme) -> Tensor:
+    """The weights of a scheme that replaces softmax (stick-breaking): q·kᵀ/√hd of ``queries``
+    [B, H, Tq, hd] and ``keys`` [B, Hkv, Tk, hd], plus the mask's bias where it allows, through
+    ``scheme.attention_weights`` → [B, H, Tq, Tk] float32."""
+    keys = keys.repeat_interleave(queries.shape[1] // keys.shape[1], dim=1)
+    scores = queries.float() @ keys.float().transpose(-2, -1) / math.sqrt(queries.shape[-1])
+    allowed = mask.allowed()
+    if mask.mask is not None and mask.mask.dtype != torch.bool:
+        scores = scores + mask.mask.float().where(allowed, 0.0)
+    return scheme.attention_weights(scores, allowed)
 
 
 def attend(
@@ -318,6 +336,8 @@ class Attention(nn.Module):
         if rotation is not None:  # queries and keys in one call: half the small ops
             queries_keys = apply_rotation(queries_keys, *rotation)
         queries, keys = queries_keys.split([heads, kv_heads], dim=1)  # [B, H|Hkv, T, hd]
+        if inputs.query_scale is not None:
+            queries = queries * inputs.query_scale.to(queries.dtype)
         state = None if scheme is None else scheme.key_state(layer, x)  # [B, H, T] or None
         if cache is not None:
             assert plan is not None  # the model plans the write of every cached pass
@@ -330,11 +350,17 @@ class Attention(nn.Module):
             layer_bias = scheme.layer_bias(layer, queries, keys, state, mask.allowed(), explain)
         if layer_bias is not None:
             mask = mask.plus(layer_bias.bias.to(queries.dtype))
+        weights = None  # [B, H, T, Tk]: the scheme's own, where it replaces softmax
+        if scheme is not None and scheme.replaces_softmax:
+            weights = weigh(queries, keys, mask, scheme)
         if recorder is not None:
-            recorder.record(layer, queries, keys, mask, layer_bias, unrotated)
-        out = attend(
-            queries, keys, values, mask, self.dropout if self.training else 0.0, kv_heads != heads
-        )  # [B, H, T, hd]
+            recorder.record(layer, queries, keys, mask, layer_bias, unrotated, weights)
+        if weights is None:
+            dropout = self.dropout if self.training else 0.0
+            out = attend(queries, keys, values, mask, dropout, kv_heads != heads)  # [B, H, T, hd]
+        else:
+            values = values.repeat_interleave(heads // kv_heads, dim=1)
+            out = weights.to(values.dtype) @ values
         if head_gates is not None:
             out = out * head_gates.to(out.dtype)
         if recorder is not None and recorder.keep_outputs:
@@ -465,11 +491,9 @@ class Transformer(nn.Module):
             logits = logits if last_only else logits.unsqueeze(1)
         else:
             x = self.embed(tokens, positions)  # [B, T, d_model]
-            mask = self._attention_mask(positions, key_positions, plan, x.dtype)
-            rotation = self.positional.rotation(positions)  # (cos, sin) [B, 1, T, rot] or None
-            inputs = LayerInputs(rotation, mask, cache, plan, self.positional)
+            inputs = self._layer_inputs(positions, key_positions, cache, plan, x.dtype)
             for layer, block in enumerate(self.blocks):
-                x = block(x, inputs, layer)  # [B, T, d_model]
+                x = block(x, inputs[layer], layer)  # [B, T, d_model]
             logits = self.lm_head(self.final_norm(self._last(x, new_counts, last_only)))
         if cache is not None and given is None:
             assert plan is not None
@@ -491,17 +515,17 @@ class Transformer(nn.Module):
         positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0)  # [1, T]
         positions = positions + change.position_offset
         x = self.embed(tokens, positions, with_vector=0 not in change.drop_positional)
-        mask = self._attention_mask(positions, positions[0], None, x.dtype)
-        kept = LayerInputs(self.positional.rotation(positions), mask, scheme=self.positional)
-        dropped = LayerInputs(None, AttentionMask(None, is_causal=True))  # as `none`'s
+        layer_inputs = self._layer_inputs(
+            positions, positions[0], None, None, x.dtype, change.drop_positional
+        )
         if recorder is not None:
             recorder.embedded = x
         for layer, block in enumerate(self.blocks):
             if change.patch is not None:
                 x = change.patch.apply(x, layer)
-            inputs = dropped if layer in change.drop_positional else kept
             gates = change.head_gates(layer, self.config.n_heads, tokens.device)
-            x = block(x, replace(inputs, recorder=recorder, head_gates=gates), layer)
+            inputs = replace(layer_inputs[layer], recorder=recorder, head_gates=gates)
+            x = block(x, inputs, layer)
             if recorder is not None:
                 recorder.residuals.append(x)
         if change.patch is not None:
@@ -610,12 +634,49 @@ class Transformer(nn.Module):
         the final norm and the unembedding exactly as the last block's output is."""
         return self.lm_head(self.final_norm(hidden))
 
+    def _layer_inputs(
+        self,
+        positions: Tensor,
+        key_positions: Tensor,
+        cache: KVCache | None,
+        plan: CacheWrite | None,
+        dtype: torch.dtype,
+        dropped: frozenset[int] = frozenset(),
+    ) -> list[LayerInputs]:
+        """What each layer's attention reads besides its input: the scheme's rotation, bias and
+        hooks, computed once for the pass; in a layer the scheme's schedule leaves out
+        (``acts_at``) none of them but its query scale, and in a ``dropped`` layer (an
+        Intervention) nothing at all, as ``none``'s."""
+        scheme = self.positional
+        mask = self._attention_mask(positions, key_positions, plan, dtype)
+        kept = LayerInputs(scheme.rotation(positions), mask, cache, plan, scheme)
+        layers = range(self.config.n_layers)
+        if not dropped and all(scheme.acts_at(layer) for layer in layers):
+            return [kept] * self.config.n_layers
+        plain = LayerInputs(
+            None, self._attention_mask(positions, key_positions, plan, dtype, False)
+        )
+        plain = replace(plain, cache=cache, plan=plan)
+        skipped = replace(plain, query_scale=scheme.query_scale(positions))
+        return [
+            plain if layer in dropped else kept if scheme.acts_at(layer) else skipped
+            for layer in layers
+        ]
+
     def _attention_mask(
-        self, positions: Tensor, key_positions: Tensor, plan: CacheWrite | None, dtype: torch.dtype
+        self,
+        positions: Tensor,
+        key_positions: Tensor,
+        plan: CacheWrite | None,
+        dtype: torch.dtype,
+        with_scheme: bool = True,
     ) -> AttentionMask:
-        """Causality (a query sees keys at its own position or before) plus the scheme's bias."""
-        bias = self.positional.attention_bias(positions, key_positions)  # [B, H, Tq, Tk] or None
-        if bias is None and not self.positional.data_dependent:
+        """Causality (a query sees keys at its own position or before) plus the scheme's bias
+        (``with_scheme`` False: causality alone)."""
+        scheme = self.positional
+        bias = scheme.attention_bias(positions, key_positions) if with_scheme else None
+        explicit = with_scheme and (scheme.data_dependent or scheme.replaces_softmax)
+        if bias is None and not explicit:
             if plan is None or plan.same_start == 0:  # every row starts at position 0
                 return AttentionMask(None, is_causal=True)
             if plan.same_start is not None and positions.shape[1] == 1:

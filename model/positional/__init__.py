@@ -43,6 +43,8 @@ _CLASSES = {
     "fox": "fox:ForgettingPositions",
     "cope": "cope:ContextualPositions",
     "fire": "fire:FirePositions",
+    "irope": "irope:InterleavedPositions",
+    "stickbreaking": "stickbreaking:StickBreakingPositions",
 }
 
 

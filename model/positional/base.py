@@ -16,6 +16,11 @@ attention layer, from what that layer sees:
 (e) ``layer_bias(layer, queries, keys, key_state, allowed, explain)``: the layer's additive
     score bias, from its queries, every key they may see and those keys' states.
 
+A scheme may also replace softmax itself (``replaces_softmax``: stick-breaking), where the
+order of the keys is what tells positions apart:
+
+(f) ``attention_weights(scores, allowed)``: each query's weights over its keys, from the scores.
+
 The defaults contribute nothing, so ``none`` (NoPE) is the base class itself.
 
 What the CPU decode kernel (``model.kernels.decode_step``) does for a scheme is declared here
@@ -43,8 +48,8 @@ if TYPE_CHECKING:
 
 
 # How a scheme tells positions apart, by the hook it fills: "added" (a), "rotation" (b), "bias"
-# (c), "data-dependent" (d, e), or "none" (no hook: the base class itself).
-SchemeKind = Literal["none", "added", "rotation", "bias", "data-dependent"]
+# (c), "data-dependent" (d, e), "weights" (f), or "none" (no hook: the base class itself).
+SchemeKind = Literal["none", "added", "rotation", "bias", "data-dependent", "weights"]
 
 
 class PositionOutOfRange(ValueError):
@@ -106,6 +111,9 @@ class PositionalScheme(nn.Module):
     data_dependent: ClassVar[bool] = False
     # True: key_state gives each token per-head scalars that the KV cache keeps beside its key.
     keeps_key_state: ClassVar[bool] = False
+    # True: attention_weights replaces softmax (f), so the model builds the explicit mask and
+    # attention weighs the values itself rather than through SDPA.
+    replaces_softmax: ClassVar[bool] = False
     # What the CPU decode kernel computes of this scheme's bias; None: the kernel cannot run it
     # (the torch blocks decode it). PASS for every scheme whose signal is hooks (a)-(c); a
     # data-dependent scheme's bias is its own, so unless its class names it, None
@@ -114,8 +122,8 @@ class PositionalScheme(nn.Module):
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        if cls.data_dependent and "kernel_bias" not in cls.__dict__:
-            cls.kernel_bias = None
+        if (cls.data_dependent or cls.replaces_softmax) and "kernel_bias" not in cls.__dict__:
+            cls.kernel_bias = None  # the kernel's softmax and biases are not this scheme's
 
     def __init__(self, config: ModelConfig, params: Any) -> None:
         super().__init__()
@@ -142,6 +150,16 @@ class PositionalScheme(nn.Module):
         table schemes (learned, mds, lowrank) look up fixed rows. A scheme whose tables
         depend on the pass (rope's dynamic scaling) says False."""
         return True
+
+    def acts_at(self, layer: int) -> bool:
+        """Whether layer ``layer`` gets this scheme's rotation, bias and per-layer hooks; the
+        layers a schedule leaves out (irope's NoPE layers) attend as ``none``'s do."""
+        return True
+
+    def query_scale(self, positions: Tensor) -> Tensor | None:
+        """A factor on the queries at ``positions`` [B, T] → [B, 1, T, 1] in the layers this
+        scheme leaves out (Llama 4's attention temperature), or None."""
+        return None
 
     def embedding(self, positions: Tensor) -> Tensor | None:
         """Additive vectors for ``positions`` [B, T] (long) → [B, T, d_model], or None."""
@@ -176,6 +194,12 @@ class PositionalScheme(nn.Module):
         ``explain``: also fill LayerBias's other fields, which only the trace reads (the model
         passes False otherwise, and a scheme may then take a faster path to the same bias)."""
         return None
+
+    def attention_weights(self, scores: Tensor, allowed: Tensor) -> Tensor:
+        """(f) Each query's weights over its keys [B, H, Tq, Tk] from ``scores`` (q·k/√d plus
+        any bias, same shape) where ``allowed`` [B|1, 1, Tq, Tk] (0 elsewhere); softmax here,
+        which SDPA computes for every scheme that does not replace it."""
+        return scores.masked_fill(~allowed, float("-inf")).softmax(dim=-1)
 
     def kernel_tensors(self, cache: KVCache) -> KernelTensors:
         """What the decode kernel reads for this scheme's own bias (``kernel_bias``): nothing

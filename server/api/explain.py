@@ -42,20 +42,25 @@ class ScoreParts(BaseModel):
         "scheme's kind; none also for a layer in drop_positional)"
     )
     distance: list[int] = Field(description="[T] query − key for keys 0..T-1")
-    score: list[float] = Field(description="[T] the pre-softmax score: q·k/√d plus any bias")
-    content: list[float] | None = Field(
+    score: list[float | None] = Field(
+        description="[T] the pre-softmax score: q·k/√d plus any bias; null for a key the scheme "
+        "masks (irope's window)"
+    )
+    content: list[float | None] | None = Field(
         description="[T] the part that does not depend on position; null where no exact split "
         "exists (note says why)"
     )
-    position: list[float] | None = Field(description="[T] the rest: content + position = score")
-    frequencies: list[list[float]] | None = Field(
+    position: list[float | None] | None = Field(
+        description="[T] the rest: content + position = score (null where score is)"
+    )
+    frequencies: list[list[float | None]] | None = Field(
         description="[pairs][T] rotation: each rotation pair's share of the score (they sum to "
         "it), fastest first; dimensions never rotated (p-RoPE's) come last as frequency 0"
     )
     frequency: list[float] | None = Field(
         description="[pairs] rotation: each pair's angle per position, in radians"
     )
-    terms: dict[str, list[float]] | None = Field(
+    terms: dict[str, list[float | None]] | None = Field(
         description="added vectors, layer 0: token_token, token_position, position_token and "
         "position_position [T] (query part then key part), summing to the score"
     )

@@ -47,6 +47,9 @@ SEPARABLE_NOTE = {
     "token·token (content) and token·position, position·token and position·position "
     "(position), listed under terms.",
     "none": "this model has no positional signal here: the whole score is content.",
+    "weights": "no position enters the score, so it is all content: stick-breaking reads the "
+    "keys' order when it turns scores into weights (each key gets σ(score) of what the later "
+    "keys left).",
 }
 MIXED_NOTE = (
     "past layer 0 the residual stream holds the positional vector mixed with what earlier "
@@ -117,7 +120,7 @@ def score_parts(
         content = terms["token_token"]
         if not terms["position_position"].any():
             parts["note"] += " " + ERASED_NOTE
-    else:
+    else:  # none, weights
         content = score
     return parts | {"content": _floats(content), "position": _floats(score - content)}
 
@@ -334,5 +337,7 @@ def _baseline(model: Transformer, clean: list[int], corrupted: list[int]) -> tup
     return logits, streams
 
 
-def _floats(tensor: Tensor) -> list[float]:
-    return tensor.detach().float().cpu().tolist()
+def _floats(tensor: Tensor) -> list[float | None]:
+    """[T] → a list, None where the scheme masks the key (irope's window: −inf)."""
+    values = tensor.detach().float().cpu()
+    return [value if math.isfinite(value) else None for value in values.tolist()]

@@ -42,6 +42,9 @@ SCHEME_SETTINGS: dict[str, dict[str, Any]] = {
     # randomise() redraws L's multiplier as N(0, 0.3²): × 100 keeps some queries of a test's
     # 24-31 tokens below L, so that L matters (and gets a gradient).
     "fire": {"threshold": 100.0},
+    # a NoPE layer after a rope layer with a window of 8, its queries sharpened past position 16
+    "irope": {"layers": "rope,none", "window": 8, "temperature_floor": 16},
+    "stickbreaking": {},
 }
 
 

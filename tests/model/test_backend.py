@@ -23,13 +23,20 @@ from model.sampling import _PATHS, ADJUSTMENTS, _path
 from model.sampling_params import HOW_TO_DRAW, NEUTRAL, SamplingParams
 from tests.model.conftest import random_model, random_tokens
 
+# Schemes the kernel refuses by declaring so: irope's schedule rotates some layers only, and the
+# kernel applies one rotation to every layer.
+TORCH_ONLY = {"irope", "stickbreaking"}  # stick-breaking's weights are not the kernel's softmax
+
 
 @pytest.mark.parametrize("scheme", sorted(SCHEMES))
 def test_every_registered_scheme_declares_what_the_kernel_computes(scheme: str) -> None:
     """The registry: a scheme whose signal is a pass's (vector, rotation, bias) takes the
-    kernel as it is; a data-dependent one only by naming its own bias (fox's, cope's)."""
+    kernel as it is; a data-dependent one only by naming its own bias (fox's, cope's); one the
+    kernel cannot run says None."""
     cls = SCHEMES[scheme]
-    if cls.data_dependent:
+    if scheme in TORCH_ONLY:
+        assert cls.kernel_bias is None
+    elif cls.data_dependent:
         assert cls.kernel_bias in (KernelBias.FORGETTING, KernelBias.CONTEXTUAL)
     else:
         assert cls.kernel_bias is KernelBias.PASS
@@ -39,6 +46,12 @@ def test_every_registered_scheme_declares_what_the_kernel_computes(scheme: str) 
 @pytest.mark.parametrize("scheme", sorted(SCHEMES))
 def test_every_scheme_decodes_on_the_kernel_where_its_variant_is_built(scheme: str) -> None:
     model = random_model(scheme, seed=1).eval()
+    if scheme in TORCH_ONLY:
+        assert backend.choose(model).why.endswith(
+            "declares no kernel bias (PositionalScheme.kernel_bias)"
+        )
+        assert backend_of(model) is Backend.TORCH
+        return
     assert backend_of(model) is Backend.CPU_KERNEL
     with kernels.using(None):  # ORDINAL_CPU_ISA=torch: chosen again for the other variant
         assert backend_of(model) is Backend.TORCH

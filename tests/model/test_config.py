@@ -325,7 +325,8 @@ def test_the_shipped_recipe_is_v2_with_only_the_measured_changes() -> None:
         for scheme in {*shipped.positional, *previous.positional}
         if shipped.positional.get(scheme) != previous.positional.get(scheme)
     }
-    assert changed_schemes == {"alibi", "t5"}
+    assert changed_schemes == {"alibi", "t5", "irope"}  # irope: a scheme v2 did not have
+    assert shipped.positional["irope"] == {"temperature_floor": 128}
     assert shipped.positional["alibi"] == {"scale": 4.0}
     assert shipped.positional["t5"] == {"alibi_init": 4.0}
     changed = {

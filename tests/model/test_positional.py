@@ -394,6 +394,7 @@ KIND_HOOKS = {
     "rotation": "rotation",
     "bias": "attention_bias",
     "data-dependent": "layer_bias",
+    "weights": "attention_weights",
 }
 
 
@@ -410,8 +411,10 @@ def test_every_scheme_declares_its_kind_and_claim_and_the_kind_is_its_hook(schem
         for kind, hook in KIND_HOOKS.items()
         if getattr(cls, hook) is not getattr(PositionalScheme, hook)
     }
-    assert filled == {cls.kind} - {"none"}, (cls.kind, filled)
+    window = {"bias"} if scheme == "irope" else set()  # irope's sliding window masks by distance
+    assert filled == ({cls.kind} - {"none"}) | window, (cls.kind, filled)
     assert cls.data_dependent == (cls.kind == "data-dependent")
+    assert cls.replaces_softmax == (cls.kind == "weights")
 
 
 def test_check_positions_accepts_the_last_row_and_refuses_the_next() -> None:

@@ -25,11 +25,13 @@ from tests.server.conftest import Running
 from tests.server.test_trace import PROMPT, model_of, stage
 
 # fox and cope see positions only through the content (gates), so they are relative too.
-RELATIVE = ("rope", "alibi", "t5", "none", "fox", "cope")
+RELATIVE = ("rope", "alibi", "t5", "none", "fox", "cope", "stickbreaking")
 ABSOLUTE = ("integer", "binary", "sinusoidal", "learned", "mds", "lowrank")
 # FIRE's distance is normalised by max(L, i): relative while every query stays below L, not
 # past it, so an offset claims neither (its bias is tested against T5's and ALiBi's instead).
-NEITHER = ("fire",)
+# irope's NoPE layers scale their queries by Llama 4's temperature, a function of the absolute
+# position (the test's tiny irope has it from position 15): an offset moves it there.
+NEITHER = ("fire", "irope")
 OFFSETS = (1, 7, 100)
 assert set(RELATIVE + ABSOLUTE + NEITHER) == set(SCHEMES)
 
