@@ -7,7 +7,9 @@ pre-norm blocks (fused QKV attention, MLP) → final norm → logits. Each of or
 schemes is here, as the small class ordinal has in ``model/positional/``: an added vector (none,
 integer, binary, sinusoidal, learned, mds, lowrank), a rotation of queries and keys (rope, with
 p-RoPE's ``fraction`` and its context extensions), a bias on the scores from positions (alibi,
-t5, fire), or a bias each layer computes from its own queries and keys (fox, cope).
+t5, fire), a bias each layer computes from its own queries and keys (fox, cope), rope in some
+layers only (irope: the others NoPE, with Llama 4's attention temperature), or weights other
+than softmax's (stick-breaking).
 
 Positions follow the attention mask (position = how many real tokens came before), so
 left-padded batches in ``generate()`` get the positions each row would have alone; keys and
@@ -39,10 +41,17 @@ Rotation = tuple[Tensor, Tensor]  # (cos, sin), each [B, 1, T, rotary_dim]
 # or, a data-dependent scheme (fox, cope), in each layer from what that layer sees:
 #   key_state(layer, hidden [B, T, d]) → [B, H, T] | None: per-token scalars later queries need;
 #   layer_bias(layer, queries, keys, key_state, allowed) → [B, H, Tq, Tk] | None.
+# A schedule (irope) says which layers get the hooks above; the others attend as NoPE's:
+#   acts_at(layer) → bool;
+#   query_scale(positions [B, T]) → [B, 1, T, 1] | None: a factor on those layers' queries.
+# A scheme that replaces softmax (stick-breaking: ``replaces_softmax``) weighs the values itself:
+#   attention_weights(scores [B, H, Tq, Tk], allowed [B, 1, Tq, Tk]) → [B, H, Tq, Tk].
 
 
 class Scheme(nn.Module):
     """No positional signal (NoPE); the base every scheme below changes one hook of."""
+
+    replaces_softmax = False  # True: attention_weights, not SDPA's softmax, weighs the values
 
     def __init__(self, config: OrdinalConfig, params: dict[str, Any]) -> None:
         super().__init__()
@@ -67,6 +76,20 @@ class Scheme(nn.Module):
         """``queries`` [B, H, Tq, hd], ``keys`` [B, H, Tk, hd] (the cached ones included),
         ``key_state`` [B, H, Tk], ``allowed`` [B, 1, Tq, Tk] bool (where a query may look)."""
         return None
+
+    def acts_at(self, layer: int) -> bool:
+        """Whether layer ``layer`` gets the hooks above (else it attends as NoPE's)."""
+        return True
+
+    def query_scale(self, positions: Tensor) -> Tensor | None:
+        """A factor on the queries at ``positions`` [B, T] → [B, 1, T, 1] in the layers this
+        scheme leaves out, or None."""
+        return None
+
+    def attention_weights(self, scores: Tensor, allowed: Tensor) -> Tensor:
+        """Each query's weights over its keys [B, H, Tq, Tk] from ``scores`` (q·k/√hd plus any
+        bias) where ``allowed`` [B, 1, Tq, Tk], 0 elsewhere: softmax, unless replaces_softmax."""
+        return scores.masked_fill(~allowed, float("-inf")).softmax(dim=-1)
 
 
 def position_angles(positions: Tensor, dim: int, base: float) -> Tensor:
@@ -182,6 +205,40 @@ class Rope(Scheme):
         cos[..., self.kept_pairs :], sin[..., self.kept_pairs :] = 1.0, 0.0  # p-RoPE: unturned
         cos, sin = torch.cat((cos, cos), dim=-1).float(), torch.cat((sin, sin), dim=-1).float()
         return cos.unsqueeze(1), sin.unsqueeze(1)
+
+
+class Interleaved(Rope):
+    """iRoPE: rope (every option above) in the layers ``layers`` names ``rope``, a pattern such
+    as ``rope,rope,rope,none`` repeated over the layers; the ``none`` layers are NoPE (Hugging
+    Face's Llama 4 calls them ``no_rope_layers``). A rope layer sees only its last ``window``
+    keys when that is set; a NoPE layer's queries are scaled by Llama 4's attention temperature
+    log(⌊(p + 1) / temperature_floor⌋ + 1) · temperature_scale + 1 when temperature_floor is."""
+
+    def __init__(self, config: OrdinalConfig, params: dict[str, Any]) -> None:
+        super().__init__(config, params)
+        pattern = [kind.strip() for kind in params.get("layers", "rope,rope,rope,none").split(",")]
+        self.rope_layers = {
+            layer for layer in range(config.n_layers) if pattern[layer % len(pattern)] == "rope"
+        }
+
+    def acts_at(self, layer: int) -> bool:
+        return layer in self.rope_layers
+
+    def bias(self, q_positions: Tensor, k_positions: Tensor) -> Tensor | None:
+        window = self.params.get("window")
+        if window is None:
+            return None
+        distance = q_positions.unsqueeze(-1) - k_positions.unsqueeze(1)  # [B, Tq, Tk]
+        outside = torch.zeros(distance.shape, device=distance.device)
+        return outside.masked_fill(distance >= window, float("-inf")).unsqueeze(1)
+
+    def query_scale(self, positions: Tensor) -> Tensor | None:
+        floor = self.params.get("temperature_floor")
+        if floor is None:
+            return None
+        steps = torch.floor((positions.to(torch.float32) + 1) / floor)
+        scale = torch.log(steps + 1) * self.params.get("temperature_scale", 0.1) + 1  # [B, T]
+        return scale[:, None, :, None]
 
 
 def alibi_slopes(n_heads: int) -> Tensor:
@@ -309,6 +366,20 @@ class Cope(Scheme):
         return at_rows.gather(-1, above) * weight + at_rows.gather(-1, below) * (1 - weight)
 
 
+class StickBreaking(Scheme):
+    """Stick-breaking attention: no positions, and no softmax. Key j takes the share
+    β_ij = σ(q_i·k_j/√hd) of what the keys after it (up to the query's own) left,
+    A_ij = β_ij · ∏_{j<t≤i} (1 − β_it), computed in log space from the query's key back."""
+
+    replaces_softmax = True
+
+    def attention_weights(self, scores: Tensor, allowed: Tensor) -> Tensor:
+        scores = scores.float()
+        kept = F.logsigmoid(-scores)  # log(1 − β): what each later key leaves of the stick
+        later = sum_back_to_each_key(kept, allowed) - kept.where(allowed, 0.0)
+        return (F.logsigmoid(scores) + later).exp().where(allowed, 0.0)
+
+
 SCHEMES: dict[str, type[Scheme]] = {
     "none": Scheme,
     "integer": Integer,
@@ -323,6 +394,8 @@ SCHEMES: dict[str, type[Scheme]] = {
     "fox": Fox,
     "cope": Cope,
     "fire": Fire,
+    "irope": Interleaved,
+    "stickbreaking": StickBreaking,
 }
 
 
@@ -346,13 +419,14 @@ def apply_rotation(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 class PassInputs(NamedTuple):
-    """What every layer of a pass reads besides its input."""
+    """What one layer of a pass reads besides its input."""
 
-    scheme: Scheme
+    scheme: Scheme | None  # None: a layer the scheme's schedule leaves out (it attends as NoPE)
     rotation: Rotation | None
     allowed: Tensor  # [B, 1, T, Tk] bool: where each query may look
     mask: Tensor  # [B, 1|H, T, Tk] additive: the scheme's position bias, −inf where not allowed
     cache: DynamicCache | None
+    query_scale: Tensor | None = None  # [B, 1, T, 1]: the scheme's, in a layer it leaves out
 
 
 def update_cache(
@@ -385,7 +459,8 @@ class Attention(nn.Module):
         )
 
     def forward(self, x: Tensor, inputs: PassInputs) -> Tensor:
-        """``x`` [B, T, d] (normalised) → [B, T, d]; a data-dependent scheme adds its bias."""
+        """``x`` [B, T, d] (normalised) → [B, T, d]; a data-dependent scheme adds its bias, and
+        a scheme that replaces softmax weighs the values itself."""
         batch, length, width = x.shape
         qkv = self.qkv(x).view(batch, length, 3, self.n_heads, self.head_dim)
         qkv = qkv.permute(2, 0, 3, 1, 4)  # [3, B, H, T, hd]
@@ -394,16 +469,25 @@ class Attention(nn.Module):
         queries, keys, values = qkv
         if inputs.rotation is not None:
             queries, keys = apply_rotation(qkv[:2], *inputs.rotation)
-        key_state = inputs.scheme.key_state(self.layer, x)  # [B, H, T] or None
+        if inputs.query_scale is not None:
+            queries = queries * inputs.query_scale.to(queries.dtype)
+        scheme, allowed = inputs.scheme, inputs.allowed
+        key_state = None if scheme is None else scheme.key_state(self.layer, x)  # [B, H, T]
         if inputs.cache is not None:
             keys, values, key_state = update_cache(
                 inputs.cache, self.layer, keys, values, key_state
             )
         mask = inputs.mask
-        bias = inputs.scheme.layer_bias(self.layer, queries, keys, key_state, inputs.allowed)
-        if bias is not None:
-            mask = mask + bias.to(mask.dtype)
-        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask)
+        if scheme is not None:
+            bias = scheme.layer_bias(self.layer, queries, keys, key_state, allowed)
+            if bias is not None:
+                mask = mask + bias.to(mask.dtype)
+        if scheme is not None and scheme.replaces_softmax:  # in float32, as ordinal's
+            scores = queries.float() @ keys.float().transpose(-2, -1) / math.sqrt(self.head_dim)
+            scores = scores + mask.float().where(allowed, 0.0)  # [B, H, T, Tk]
+            out = scheme.attention_weights(scores, allowed).to(values.dtype) @ values
+        else:
+            out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask)
         return self.proj(out.transpose(1, 2).reshape(batch, length, width))
 
 
@@ -516,15 +600,17 @@ class OrdinalForCausalLM(PreTrainedModel, GenerationMixin):
         query_slots = (past + torch.arange(length, device=device)).unsqueeze(-1)  # [T, 1]
         allowed = ((slots <= query_slots) & real[:, None, :]) | (slots == query_slots)
         allowed = allowed.unsqueeze(1)  # [B, 1, T, Tk]
+        causal = torch.zeros(allowed.shape, dtype=x.dtype, device=device)
+        causal = causal.masked_fill(~allowed, float("-inf"))
         bias = self.positional.bias(positions, key_positions)
-        scores = torch.zeros(allowed.shape, dtype=x.dtype, device=device)
-        if bias is not None:
-            scores = scores + bias.to(x.dtype)
-        mask = scores.masked_fill(~allowed, float("-inf"))
+        mask = causal if bias is None else causal + bias.to(x.dtype)
 
-        inputs = PassInputs(self.positional, rotation, allowed, mask, cache)
-        for block in self.blocks:
-            x = block(x, inputs)
+        scheme = self.positional
+        kept = PassInputs(scheme, rotation, allowed, mask, cache)
+        # A layer the scheme's schedule leaves out: causality alone, and its query scale.
+        left_out = PassInputs(None, None, allowed, causal, cache, scheme.query_scale(positions))
+        for layer, block in enumerate(self.blocks):
+            x = block(x, kept if scheme.acts_at(layer) else left_out)
         x = self.final_norm(x)
         weight = self.token_embedding.weight if self.lm_head is None else self.lm_head.weight
         logits = F.linear(x, weight)

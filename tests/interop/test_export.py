@@ -8,8 +8,11 @@ logits within 1e-4 of ordinal's in float32 over 300 tokens (a table scheme's 128
 included), and ``apply_chat_template`` the server's scene. The custom-code port is checked for
 every one of them too, on a left-padded batch. Tiny random checkpoints cover configs the shipped
 ones do not have (biases, GELU, partial rotation, rope scalings, p-RoPE with yarn, untied output;
-CoPE past its table's last row, FIRE without its log or its division; RMSNorm, SwiGLU and
-qk_norm, which no native architecture has). The port reads every parameter of every scheme it
+CoPE past its table's last row, FIRE without its log or its division; irope's NoPE layers,
+sliding window and temperature, and stick-breaking; RMSNorm, SwiGLU and qk_norm, which no native
+architecture has); the schemes no shipped checkpoint has yet (irope, stick-breaking) get every
+check a shipped one gets, from tiny random checkpoints (conftest.TINY_CHECKPOINTS), and are
+refused by every native target, saying why. The port reads every parameter of every scheme it
 lists, and a scheme it lacks is refused by name. The GGUF file is read back with
 ``gguf.GGUFReader``: metadata, the vocabulary and merges, and every tensor.
 """
@@ -19,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import json
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -50,6 +54,7 @@ from model.generate import decode_tokens, encode_prompt
 from model.positional import SCHEMES
 from model.tokenizer import load_tokenizer
 from model.transformer import Transformer
+from tests.interop.conftest import TINY_CHECKPOINTS
 from tests.model.conftest import random_model, tree_digest
 from tests.test_shipped_checkpoints import SHIPPED_MODELS
 
@@ -100,6 +105,29 @@ def ordinal_greedy(model: Transformer, prompt: list[int], count: int) -> list[in
     return [step[0] for step in decode_tokens(model, [prompt], count)]
 
 
+def assert_generates_as_ordinal(model: Transformer, hf_model: Any, prompt: list[int]) -> None:
+    """``generate()`` (greedy, with its KV cache) gives ordinal's NEW_TOKENS tokens."""
+    generated = hf_model.generate(
+        torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False
+    )
+    assert generated[0, len(prompt) :].tolist() == ordinal_greedy(model, prompt, NEW_TOKENS)
+
+
+def assert_left_padded_rows_decode_alone(
+    model: Transformer, hf_model: Any, ids: list[int], pad: int
+) -> None:
+    """Two prompts of different lengths, left-padded: each row decodes as it would alone."""
+    prompts, count = [ids[:40], ids[:25]], 12
+    width = max(map(len, prompts))
+    batch = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    generated = hf_model.generate(
+        batch, attention_mask=mask, max_new_tokens=count, do_sample=False, pad_token_id=pad
+    )
+    for row, prompt in enumerate(prompts):
+        assert generated[row, width:].tolist() == ordinal_greedy(model, prompt, count), row
+
+
 @pytest.fixture(scope="module")
 def export_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("exports")
@@ -121,12 +149,7 @@ def test_a_shipped_checkpoint_exports_exactly(scheme: str, export_dir: Path) -> 
     ids = prompt_ids(model, tokenizer)
     assert len(ids) == (128 if model.positional.is_table else PROMPT_TOKENS)
     assert largest_logit_difference(model, hf_model, ids) < 1e-4
-
-    prompt = ids[: len(ids) - NEW_TOKENS]
-    generated = hf_model.generate(
-        torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False
-    )
-    assert generated[0, len(prompt) :].tolist() == ordinal_greedy(model, prompt, NEW_TOKENS)
+    assert_generates_as_ordinal(model, hf_model, ids[: len(ids) - NEW_TOKENS])
 
     hf_tokenizer = AutoTokenizer.from_pretrained(out, trust_remote_code=True)
     assert hf_tokenizer(TEXT)["input_ids"] == encode_prompt(tokenizer, TEXT)
@@ -152,18 +175,50 @@ def test_the_custom_code_port_is_every_scheme_on_a_left_padded_batch(
     hf_model = load_hf(out)
     ids = prompt_ids(model, tokenizer)
     assert largest_logit_difference(model, hf_model, ids) < 1e-4
+    assert_left_padded_rows_decode_alone(model, hf_model, ids, tokenizer.token_to_id("<|pad|>"))
 
-    # Two prompts of different lengths, left-padded: each row decodes as it would alone.
-    prompts, count = [ids[:40], ids[:25]], 12
-    pad = tokenizer.token_to_id("<|pad|>")
-    width = max(map(len, prompts))
-    batch = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    generated = hf_model.generate(
-        batch, attention_mask=mask, max_new_tokens=count, do_sample=False, pad_token_id=pad
-    )
-    for row, prompt in enumerate(prompts):
-        assert generated[row, width:].tolist() == ordinal_greedy(model, prompt, count)
+
+# Why --target native and --format gguf refuse each of TINY_CHECKPOINTS (and auto writes custom
+# code): Nemotron's and GPT-2's reasons, and the GGUF export's.
+TINY_REFUSALS = {
+    "irope": (
+        r"irope leaves layers \[2\] unrotated \(NoPE\); GPT-2 only adds a vector per position; "
+        "irope acts inside attention",
+        r"not exactly llama.cpp's nemotron: .* irope leaves layers \[2\] unrotated",
+    ),
+    "stickbreaking": (
+        "this is stickbreaking; GPT-2 only adds a vector per position; stickbreaking acts inside "
+        "attention",
+        "scheme 'stickbreaking' has no GGUF architecture",
+    ),
+}
+
+
+@pytest.mark.parametrize("scheme", TINY_CHECKPOINTS)
+def test_a_scheme_without_a_shipped_checkpoint_exports_exactly(
+    scheme: str, tiny_checkpoints: dict[str, Path], export_dir: Path
+) -> None:
+    """The checks a shipped checkpoint gets, past irope's window and temperature floor: logits
+    over 120 tokens, 50 greedy tokens from ``generate()``, a left-padded batch row for row."""
+    checkpoint, out = tiny_checkpoints[scheme], export_dir / f"{scheme}-tiny"
+    native_why, gguf_why = TINY_REFUSALS[scheme]
+    with pytest.raises(ExportError, match=native_why):
+        export_folder(checkpoint, out, target="native")
+    with pytest.raises(ExportError, match=gguf_why):
+        export_gguf(checkpoint, export_dir / f"{scheme}.gguf")
+    assert not out.exists() and not (export_dir / f"{scheme}.gguf").exists()
+
+    exported = export_folder(checkpoint, out)  # auto: custom code, saying why
+    assert exported.architecture == CUSTOM_ARCHITECTURE
+    assert re.match(f"no native architecture is exact: .*{native_why}", exported.reason)
+    model, tokenizer = load_checkpoint(checkpoint, device="cpu")
+    assert model.config.dtype == "bfloat16"
+    hf_model = load_hf(out)
+    assert type(hf_model).__name__ == CUSTOM_ARCHITECTURE
+    ids = torch.randint(3, 300, (120,), generator=torch.Generator().manual_seed(2)).tolist()
+    assert largest_logit_difference(model, hf_model, ids) < 1e-4
+    assert_generates_as_ordinal(model, hf_model, ids[: len(ids) - NEW_TOKENS])
+    assert_left_padded_rows_decode_alone(model, hf_model, ids, tokenizer.token_to_id("<|pad|>"))
 
 
 # Tiny random checkpoints: (scheme, config changes, the architecture auto picks, why if custom).
@@ -231,6 +286,27 @@ VARIANTS: list[tuple[str, dict[str, Any], str, str | None]] = [
         None,
     ),
     ("fire", {"positional": {"scheme": "fire", "normalise": False}}, CUSTOM_ARCHITECTURE, None),
+    # a rope layer with a window of 8, then a NoPE layer sharpened past position 16 (the tiny
+    # config's); then irope's default schedule and temperature scale with rope's options
+    ("irope", {}, CUSTOM_ARCHITECTURE, "irope leaves layers [1] unrotated (NoPE)"),
+    (
+        "irope",
+        {
+            "n_layers": 4,
+            "qk_norm": True,
+            "positional": {
+                "scheme": "irope",
+                "temperature_floor": 4,
+                "base": 500.0,
+                "scaling": "yarn",
+                "scaling_factor": 2.0,
+            },
+        },
+        CUSTOM_ARCHITECTURE,
+        "irope leaves layers [3] unrotated (NoPE)",
+    ),
+    ("stickbreaking", {"mlp": "gelu"}, CUSTOM_ARCHITECTURE, "stickbreaking acts inside attention"),
+    ("stickbreaking", {"norm": "rmsnorm", "mlp": "swiglu"}, CUSTOM_ARCHITECTURE, None),
 ]
 
 
@@ -268,9 +344,12 @@ def test_the_port_computes_every_shipped_scheme_with_all_its_parameters() -> Non
     assert set(PORTED_SCHEMES) == set(PORT_SCHEMES) <= set(SCHEMES)
     configs = [json.loads((SHIPPED / name / "config.json").read_text()) for name in SHIPPED_MODELS]
     shipped = {config["positional"]["scheme"] for config in configs}
-    assert shipped <= set(PORTED_SCHEMES)
+    assert shipped | set(TINY_CHECKPOINTS) <= set(PORTED_SCHEMES)
     for scheme in PORTED_SCHEMES:  # a parameter added to a scheme must be added to the port
-        source = inspect.getsource(PORT_SCHEMES[scheme])
+        port = PORT_SCHEMES[scheme]  # with the port's classes it builds on (irope's: Rope's)
+        source = "".join(
+            inspect.getsource(cls) for cls in port.__mro__ if cls.__module__ == port.__module__
+        )
         for field in dataclasses.fields(SCHEMES[scheme].Params):
             if field.name not in INITIALISATION_ONLY.get(scheme, set()):
                 assert f'params.get("{field.name}"' in source, (scheme, field.name)

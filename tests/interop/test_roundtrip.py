@@ -1,14 +1,15 @@
 """``ordinal export`` then ``ordinal import``: the checkpoint comes back as it was.
 
 Every shipped checkpoint is exported as custom code (each scheme, p-RoPE and DroPE), and rope
-(Nemotron), learned, none and DroPE (GPT-2) also natively; each folder is imported back and must
-give the same config, every tensor bit for bit in the stored dtype (bfloat16: the weights file's
-data identical), the same tokenizer and chat template, and logits equal to the original's. The
-GPT-2 exports of mds and lowrank baked their parameters into a position table: their import is
-refused, saying so. A folder edited after the export is refused where the edit makes it another
-model than its ``ordinal_config`` (p-RoPE's fraction dropped from config.json among them), and a
-custom-code folder trained on since imports in float32 only when asked (``--dtype``), never
-rounded silently.
+(Nemotron), learned, none and DroPE (GPT-2) also natively; so is a tiny random bfloat16
+checkpoint of each scheme none ships yet (irope, stick-breaking: conftest.TINY_CHECKPOINTS).
+Each folder is imported back and must give the same config, every tensor bit for bit in the
+stored dtype (bfloat16: the weights file's data identical), the same tokenizer and chat
+template, and logits equal to the original's. The GPT-2 exports of mds and lowrank baked their
+parameters into a position table: their import is refused, saying so. A folder edited after the
+export is refused where the edit makes it another model than its ``ordinal_config`` (p-RoPE's
+fraction dropped from config.json among them), and a custom-code folder trained on since imports
+in float32 only when asked (``--dtype``), never rounded silently.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from interop.hf_export import NATIVE, export_folder
 from interop.hf_import import EXPORT_INVERSES
 from model.checkpoint import data_section, load_checkpoint
 from model.generate import encode_prompt
+from tests.interop.conftest import TINY_CHECKPOINTS
 from tests.test_shipped_checkpoints import SHIPPED_MODELS
 
 SHIPPED = Path(__file__).resolve().parents[2] / "checkpoints"
@@ -63,23 +65,35 @@ def test_an_export_imports_back_as_the_checkpoint_it_came_from(
     folder = exports[scheme, target]
     architecture = json.loads((folder / "config.json").read_text())["architectures"][0]
     assert (architecture in NATIVE) == (target == "auto")
-    out = tmp_path / "back"
-    import_back(folder, out)
+    assert_imports_back_exactly(SHIPPED / scheme, folder, tmp_path / "back")
 
-    original, back = (load_checkpoint(path, device="cpu") for path in (SHIPPED / scheme, out))
+
+@pytest.mark.parametrize("scheme", TINY_CHECKPOINTS)
+def test_a_scheme_without_a_shipped_checkpoint_imports_back_exactly(
+    scheme: str, tiny_checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    checkpoint = tiny_checkpoints[scheme]
+    assert not export_folder(checkpoint, tmp_path / "hf").native  # auto: custom code
+    assert_imports_back_exactly(checkpoint, tmp_path / "hf", tmp_path / "back")
+
+
+def assert_imports_back_exactly(checkpoint: Path, folder: Path, out: Path) -> None:
+    """``folder``, exported from the bfloat16 ``checkpoint``, imports back to ``out`` as it."""
+    import_back(folder, out)
+    original, back = (load_checkpoint(path, device="cpu") for path in (checkpoint, out))
     assert back.model.config == original.model.config  # bfloat16 again, as it was trained
-    stored = [load_file(path / "model.safetensors") for path in (SHIPPED / scheme, out)]
+    stored = [load_file(path / "model.safetensors") for path in (checkpoint, out)]
     assert stored[0].keys() == stored[1].keys()
     for name, tensor in stored[0].items():
         assert stored[1][name].dtype == tensor.dtype == torch.bfloat16, name
         assert torch.equal(stored[1][name].view(torch.int16), tensor.view(torch.int16)), name
     # Bit for bit: the weights file's data (every stored tensor's bytes) is the original's.
-    weights = [(path / "model.safetensors").read_bytes() for path in (SHIPPED / scheme, out)]
+    weights = [(path / "model.safetensors").read_bytes() for path in (checkpoint, out)]
     assert data_section(weights[0]) == data_section(weights[1])
     # The same tokenizer, and the chat template without the prelude the export put before it.
     for name in ("tokenizer.json", "tokenizer_config.json"):
         assert json.loads((out / name).read_text()) == json.loads(
-            (SHIPPED / scheme / name).read_text()
+            (checkpoint / name).read_text()
         ), name
     tokens = torch.tensor(
         [encode_prompt(original.tokenizer, "What light through yonder window breaks?")]
