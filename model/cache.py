@@ -54,6 +54,7 @@ class KVCache:
     ) -> None:
         self.max_rows, self.max_length = rows, max_length
         self._layout = (config.n_layers, config.key_value_heads, config.head_dim, device, dtype)
+        self._key_dim = config.key_dim  # the head's width but for PoPE (twice it)
         self._reserve = (rows, max_length) if reserve is None else reserve
         # Doubling, even into such pages, a 64-stream burst grew a server's cache from 32 rows
         # to 64 in one step that copied the 32 rows' keys: 107 ms on this host, which the
@@ -98,7 +99,7 @@ class KVCache:
         """
         layers, heads, head_dim, device, dtype = self._layout
         shape = (layers, rows, heads, length, head_dim)
-        keys = zeros(shape, device, dtype)
+        keys = zeros((*shape[:-1], self._key_dim), device, dtype)
         values = zeros(shape, device, dtype)
         states = zeros(shape[:-1] if self._keeps_state else (0,), device, torch.float32)
         if keep and self.keys.numel():

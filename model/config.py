@@ -126,6 +126,14 @@ class ModelConfig:
         return self.d_model // self.n_heads
 
     @property
+    def key_dim(self) -> int:
+        """The width of a key as attention reads it and the cache stores it: a head's, times
+        the scheme's ``key_width_factor`` (PoPE's (cos, sin) parts: 2)."""
+        from model.positional import SCHEMES  # the scheme's class: torch, asked by the cache only
+
+        return self.head_dim * SCHEMES[self.scheme].key_width_factor
+
+    @property
     def key_value_heads(self) -> int:
         """How many key/value heads attention has (and the cache stores)."""
         return self.n_heads if self.n_kv_heads is None else self.n_kv_heads

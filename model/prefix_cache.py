@@ -57,6 +57,7 @@ class PrefixCache:
         self.block = block
         self.capacity = capacity_tokens // block  # blocks
         self._layout = (config.n_layers, config.key_value_heads, config.head_dim, device, dtype)
+        self._key_dim = config.key_dim  # the head's width but for PoPE (twice it)
         self._keeps_state = SCHEMES[config.scheme].keeps_key_state
         self._slots: OrderedDict[bytes, int] = OrderedDict()  # digest → pool slot, LRU first
         self._free: list[int] = []
@@ -146,7 +147,11 @@ class PrefixCache:
                 new[:, :, : old * self.block] = pool
             return new
 
-        self.keys, self.values = grown(self.keys, shape, dtype), grown(self.values, shape, dtype)
+        key_shape = (*shape[:-1], self._key_dim)
+        self.keys, self.values = (
+            grown(self.keys, key_shape, dtype),
+            grown(self.values, shape, dtype),
+        )
         if self._keeps_state:  # float32, as the cache keeps it
             self.states = grown(self.states, shape[:-1], torch.float32)
         self._free.extend(range(blocks - 1, old - 1, -1))  # pop() takes the lowest first

@@ -25,7 +25,7 @@ from model.kernels import decode_step
 from model.kernels import linear as linear_kernel
 from model.positional import PositionalScheme, build_scheme
 from model.positional.base import LayerBias
-from model.positional.rotation import Rotation, apply_rotation
+from model.positional.rotation import Rotation
 
 
 @dataclass(frozen=True)
@@ -334,7 +334,8 @@ class Attention(nn.Module):
             queries_keys = torch.cat([queries * self.qk_norm[0], keys * self.qk_norm[1]], dim=1)
         unrotated = queries_keys  # apply_rotation makes a new tensor: a recorder may keep this
         if rotation is not None:  # queries and keys in one call: half the small ops
-            queries_keys = apply_rotation(queries_keys, *rotation)
+            assert scheme is not None  # a pass's rotation comes with its scheme
+            queries_keys = scheme.turn(queries_keys, rotation, heads)
         queries, keys = queries_keys.split([heads, kv_heads], dim=1)  # [B, H|Hkv, T, hd]
         if inputs.query_scale is not None:
             queries = queries * inputs.query_scale.to(queries.dtype)

@@ -45,6 +45,7 @@ _CLASSES = {
     "fire": "fire:FirePositions",
     "irope": "irope:InterleavedPositions",
     "stickbreaking": "stickbreaking:StickBreakingPositions",
+    "pope": "pope:PolarPositions",
 }
 
 

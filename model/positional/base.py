@@ -114,6 +114,9 @@ class PositionalScheme(nn.Module):
     # True: attention_weights replaces softmax (f), so the model builds the explicit mask and
     # attention weighs the values itself rather than through SDPA.
     replaces_softmax: ClassVar[bool] = False
+    # How many times a head's width its turned keys are (and so the cached ones): 2 for PoPE,
+    # whose every component becomes a (cos, sin) pair.
+    key_width_factor: ClassVar[int] = 1
     # What the CPU decode kernel computes of this scheme's bias; None: the kernel cannot run it
     # (the torch blocks decode it). PASS for every scheme whose signal is hooks (a)-(c); a
     # data-dependent scheme's bias is its own, so unless its class names it, None
@@ -210,6 +213,11 @@ class PositionalScheme(nn.Module):
         """``attention_bias`` for a decode kernel pass (one query per row): the same bias, by
         whatever way is fastest there (FIRE's MLP in the kernel)."""
         return self.attention_bias(q_positions, k_positions)
+
+    def turn(self, queries_keys: Tensor, rotation: Rotation, n_heads: int) -> Tensor:
+        """(b) applied: queries then keys [B, H + Hkv, T, hd] (``n_heads`` of them queries)
+        turned by ``rotation`` → [B, H + Hkv, T, hd · key_width_factor]."""
+        return apply_rotation(queries_keys, *rotation)
 
     def rotate(self, x: Tensor, positions: Tensor) -> Tensor:
         """Apply this scheme's rotation to ``x`` [B, H, T, head_dim] (identity if it has none)."""

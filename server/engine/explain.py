@@ -104,8 +104,7 @@ def score_parts(
     }
     if kind == "rotation":
         assert unrotated is not None
-        raw_query, raw_keys = unrotated
-        content = raw_keys @ raw_query * scale
+        content = _unturned(model, *unrotated)
         shares, frequency = _pair_shares(model, query, keys, scale)
         parts |= {"frequencies": [_floats(share) for share in shares], "frequency": frequency}
     elif kind in ("bias", "data-dependent"):  # the bias itself, not score − content's rounding
@@ -150,18 +149,31 @@ def _score_bias(scores: LayerScores, head: int) -> Tensor:
     return row
 
 
+def _unturned(model: Transformer, raw_query: Tensor, raw_keys: Tensor) -> Tensor:
+    """The last query's score against each key [T] with no turn: q·k/√d of the vectors before
+    the rotation; for PoPE (keys twice as wide) Σ softplus(q)·softplus(k)/√d, its score at
+    distance 0 with no phase bias."""
+    scale = 1 / math.sqrt(raw_query.shape[-1])
+    if model.positional.key_width_factor == 2:
+        magnitude = torch.nn.functional.softplus
+        return magnitude(raw_keys) @ magnitude(raw_query) * scale
+    return raw_keys @ raw_query * scale
+
+
 def _pair_shares(
     model: Transformer, query: Tensor, keys: Tensor, scale: float
 ) -> tuple[list[Tensor], list[float]]:
     """Each rotation pair's share of the rotated q·k/√d [T], and its angle per position.
 
     The NeoX layout pairs dimension i with i + rot/2; dimensions past ``rot`` (p-RoPE's) are
-    never rotated, and are listed last as pairs of frequency 0, paired the same way."""
+    never rotated, and are listed last as pairs of frequency 0, paired the same way. PoPE's
+    turned vectors hold each component's cos part then its sin part: component c is the pair
+    (c, c + d)."""
     head_dim = query.shape[-1]
     rotary = model.positional.rotation(torch.arange(2, device=query.device).unsqueeze(0))
     assert rotary is not None, "a rotation scheme rotates"
     cos, sin = (part.reshape(2, -1)[1].float() for part in rotary)
-    half = cos.shape[-1] // 2
+    half = cos.shape[-1] if model.positional.key_width_factor == 2 else cos.shape[-1] // 2
     frequency = torch.atan2(sin[:half], cos[:half]).tolist()  # one position's turn, < π
     products = keys * query  # [T, hd]
     pairs = [(i, i + half) for i in range(half)]

@@ -45,6 +45,7 @@ SCHEME_SETTINGS: dict[str, dict[str, Any]] = {
     # a NoPE layer after a rope layer with a window of 8, its queries sharpened past position 16
     "irope": {"layers": "rope,none", "window": 8, "temperature_floor": 16},
     "stickbreaking": {},
+    "pope": {},
 }
 
 

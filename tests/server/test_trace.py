@@ -135,11 +135,12 @@ def test_first_layer_attention_is_the_models_own(
         qkv = block.attention.qkv(block.attention_norm(x))
         heads, head_dim = model.config.n_heads, model.config.head_dim
         queries, keys, _ = qkv.view(1, len(ids), 3, heads, head_dim).permute(2, 0, 3, 1, 4)
-        queries, keys = (
-            model.positional.rotate(queries, positions),
-            model.positional.rotate(keys, positions),
-        )
-        scores = queries @ keys.transpose(-2, -1) / math.sqrt(head_dim)
+        rotation = model.positional.rotation(positions)
+        if rotation is not None:  # queries and keys turned together, as attention does
+            turned = model.positional.turn(torch.cat([queries, keys], dim=1), rotation, heads)
+            queries, keys = turned.split([heads, heads], dim=1)
+        # SDPA's scale: 1/√ of the turned width (PoPE's is twice a head's)
+        scores = queries @ keys.transpose(-2, -1) / math.sqrt(queries.shape[-1])
         bias = model.positional.attention_bias(positions, positions[0])
         if bias is not None:
             scores = scores + bias

@@ -1,0 +1,95 @@
+"""PoPE (model/positional/pope.py): its scores are the closed form Σ μ_q μ_k cos((s − t)θ − δ)/√d,
+they depend on the distance only, and the cache (keys twice a head's width) decodes it as the
+full forward does, ragged and past the trained length."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from model.cache import KVCache
+from model.transformer import AttentionRecorder, Transformer
+from tests.model.conftest import random_model, random_tokens
+from tests.model.test_transformer import feed_ragged
+
+
+def layer_scores(model: Transformer, tokens: torch.Tensor, layer: int = 0) -> tuple:
+    """Layer ``layer``'s scores [H, T, T] as attention computes them (turned q·k over SDPA's
+    1/√(2d)), and the queries and keys before the turn [H, T, d] each."""
+    recorder = AttentionRecorder(weights=False, scores_of=layer)
+    with torch.no_grad():
+        model.traced_forward(tokens, recorder)
+    parts = recorder.scores
+    assert parts is not None and parts.unrotated is not None
+    queries, keys = parts.queries[0], parts.keys[0]
+    scores = queries @ keys.transpose(-2, -1) / math.sqrt(queries.shape[-1])
+    heads = queries.shape[0]
+    return scores, parts.unrotated[0, :heads], parts.unrotated[0, heads:]
+
+
+def closed_form(
+    model: Transformer, queries: torch.Tensor, keys: torch.Tensor, magnitude
+) -> torch.Tensor:
+    """Σ_c |q_c|·|k_c|·cos((s − t)·θ_c − δ_c)/√d → [H, T, T], straight from the definition."""
+    scheme = model.positional
+    length, head_dim = queries.shape[1], queries.shape[2]
+    theta = scheme.frequencies.float()  # [d]
+    distance = torch.arange(length)[:, None] - torch.arange(length)[None, :]  # s − t
+    delta = scheme.phase_bias.detach().clamp(-2 * math.pi, 0)[:, None, None, :]  # [H, 1, 1, d]
+    phase = torch.cos(distance[None, :, :, None] * theta - delta)  # [H, T, T, d]
+    products = magnitude(queries)[:, :, None, :] * magnitude(keys)[:, None, :, :]
+    return (products * phase).sum(-1) / math.sqrt(head_dim)
+
+
+def test_with_no_phase_bias_and_magnitudes_abs_it_is_the_closed_form() -> None:
+    model = random_model("pope", seed=1)
+    with torch.no_grad():
+        model.positional.phase_bias.zero_()
+    model.positional.magnitude = torch.abs
+    scores, queries, keys = layer_scores(model, random_tokens(1, 40, seed=2))
+    torch.testing.assert_close(
+        scores, closed_form(model, queries, keys, torch.abs), atol=2e-5, rtol=1e-5
+    )
+
+
+def test_with_softplus_and_a_learned_phase_bias_it_is_the_closed_form_too() -> None:
+    model = random_model("pope", seed=3)  # randomise() draws the phase bias
+    assert model.positional.phase_bias.abs().max() > 0.1
+    scores, queries, keys = layer_scores(model, random_tokens(1, 40, seed=4))
+    expected = closed_form(model, queries, keys, torch.nn.functional.softplus)
+    torch.testing.assert_close(scores, expected, atol=2e-5, rtol=1e-5)
+
+
+def test_a_score_depends_on_the_distance_only() -> None:
+    """The same query and key vectors at positions shifted by 37 give the same scores."""
+    model = random_model("pope", seed=5)
+    scheme = model.positional
+    generator = torch.Generator().manual_seed(6)
+    vectors = torch.randn(1, 8, 10, model.config.head_dim, generator=generator)  # 4 q + 4 k heads
+    positions = torch.arange(10).unsqueeze(0)
+    turned = [scheme.turn(vectors, scheme.rotation(positions + shift), 4) for shift in (0, 37)]
+    scores = [t[:, :4] @ t[:, 4:].transpose(-2, -1) for t in turned]
+    torch.testing.assert_close(scores[0], scores[1], atol=1e-4, rtol=1e-5)
+    assert turned[0].shape[-1] == 2 * model.config.head_dim == model.config.key_dim
+
+
+def test_the_cache_decodes_as_the_full_forward_ragged_and_past_the_trained_length() -> None:
+    model = random_model("pope", seed=7)  # context_length 48
+    tokens = random_tokens(3, 60, seed=8)
+    cache = KVCache(model.config, 3, 60)
+    assert cache.keys.numel() == 0 or cache.keys.shape[-1] == 2 * cache.values.shape[-1]
+    with torch.no_grad():
+        full = model(tokens)
+        feed_ragged(model, cache, tokens, torch.tensor([6, 1, 13]))
+        assert cache.keys.shape[-1] == 2 * cache.values.shape[-1]
+        while int(cache.lengths.min()) < 60:
+            counts = (60 - cache.lengths).clamp(max=torch.tensor([2, 1, 9]))
+            starts = cache.lengths.clone()
+            logits = feed_ragged(model, cache, tokens, counts)
+            for row in range(3):
+                start, count = int(starts[row]), int(counts[row])
+                if count:
+                    torch.testing.assert_close(
+                        logits[row, :count], full[row, start : start + count], atol=2e-5, rtol=0
+                    )
