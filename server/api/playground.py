@@ -1,10 +1,11 @@
-"""The playground: ``GET /`` (one page), its static files, ``POST /v1/trace`` and the geometry
-reports (``GET /v1/geometry``, ``/v1/geometry/{corpus}``, ``/v1/geometry/{corpus}/{figure}``).
+"""The playground: ``GET /`` (one page), its static files, ``POST /v1/trace``, ``POST /v1/patch``
+and the geometry reports (``GET /v1/geometry``, ``/v1/geometry/{corpus}``, ``/v1/geometry/{corpus}/{figure}``).
 
 The page is plain HTML, CSS and JavaScript in ``server/static`` (no build step); its charts use
 the vendored d3 and Observable Plot in ``server/static/vendor``. Nothing is fetched from the
 network: the page talks only to this server's own endpoints (``/v1/models``,
-``/v1/completions`` with streaming, ``/v1/trace``, ``/v1/geometry``).
+``/v1/completions`` with streaming, ``/v1/tokenize``, ``/v1/trace``, ``/v1/patch``,
+``/v1/geometry``).
 
 The geometry routes serve, read-only, what ``ordinal geometry`` wrote into
 :data:`GEOMETRY_REPORTS` (the committed ``docs/geometry/<corpus>/``): ``report.json`` byte for

@@ -1,6 +1,6 @@
 // Talking to the server: JSON calls, a streamed completion (Server-Sent Events), and the API
-// key. The page talks only to this server: /v1/models, /v1/tokenize, /v1/completions, /v1/trace
-// and /v1/geometry.
+// key. The page talks only to this server: /v1/models, /v1/tokenize, /v1/completions, /v1/trace,
+// /v1/patch and /v1/geometry.
 
 export class ServerError extends Error {}
 

@@ -1,17 +1,20 @@
 // The ordinal playground's entry module: it loads the models, fills the pickers, wires every
 // control to its view, and restores the view the URL names. Each view is a module of its own
-// (generate.js, compare.js, inside.js, encodings.js), the state one bag (state.js); charts are
+// (generate.js, compare.js, length.js, inside.js, patch.js, encodings.js; length.js and patch.js
+// wire their own controls), the state one bag (state.js); charts are
 // Observable Plot marks on the d3 vendored beside them, except the attention and bias heatmaps,
 // drawn to canvas (heatmap.js). No build step: the browser loads these files as they are.
 
 import { call, get } from "./api.js";
-import { drawAttention } from "./attention.js";
+import { drawAttribution } from "./attribution.js";
 import { compare } from "./compare.js";
-import { COMPARE_DEFAULT, LONG_PROMPT, SLIDERS, describeModel, showSliderValues, swapWordOrder } from "./controls.js";
+import { COMPARE_DEFAULT, LONG_PROMPT, SLIDERS, comparedModels, describeModel, showSliderValues, swapWordOrder } from "./controls.js";
 import { $ } from "./dom.js";
 import { drawEncodings } from "./encodings.js";
 import { generate } from "./generate.js";
-import { applyPreset, runTrace, scheduleStages, scheduleTrace } from "./inside.js";
+import { applyPreset, chooseHead, runTrace, scheduleStages, scheduleTrace } from "./inside.js";
+import { drawLength, fillLengthModels, wireLength } from "./length.js";
+import { runPatch, schedulePatch, wirePatch } from "./patch.js";
 import { legend } from "./plot.js";
 import { model, modelInfo, state, stopRunning } from "./state.js";
 import { restoreState, saveState } from "./url.js";
@@ -19,6 +22,7 @@ import { restoreState, saveState } from "./url.js";
 function showView(view, push = true) {
   state.view = view;
   document.body.dataset.view = view;
+  showModelInfo(); // the URL's model, or Back's
   for (const button of document.querySelectorAll("#tabs button")) {
     button.setAttribute("aria-selected", String(button.dataset.view === view));
   }
@@ -27,6 +31,8 @@ function showView(view, push = true) {
   }
   if (view === "inside") runTrace();
   if (view === "encodings") drawEncodings();
+  if (view === "length") drawLength();
+  if (view === "patch") runPatch();
   saveState(push);
 }
 
@@ -51,6 +57,7 @@ function fillModels(picked = null, ticked = null) {
     label.append(box, entry.id);
     boxes.append(label);
   }
+  fillLengthModels(); // Length's boxes: those ticked before, or the defaults
   $("status").textContent = `${state.models.length} models loaded`;
   $("status").setAttribute("role", "status");
 }
@@ -70,7 +77,7 @@ async function refreshModels() {
     return; // the server is restarting or gone: the next look tries again
   }
   if (JSON.stringify(models) === JSON.stringify(state.models)) return;
-  const ticked = [...$("compare-models").querySelectorAll("input:checked")].map((box) => box.value);
+  const ticked = comparedModels();
   state.models = models;
   fillModels(model(), ticked);
 }
@@ -93,6 +100,7 @@ function wireSettings() {
     showModelInfo();
     if (state.view === "inside") scheduleTrace();
     if (state.view === "encodings") drawEncodings();
+    if (state.view === "patch") schedulePatch();
     saveState();
   });
   $("offset").addEventListener("input", () => {
@@ -124,10 +132,16 @@ function wireViews() {
   $("compare").addEventListener("click", compare);
   $("trace").addEventListener("click", runTrace);
   $("compare-stop").addEventListener("click", stopRunning);
-  for (const button of document.querySelectorAll("#presets button")) {
+  for (const button of document.querySelectorAll("#view-inside [data-preset]")) {
     button.addEventListener("click", () => applyPreset(button.dataset.preset));
   }
-  for (const id of ["layer", "head"]) $(id).addEventListener("change", () => { drawAttention(); saveState(); });
+  for (const id of ["layer", "head"]) {
+    $(id).addEventListener("change", () => chooseHead("attention"));
+    $(`parts-${id}`).addEventListener("change", () => chooseHead("parts"));
+  }
+  $("target").addEventListener("change", () => { drawAttribution(); saveState(); });
+  wireLength();
+  wirePatch();
   $("swap-order").addEventListener("click", swapWordOrder);
   $("long-prompt").addEventListener("click", () => { $("prompt").value = LONG_PROMPT; });
   const boxes = $("compare-models");

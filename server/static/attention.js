@@ -6,7 +6,6 @@ import { $, note, visible } from "./dom.js";
 import { biasHeatmap, headImage, imageCanvas, labelAxes, rotationChart, weightAt } from "./heatmap.js";
 import { BIAS_MEANING, LAYER_BIAS_MEANING, positionNote } from "./schemes.js";
 import { state } from "./state.js";
-import { saveState } from "./url.js";
 
 // attention_uint8 → {data: Uint8Array [L·H·T(T+1)/2], layers, heads, length}.
 export function unpackAttention(trace) {
@@ -52,7 +51,10 @@ function drawHeads(trace, attention, layer, head) {
     const caption = document.createElement("span");
     caption.textContent = `head ${h}`;
     button.append(canvas, caption);
-    button.addEventListener("click", () => { $("head").value = String(h); drawAttention(); saveState(); });
+    button.addEventListener("click", () => { // as if picked: both panels that show the head follow
+      $("head").value = String(h);
+      $("head").dispatchEvent(new Event("change"));
+    });
     return button;
   }));
 }

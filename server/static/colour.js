@@ -25,3 +25,25 @@ export const ATTENTION_COLOURS = (() => {
   }
   return table;
 })();
+
+// Signed values (a bias, a score's parts, an attribution, a patching effect): diverging around 0,
+// purple above and orange below (PuOr, readable under colour blindness); as a d3 scale for canvas
+// and table cells, and as the options of a Plot colour scale.
+const signed = (t) => d3.interpolatePuOr(1 - t);
+export const POSITIVE = signed(0.85);
+export const NEGATIVE = signed(0.15);
+export const signedColour = (extent) => d3.scaleDiverging(signed).domain([-extent, 0, extent]).clamp(true);
+export const signedScale = (extent, label) => ({
+  type: "diverging", interpolate: signed, domain: [-extent, extent], pivot: 0, clamp: true, label, legend: true,
+});
+
+// Black or white, whichever reads better on `background` (WCAG contrast: at least 4.5:1 always).
+export function inkOn(background) {
+  const channel = (value) => {
+    const c = value / 255;
+    return c <= 0.04045 ? c / 12.92 : ((c + 0.055) / 1.055) ** 2.4;
+  };
+  const { r, g, b } = d3.rgb(background);
+  const luminance = 0.2126 * channel(r) + 0.7152 * channel(g) + 0.0722 * channel(b);
+  return (luminance + 0.05) / 0.05 >= 1.05 / (luminance + 0.05) ? "#111" : "#fff";
+}

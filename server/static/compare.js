@@ -1,13 +1,13 @@
 // The Compare view: one prompt and one seed, a column per model, each streaming its own
 // continuation; the prompt's surprisal by position on one chart, where each column first leaves
 // the others, and why each ended.
-/* global d3, Plot */
+/* global d3 */
 
 import { post, streamCompletion } from "./api.js";
 import { surprisalColour } from "./colour.js";
 import { comparedModels, samplingSettings } from "./controls.js";
 import { $, showError, tokenSpan } from "./dom.js";
-import { plot } from "./plot.js";
+import { surprisalCurves } from "./plot.js";
 import { modelInfo, state, stopRunning } from "./state.js";
 
 const END_REASONS = {
@@ -133,25 +133,11 @@ async function streamColumn(run, body, runs, signal) {
 // training lengths marked: where a scheme stops extrapolating, its curve rises past the line.
 function drawCurves(runs) {
   const drawn = runs.filter((run) => run.curve);
-  const points = drawn.flatMap((run) => {
-    const bits = run.curve.slice(1).map((lp) => -lp / Math.LN2);
-    return bits.map((value, i) => ({
-      model: run.name, position: i + 1,
-      bits: d3.mean(bits.slice(Math.max(0, i - 15), i + 1)),
-    }));
-  });
-  const means = drawn.map((run) => `${run.name} ${d3.mean(run.curve.slice(1), (lp) => -lp / Math.LN2).toFixed(2)}`);
-  const trained = [...new Set(drawn.map((run) => run.entry.context_length))];
-  const figure = plot({
-    width: 900, height: 220, marginLeft: 40,
-    x: { label: "position →" }, y: { label: "bits (mean of the last 16)", grid: true, zero: true },
-    color: { legend: true, scheme: "observable10", domain: runs.map((run) => run.name) },
-    marks: [
-      Plot.lineY(points, { x: "position", y: "bits", stroke: "model", tip: true }),
-      Plot.ruleX(trained, { stroke: "#555", strokeDasharray: "3,3" }),
-      Plot.text(trained, { x: (d) => d, frameAnchor: "top", dy: 4, dx: -3, textAnchor: "end", text: (d) => `trained length ${d}` }),
-    ],
-  });
+  const series = drawn.map((run) => ({
+    model: run.name, bits: run.curve.slice(1).map((lp) => -lp / Math.LN2), trained: run.entry.context_length,
+  }));
+  const means = series.map(({ model, bits }) => `${model} ${d3.mean(bits).toFixed(2)}`);
+  const figure = surprisalCurves(series, runs.map((run) => run.name));
   const caption = document.createElement("p");
   caption.className = "readout";
   caption.textContent = `Mean surprisal of the prompt (bits per token): ${means.join(" · ")}`;

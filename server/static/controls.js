@@ -2,33 +2,13 @@
 // experiment's interventions, and the prompt presets of the settings panel.
 
 import { $ } from "./dom.js";
+import { LONG_PASSAGE } from "./passage.js";
 
 export const SLIDERS = ["temperature", "top_k", "top_p", "min_p", "repetition_penalty"];
 export const COMPARE_DEFAULT = ["rope", "alibi", "none"];
-// A prompt longer than the shipped models' 128-token training context (the settings' preset).
-export const LONG_PROMPT = `ROMEO:
-He jests at scars that never felt a wound.
-But, soft! what light through yonder window breaks?
-It is the east, and Juliet is the sun.
-Arise, fair sun, and kill the envious moon,
-Who is already sick and pale with grief,
-That thou her maid art far more fair than she:
-Be not her maid, since she is envious;
-Her vestal livery is but sick and green
-And none but fools do wear it; cast it off.
-It is my lady, O, it is my love!
-O, that she knew she were!
-She speaks yet she says nothing: what of that?
-Her eye discourses; I will answer it.
-I am too bold, 'tis not to me she speaks:
-Two of the fairest stars in all the heaven,
-Having some business, do entreat her eyes
-To twinkle in their spheres till they return.
-What if her eyes were there, they in her head?
-The brightness of her cheek would shame those stars,
-As daylight doth a lamp; her eyes in heaven
-Would through the airy region stream so bright
-That birds would sing and think it were not night.`;
+// A prompt longer than the shipped models' 128-token training context (the settings' preset):
+// the long passage's first 23 lines, about 300 tokens.
+export const LONG_PROMPT = LONG_PASSAGE.split("\n").slice(0, 23).join("\n");
 
 export function samplingSettings() {
   const value = (id) => Number($(id).value);
@@ -62,9 +42,10 @@ export function describeModel(entry) {
   return `scheme ${entry.scheme} · trained at ${entry.context_length} tokens${table} · serves up to ${entry.max_context} · ${formatCount(entry.parameters)} parameters`;
 }
 
-export function comparedModels() {
-  return [...document.querySelectorAll("#compare-models input:checked")].map((box) => box.value);
-}
+// The models ticked in a fieldset of model boxes (Compare's, Length's).
+export const ticked = (id) => [...$(id).querySelectorAll("input:checked")].map((box) => box.value);
+
+export const comparedModels = () => ticked("compare-models");
 
 // The Inside view's experiment as /v1/trace's fields: the offset, the layers whose positional
 // signal is dropped, the ablated heads (each left out when unset).

@@ -6,6 +6,9 @@ export const $ = (id) => document.getElementById(id);
 // How a token is shown: visible whitespace in charts, raw text in the running output.
 export const visible = (text) => text.replace(/\n/g, "↵").replace(/ /g, "␣") || "∅";
 
+// A number to `digits` places, never "-0.00".
+export const fixed = (value, digits = 2) => (Math.abs(value) < 0.5 * 10 ** -digits ? 0 : value).toFixed(digits);
+
 // A token in running text: a newline shows as ↵ before the line break, and the token can be
 // reached with Tab and explained with Enter (its title is also its accessible name).
 export function tokenSpan(text, title, background) {
@@ -33,6 +36,10 @@ export function showError(container, error) {
   message.textContent = error.message;
   container.append(message);
 }
+
+// The width a chart can take inside `element`, less `margin`: what a hidden view would have
+// (0) reads as `otherwise`.
+export const room = (element, margin, otherwise) => (element.clientWidth || otherwise) - margin;
 
 export function note(text) {
   const paragraph = document.createElement("p");

@@ -5,6 +5,7 @@
 
 import { interventions, showSliderValues } from "./controls.js";
 import { $, checkbox, visible } from "./dom.js";
+import { LONG_PASSAGE } from "./passage.js";
 import { claimOf } from "./schemes.js";
 import { modelInfo, state } from "./state.js";
 import { restoreExperiment } from "./url.js";
@@ -43,14 +44,20 @@ export function drawEffect(trace, baseline, experiment) {
 }
 
 // The README's experiments, one click each, on a prompt whose next token is uncertain (the
-// shipped models give its top token about 0.2), so that every change shows.
+// shipped models give its top token about 0.2), so that every change shows; panel 4's on a head
+// that shows its scheme's claim (`layer`, `head`), some on a longer prompt.
 const UNCERTAIN_PROMPT = "JULIET:\nO Romeo, Romeo! wherefore art thou";
+const LINES = LONG_PASSAGE.split("\n");
 const PRESETS = {
   "offset-learned": { model: "learned", offset: 20 },
   "offset-rope": { model: "rope", offset: 20 },
   "drop-alibi": { model: "alibi", drop: "all" },
   lens: { model: "rope", lens: true },
   filters: { model: "rope", settings: { temperature: 1, top_k: 5, top_p: 0.5, min_p: 0, repetition_penalty: 1 } },
+  "parts-alibi": { model: "alibi", prompt: LINES.slice(0, 9).join("\n"), layer: 3, head: 2 }, // 119 tokens
+  "parts-rope": { model: "rope", layer: 1, head: 1 },
+  "parts-learned": { model: "learned", layer: 0, head: 1 },
+  "ablate-rope": { model: "rope", ablate: ["3.3"] }, // its probability of " not" more than doubles
 };
 
 // Sets the controls to preset `name`; false when its model is not served (nothing changes).
@@ -59,13 +66,16 @@ export function setPreset(name) {
   if (!modelInfo(preset.model)) return false;
   $("model").value = preset.model;
   $("model").dispatchEvent(new Event("change"));
-  $("prompt").value = UNCERTAIN_PROMPT;
+  $("prompt").value = preset.prompt ?? UNCERTAIN_PROMPT;
   $("offset").value = String(preset.offset ?? 0);
   $("offset-value").textContent = $("offset").value;
   $("lens").checked = Boolean(preset.lens);
   for (const [id, value] of Object.entries(preset.settings ?? {})) $(id).value = String(value);
   showSliderValues();
-  state.pending = { drop: preset.drop === "all" ? ["0", "1", "2", "3", "4", "5", "6", "7"] : [], ablate: [], layer: null, head: null };
+  state.pending = {
+    drop: preset.drop === "all" ? ["0", "1", "2", "3", "4", "5", "6", "7"] : [], ablate: preset.ablate ?? [],
+    layer: preset.layer ?? null, head: preset.head ?? null,
+  };
   restoreExperiment();
   return true;
 }

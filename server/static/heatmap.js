@@ -3,7 +3,7 @@
 // are Observable Plot rasters and cells.
 /* global d3, Plot */
 
-import { ATTENTION_COLOURS } from "./colour.js";
+import { ATTENTION_COLOURS, signedColour } from "./colour.js";
 import { plot } from "./plot.js";
 
 // One head's lower triangle as an image of length × length pixels (one per query and key).
@@ -80,7 +80,7 @@ export function labelAxes(context, labels, size, margin) {
 export function biasHeatmap(matrix, size, text) {
   const length = matrix.length;
   const extent = d3.max(matrix, (row) => d3.max(row, Math.abs)) || 1;
-  const colour = d3.scaleDiverging(d3.interpolatePuOr).domain([-extent, 0, extent]);
+  const colour = signedColour(extent);
   const image = new ImageData(length, length);
   image.data.fill(255);
   for (let q = 0; q < length; q++) {

@@ -1,23 +1,26 @@
-// The Inside view: one forward pass, panel by panel (tokens, embeddings, attention, the logit
-// lens, the next token), changed by the experiments. Three kinds of trace, so that a slider
-// never re-fetches what it does not change:
+// The Inside view: one forward pass, panel by panel (tokens, embeddings, attention, position
+// against content, the next token, where its logit comes from, the logit lens), changed by the
+// experiments. Four kinds of trace, so that a slider never re-fetches what it does not change:
 //   the baseline (no experiment; attention, full next-token distribution), cached per prompt;
 //   the experiment's (the same with the interventions, and the logit lens if asked);
-//   the stages (sampling settings only, attention false), re-fetched when a slider moves.
+//   the stages (sampling settings only, attention false), re-fetched when a slider moves;
+//   the head's score split and the target's attribution (parts.js, attribution.js), each cached.
 /* global d3, Plot */
 
 import { post } from "./api.js";
 import { drawAttention, unpackAttention } from "./attention.js";
+import { drawAttribution } from "./attribution.js";
 import { SURPRISAL_MAX } from "./colour.js";
 import { interventions, samplingSettings } from "./controls.js";
 import { $, fillSelect, note, showError, visible } from "./dom.js";
 import { drawEffect, fillExperimentControls, setPreset } from "./experiments.js";
 import { vectorHeatmap } from "./heatmap.js";
+import { drawParts, scheduleParts } from "./parts.js";
 import { plot } from "./plot.js";
 import { positionNote } from "./schemes.js";
 import { stagesChart } from "./stages.js";
 import { model, state } from "./state.js";
-import { restoreAttentionChoice, saveState } from "./url.js";
+import { fillTargets, restoreAttentionChoice, saveState } from "./url.js";
 
 const FULL = 65536; // `top` for the whole vocabulary: the total variation needs every token
 
@@ -78,12 +81,16 @@ export async function runTrace() {
     await runStages();
     stats.textContent = `${trace.tokens.length} tokens (limit ${trace.limit}) · ${trace.model}: ${trace.scheme} · ${Math.round(performance.now() - started)} ms`;
     saveState();
+    // one after the other: the server runs at most a few traces per model at once
+    await drawParts();
+    await drawAttribution();
   } catch (error) {
     stats.textContent = "";
-    for (const id of ["tokens-chart", "embedding-chart", "attention-chart", "position-chart", "stages-chart", "heads"]) {
+    for (const id of ["tokens-chart", "embedding-chart", "attention-chart", "position-chart", "stages-chart", "heads",
+      "parts-chart", "frequency-chart", "attribution-chart"]) {
       $(id).replaceChildren();
     }
-    $("offset-effect").textContent = "";
+    for (const id of ["offset-effect", "parts-readout", "attribution-readout"]) $(id).textContent = "";
     showError($("tokens-chart"), error);
   }
 }
@@ -111,8 +118,27 @@ function drawPipeline(trace, baseline) {
   fillSelect($("layer"), trace.n_layers, "layer");
   fillSelect($("head"), trace.n_heads, "head");
   restoreAttentionChoice();
+  for (const what of ["layer", "head"]) $(`parts-${what}`).replaceChildren(...[...$(what).options].map((o) => new Option(o.text, o.value)));
+  showHead("attention");
+  fillTargets($("target"), trace.next_token.stages[0].top.slice(0, 10), "the most probable");
   drawAttention();
   drawLens(trace);
+}
+
+// Panel 3's layer and head pickers and panel 4's are one choice: `from` the one just changed.
+function showHead(from) {
+  for (const what of ["layer", "head"]) {
+    const [source, copy] = from === "parts" ? [`parts-${what}`, what] : [what, `parts-${what}`];
+    $(copy).value = $(source).value;
+  }
+}
+
+// The head chosen in either panel (or by a click on a small multiple): both panels redraw.
+export function chooseHead(from) {
+  showHead(from);
+  drawAttention();
+  scheduleParts();
+  saveState();
 }
 
 // 1. Tokens and their surprisal (the unchanged pass as ticks, when an experiment is on).

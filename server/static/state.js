@@ -15,6 +15,10 @@ export const state = {
   positional: new Map(), // model → its trace without attention, over its training length
   traces: new Map(), // request JSON → promise of its trace (the baseline and experiment traces)
   pending: null, // settings from the URL not yet applied (the experiment's boxes come later)
+  pendingTarget: null, // {view, id}: the URL's target, for the picker that the view fills later
+  parts: new Map(), // trace request JSON → promise of a score split or an attribution
+  surprisal: new Map(), // "model\ntext" → promise of its surprisal per position (Length)
+  lengths: null, // the Length view's curves drawn last (redrawn when the smoothing moves)
 };
 
 // The model picked in the settings, and a model's entry of /v1/models.

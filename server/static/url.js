@@ -1,18 +1,19 @@
 // The URL: view, models, prompt, settings and experiment, so that reload keeps them, Back and
 // Forward move between views, and a link reproduces the view.
 
-import { $ } from "./dom.js";
-import { SLIDERS, comparedModels, interventions, showSliderValues } from "./controls.js";
+import { $, visible } from "./dom.js";
+import { SLIDERS, interventions, showSliderValues, ticked } from "./controls.js";
 import { model, modelInfo, state } from "./state.js";
 
-const URL_INPUTS = ["prompt", ...SLIDERS, "max_tokens", "seed", "offset"];
-export const VIEWS = ["generate", "compare", "inside", "encodings"];
+const URL_INPUTS = ["prompt", ...SLIDERS, "max_tokens", "seed", "offset", "length-text", "smoothing", "clean", "corrupted"];
+export const VIEWS = ["generate", "compare", "length", "inside", "patch", "encodings"];
+const MODEL_BOXES = { compare: "compare-models", length: "length-models" }; // a view's model boxes
 
 function currentParams() {
   const params = new URLSearchParams();
   params.set("view", state.view);
   params.set("model", model());
-  if (state.view === "compare") params.set("models", comparedModels().join(","));
+  if (MODEL_BOXES[state.view]) params.set("models", ticked(MODEL_BOXES[state.view]).join(","));
   if (state.view === "encodings" && $("corpus").value) params.set("corpus", $("corpus").value);
   for (const id of URL_INPUTS) if ($(id).value !== $(id).defaultValue) params.set(id, $(id).value);
   if (state.view === "inside") {
@@ -22,7 +23,9 @@ function currentParams() {
     if ($("lens").checked) params.set("lens", "1");
     params.set("layer", $("layer").value || "0");
     params.set("head", $("head").value || "0");
+    if ($("target").value) params.set("target", $("target").value);
   }
+  if (state.view === "patch" && $("patch-target").value) params.set("target", $("patch-target").value);
   return params;
 }
 
@@ -38,9 +41,10 @@ export function restoreState() {
   const params = new URLSearchParams(location.search);
   if (params.has("model") && modelInfo(params.get("model"))) $("model").value = params.get("model");
   for (const id of URL_INPUTS) $(id).value = params.has(id) ? params.get(id) : $(id).defaultValue;
-  if (params.has("models")) {
+  const boxes = MODEL_BOXES[params.get("view")];
+  if (params.has("models") && boxes) {
     const names = params.get("models").split(",");
-    for (const box of document.querySelectorAll("#compare-models input")) box.checked = names.includes(box.value);
+    for (const box of document.querySelectorAll(`#${boxes} input`)) box.checked = names.includes(box.value);
   }
   if (params.has("corpus")) $("corpus").value = params.get("corpus");
   $("lens").checked = params.get("lens") === "1";
@@ -50,9 +54,13 @@ export function restoreState() {
     layer: params.get("layer"),
     head: params.get("head"),
   };
+  // Inside's attribution target or Patch's, applied when that view fills its picker
+  state.pendingTarget = params.has("target") ? { view: params.get("view"), id: params.get("target") } : null;
+  if (params.get("view") === "patch") fillTargets($("patch-target"), [], "clean's most probable"); // before its first run
   restoreExperiment();
   showSliderValues();
   $("offset-value").textContent = $("offset").value;
+  $("smoothing-value").textContent = $("smoothing").value;
   const view = params.get("view");
   return VIEWS.includes(view) ? view : "generate";
 }
@@ -70,4 +78,22 @@ export function restoreAttentionChoice() {
   if (pending.layer !== null && pending.layer < $("layer").options.length) $("layer").value = pending.layer;
   if (pending.head !== null && pending.head < $("head").options.length) $("head").value = pending.head;
   state.pending = null; // both the boxes and the pickers exist now
+}
+
+// Fills a target picker (Inside's or Patch's) with `tokens` ({id, text}, most probable first)
+// after `first` (the option of no value: the server's default), keeping the target chosen before
+// (or the URL's) where it is not among them.
+export function fillTargets(select, tokens, first) {
+  const pending = state.pendingTarget;
+  const view = select.id === "target" ? "inside" : "patch";
+  const linked = pending && pending.view === view;
+  if (linked) state.pendingTarget = null;
+  const wanted = linked ? pending.id : select.value;
+  const kept = select.selectedOptions[0]?.textContent;
+  const options = [new Option(first, ""), ...tokens.map((t) => new Option(`“${visible(t.text)}” (${t.id})`, String(t.id)))];
+  if (wanted && !tokens.some((t) => String(t.id) === wanted)) {
+    options.push(new Option(!linked && kept ? kept : `token ${wanted}`, wanted));
+  }
+  select.replaceChildren(...options);
+  select.value = wanted;
 }

@@ -15,18 +15,21 @@ from pathlib import Path
 
 from playwright.sync_api import Page, sync_playwright
 
-from tests.browser.pages import launch, open_encodings, open_inside, set_value
+from tests.browser.pages import drawn, launch, open_encodings, open_inside, set_value
 
 PROMPT = "JULIET:\nO Romeo, Romeo! wherefore art thou"
 PHONE = {"width": 390, "height": 844}
 SIZES = {"": {"width": 1400, "height": 900}, "-phone": PHONE}
 
 
-def shoot(page: Page, out: Path, name: str) -> None:
-    """A full-page picture, the settings folded away on a phone."""
+def shoot(page: Page, out: Path, name: str, panel: str | None = None) -> None:
+    """A full-page picture (or of one panel), the settings folded away on a phone."""
     if page.evaluate("document.body.classList.contains('settings-open')"):
         page.click("#settings-toggle")
-    page.screenshot(path=out / name, full_page=True)
+    if panel:
+        page.locator(panel).screenshot(path=out / name)
+    else:
+        page.screenshot(path=out / name, full_page=True)
 
 
 def settings(page: Page) -> None:
@@ -74,6 +77,53 @@ def inside(page: Page, out: Path, preset: str, name: str) -> None:
     shoot(page, out, name)
 
 
+def redrawn(page: Page, chart: str, before: int) -> None:
+    page.wait_for_function(
+        f"+document.querySelector('{chart}').dataset.drawn > {before}", timeout=60_000
+    )
+
+
+# Inside's panel 6 on the default prompt, then panel 4 on a head that shows its scheme's claim
+# (a preset each: the chart's title names the head).
+PARTS = {"parts-rope": "layer 1, head 1", "parts-alibi": "layer 3, head 2"}
+
+
+def parts(page: Page, out: Path, suffix: str) -> None:
+    settings(page)
+    open_inside(page, "rope", PROMPT)
+    page.wait_for_selector("#attribution-chart svg", timeout=60_000)
+    shoot(page, out, f"inside-attribution{suffix}.png", "#attribution-panel")
+    for preset, head in PARTS.items():
+        page.click(f"#parts-panel button[data-preset={preset}]")
+        model = preset.removeprefix("parts-")
+        page.wait_for_function(
+            f"document.querySelector('#parts-chart').textContent.includes('{head}:') && "
+            f"document.querySelector('#trace-stats').textContent.includes('{model}:')",
+            timeout=60_000,
+        )
+        page.wait_for_timeout(1500)
+        shoot(page, out, f"inside-{preset}{suffix}.png", "#parts-panel")
+
+
+def patch(page: Page, out: Path, suffix: str) -> None:
+    page.click("button[data-view=patch]")
+    before = drawn(page, "#patch-grid")
+    page.click("#patch-presets button[data-patch=alibi]")
+    redrawn(page, "#patch-grid", before)
+    page.wait_for_function("document.querySelector('#patch-stats').textContent.includes('alibi:')")
+    shoot(page, out, f"patch{suffix}.png")
+
+
+def length(page: Page, out: Path, suffix: str) -> None:
+    page.click("button[data-view=length]")
+    page.click("#length-presets button >> nth=0")  # alibi and t5 against rope
+    page.wait_for_function(
+        "document.querySelector('#length-chart').dataset.models === 'rope,alibi,t5'",
+        timeout=120_000,
+    )
+    shoot(page, out, f"length{suffix}.png")
+
+
 def encodings(page: Page, out: Path, suffix: str) -> None:
     settings(page)
     open_encodings(page, "alibi")
@@ -94,6 +144,9 @@ SHOTS = {
     ],
     "encodings": encodings,
     "compare": compare,
+    "parts": parts,
+    "patch": patch,
+    "length": length,
 }
 
 

@@ -11,6 +11,7 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlencode
 
 import httpx
 import pytest
@@ -23,11 +24,15 @@ PROMPT = "To be, or not to be, that is the question"
 AXE = Path(__file__).parents[2] / "server/static/vendor/axe.v4.14.1.min.js"
 SIZES = [{"width": 1400, "height": 900}, {"width": 390, "height": 844}]
 BARS = "#stages-chart svg g[aria-label=bar] rect"
+PATCH = {"clean": PROMPT, "corrupted": "No" + PROMPT[2:]}  # one length under the tiny tokenizer
 VIEWS = {  # each view through its URL, and what shows it has drawn
     "generate": ("?view=generate&model=rope", "#view-generate:not([hidden])"),
     "compare": ("?view=compare&models=rope,alibi", "#view-compare:not([hidden])"),
-    "inside": ("?view=inside&model=alibi&lens=1", "#lens-chart table"),
+    # the lens, and after it the score's parts and the logit's attribution (drawn last)
+    "inside": ("?view=inside&model=alibi&lens=1", "#attribution-chart svg"),
     "encodings": ("?view=encodings&model=alibi", "#requirements-table table"),
+    "length": ("?view=length&models=rope,alibi", "#length-chart svg"),
+    "patch": (f"?view=patch&model=rope&{urlencode(PATCH)}", "#patch-grid table"),
 }
 
 
