@@ -383,13 +383,17 @@ def test_tables_cannot_go_past_max_positions(requirements: dict[str, Requirement
     assert requirements["binary"].position_limit == 2**16
 
 
+NO_POSITION_ONLY_SIGNAL = ("none", "data-dependent", "weights")
+
+
 def test_every_scheme_with_a_position_only_signal_is_unique(
     requirements: dict[str, RequirementRow],
 ) -> None:
     # none has no positional signal; fox and cope have one only through the content (their bias
-    # comes from each layer's inputs), so nothing position-only tells their positions apart.
-    silent = {name for name, scheme in SCHEMES.items() if name == "none" or scheme.data_dependent}
-    assert silent == {"none", "fox", "cope"}
+    # comes from each layer's inputs), and stick-breaking only through its weights' process, so
+    # nothing position-only tells their positions apart.
+    silent = {name for name, scheme in SCHEMES.items() if scheme.kind in NO_POSITION_ONLY_SIGNAL}
+    assert silent == {"none", "fox", "cope", "stickbreaking"}
     for name in silent:
         assert requirements[name].unique is False, name
     assert all(row.unique for name, row in requirements.items() if name not in silent)
