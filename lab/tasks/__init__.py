@@ -8,12 +8,32 @@ tiny model per scheme, task and seed on them (``lab.tasks.suite``) and writes do
 
 from __future__ import annotations
 
-from lab.tasks import copying, counting, flipflop, longcount, periodic, recall
+from lab.tasks import (
+    copying,
+    counting,
+    flipflop,
+    indirect,
+    longcount,
+    needle,
+    periodic,
+    recall,
+    variables,
+)
 from lab.tasks.base import Task, TaskBatch, TaskError, derive_seed
 
 TASKS: dict[str, Task] = {
     module.TASK.name: module.TASK
-    for module in (recall, copying, counting, flipflop, longcount, periodic)
+    for module in (
+        recall,
+        copying,
+        counting,
+        flipflop,
+        longcount,
+        periodic,
+        needle,
+        variables,
+        indirect,
+    )
 }
 
 

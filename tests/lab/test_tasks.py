@@ -16,10 +16,13 @@ from lab.tasks import (
     counting,
     derive_seed,
     flipflop,
+    indirect,
     longcount,
+    needle,
     periodic,
     recall,
     task,
+    variables,
 )
 from lab.tasks.base import TaskBatch
 from lab.tasks.training import (
@@ -94,6 +97,48 @@ def longcount_answers(tokens: list[int]) -> dict[int, int]:
     return answers
 
 
+def needle_answers(tokens: list[int]) -> dict[int, int]:
+    """Position → answer: after ``k?``, the value of the needle ``k=v`` before it."""
+    answers, needles = {}, {}
+    for position, token in enumerate(tokens):
+        if needle.NEEDLE_0 <= token < needle.QUERY_0:
+            key, value = divmod(token - needle.NEEDLE_0, needle.VALUES)
+            needles[key] = value
+        elif needle.QUERY_0 <= token < needle.VALUE_0 and position + 1 < len(tokens):
+            answers[position + 1] = needle.VALUE_0 + needles[token - needle.QUERY_0]
+    return answers
+
+
+def variables_answers(tokens: list[int]) -> dict[int, int]:
+    """Position → answer: after ``x?``, x's value, following its copies back."""
+    answers: dict[int, int] = {}
+    source: dict[int, int | str] = {}  # variable → another variable, or "=v" for a value
+    for position, token in enumerate(tokens):
+        if variables.ASSIGN_0 <= token < variables.COPY_0:
+            name, value = divmod(token - variables.ASSIGN_0, variables.VALUES)
+            source[name] = f"={value}"
+        elif variables.COPY_0 <= token < variables.QUERY_0:
+            name, copied = divmod(token - variables.COPY_0, variables.VARIABLES)
+            source[name] = copied
+        elif variables.QUERY_0 <= token < variables.VALUE_0 and position + 1 < len(tokens):
+            found = source[token - variables.QUERY_0]
+            while not isinstance(found, str):
+                found = source[found]
+            answers[position + 1] = variables.VALUE_0 + int(found[1:])
+    return answers
+
+
+def indirect_answers(tokens: list[int]) -> dict[int, int]:
+    """Position → answer: after ``? s o``, the item o places from s among the items."""
+    items = tokens[: tokens.index(indirect.MARKER)]
+    answers = {}
+    for position, token in enumerate(tokens):
+        if token == indirect.MARKER and position + 3 < len(tokens):
+            source, offset = tokens[position + 1], tokens[position + 2] - indirect.OFFSET_0
+            answers[position + 3] = items[items.index(source) + indirect.OFFSETS[offset]]
+    return answers
+
+
 SOLVERS = {
     "flipflop": flipflop_answers,
     "recall": recall_answers,
@@ -101,6 +146,9 @@ SOLVERS = {
     "counting": counting_answers,
     "longcount": longcount_answers,
     "periodic": recall_answers,  # the same format: its answer is the latest assignment too
+    "needle": needle_answers,
+    "variables": variables_answers,
+    "indirect": indirect_answers,
 }
 
 
@@ -312,3 +360,34 @@ def test_periodic_answers_need_the_latest_assignment_not_one_a_period_earlier() 
                     total += 1
                     differ += row[position] - recall.VALUE_0 != before
         assert total > 0 and differ / total == pytest.approx(7 / 8, abs=0.06)
+
+
+def test_needle_keys_are_distinct_and_more_needles_fill_a_longer_haystack() -> None:
+    for length, most in ((32, 3), (128, 15)):
+        tokens = TASKS["needle"].generate(3, length, 50).tokens
+        needles = (tokens >= needle.NEEDLE_0) & (tokens < needle.QUERY_0)
+        assert (needles.sum(1) == most).all()  # (length − 4) // 8, at least 2, at most 16
+        for row, found in zip(tokens, needles, strict=True):
+            keys = (row[found] - needle.NEEDLE_0) // needle.VALUES
+            assert len(set(keys.tolist())) == len(keys)
+
+
+def test_each_variables_query_asks_a_copy_two_hops_from_its_value() -> None:
+    batch = TASKS["variables"].generate(5, 64, 50)
+    for row in batch.tokens.tolist():
+        copies = {
+            (token - variables.COPY_0) // variables.VARIABLES
+            for token in row
+            if variables.COPY_0 <= token < variables.QUERY_0
+        }
+        asked = [token - variables.QUERY_0 for token in row[-4::2]]
+        assert all(name in copies for name in asked) and asked[0] != asked[1]
+        assert len(copies) == variables.CHAINS * variables.HOPS
+
+
+def test_indirect_items_are_distinct_and_every_offset_is_asked() -> None:
+    batch = TASKS["indirect"].generate(9, 64, 200)
+    body = batch.tokens[:, : 64 - 4 * indirect.QUERIES]
+    assert all(len(set(row.tolist())) == len(row) for row in body)
+    offsets = batch.tokens[:, 64 - 4 * indirect.QUERIES + 2 :: 4] - indirect.OFFSET_0
+    assert set(offsets.flatten().tolist()) == set(range(len(indirect.OFFSETS)))
