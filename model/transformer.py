@@ -335,7 +335,7 @@ class Attention(nn.Module):
         unrotated = queries_keys  # apply_rotation makes a new tensor: a recorder may keep this
         if rotation is not None:  # queries and keys in one call: half the small ops
             assert scheme is not None  # a pass's rotation comes with its scheme
-            queries_keys = scheme.turn(queries_keys, rotation, heads)
+            queries_keys = scheme.turn(queries_keys, rotation, heads, layer)
         queries, keys = queries_keys.split([heads, kv_heads], dim=1)  # [B, H|Hkv, T, hd]
         if inputs.query_scale is not None:
             queries = queries * inputs.query_scale.to(queries.dtype)

@@ -214,9 +214,9 @@ class PositionalScheme(nn.Module):
         whatever way is fastest there (FIRE's MLP in the kernel)."""
         return self.attention_bias(q_positions, k_positions)
 
-    def turn(self, queries_keys: Tensor, rotation: Rotation, n_heads: int) -> Tensor:
-        """(b) applied: queries then keys [B, H + Hkv, T, hd] (``n_heads`` of them queries)
-        turned by ``rotation`` → [B, H + Hkv, T, hd · key_width_factor]."""
+    def turn(self, queries_keys: Tensor, rotation: Rotation, n_heads: int, layer: int) -> Tensor:
+        """(b) applied in layer ``layer``: queries then keys [B, H + Hkv, T, hd] (``n_heads`` of
+        them queries) turned by ``rotation`` → [B, H + Hkv, T, hd · key_width_factor]."""
         return apply_rotation(queries_keys, *rotation)
 
     def rotate(self, x: Tensor, positions: Tensor) -> Tensor:

@@ -4,8 +4,8 @@ says and where it is, kept apart.
 Each of a head's d query and key components becomes a complex number: its magnitude is
 softplus of the component (the "what", never negative, so it cannot flip a phase) and its phase
 is the position times that component's own frequency θ_c = base^(−c/d) (the "where": d
-frequencies where rope has d/2 pairs), plus, for keys, a learned phase bias δ_hc kept in
-[−2π, 0]. The score is the real part of their product:
+frequencies where rope has d/2 pairs), plus, for keys, a learned phase bias δ (one per layer,
+key head and component) kept in [−2π, 0]. The score is the real part of their product:
 
     score(s, t) = Σ_c softplus(q_c) · softplus(k_c) · cos((s − t)·θ_c − δ_c) / √d,
 
@@ -56,8 +56,10 @@ class PolarPositions(PositionalScheme):
         exponents = torch.arange(head_dim, dtype=torch.float64) / head_dim
         # float64 whatever the model's dtype (a buffer would follow .to()), as rope's angles are
         self.frequencies = params.base ** (-exponents)
-        # δ per key head and component, zero at the start: the paper's initialisation
-        self.phase_bias = nn.Parameter(torch.zeros(config.key_value_heads, head_dim))
+        # δ per layer, key head and component, zero at the start: the paper's initialisation
+        self.phase_bias = nn.Parameter(
+            torch.zeros(config.n_layers, config.key_value_heads, head_dim)
+        )
         self.magnitude = F.softplus
 
     def rotation(self, positions: Tensor) -> Rotation:
@@ -66,14 +68,14 @@ class PolarPositions(PositionalScheme):
         angles = positions.unsqueeze(-1).to(torch.float64) * frequencies  # [B, T, hd]
         return angles.cos().float().unsqueeze(1), angles.sin().float().unsqueeze(1)
 
-    def turn(self, queries_keys: Tensor, rotation: Rotation, n_heads: int) -> Tensor:
+    def turn(self, queries_keys: Tensor, rotation: Rotation, n_heads: int, layer: int) -> Tensor:
         """[B, H + Hkv, T, hd] → [B, H + Hkv, T, 2·hd]: each component as the (cos, sin) parts
         of its magnitude at its phase, keys' phases moved by δ; queries × √2, so that SDPA's
         1/√(2·hd) scales the score by 1/√hd as the definition does."""
         cos, sin = (part.to(queries_keys.dtype) for part in rotation)
         magnitude = self.magnitude(queries_keys)
         queries, keys = magnitude.split([n_heads, magnitude.shape[1] - n_heads], dim=1)
-        delta = self.phase_bias.clamp(-2 * math.pi, 0.0)[None, :, None, :]  # [1, Hkv, 1, hd]
+        delta = self.phase_bias[layer].clamp(-2 * math.pi, 0.0)[None, :, None, :]  # [1, Hkv, 1, hd]
         key_cos = cos * delta.cos() - sin * delta.sin()  # cos(tθ + δ)
         key_sin = sin * delta.cos() + cos * delta.sin()  # sin(tθ + δ)
         turned_queries = torch.cat([queries * cos, queries * sin], dim=-1) * math.sqrt(2)

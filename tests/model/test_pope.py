@@ -36,7 +36,7 @@ def closed_form(
     length, head_dim = queries.shape[1], queries.shape[2]
     theta = scheme.frequencies.float()  # [d]
     distance = torch.arange(length)[:, None] - torch.arange(length)[None, :]  # s − t
-    delta = scheme.phase_bias.detach().clamp(-2 * math.pi, 0)[:, None, None, :]  # [H, 1, 1, d]
+    delta = scheme.phase_bias[0].detach().clamp(-2 * math.pi, 0)[:, None, None, :]  # [H, 1, 1, d]
     phase = torch.cos(distance[None, :, :, None] * theta - delta)  # [H, T, T, d]
     products = magnitude(queries)[:, :, None, :] * magnitude(keys)[:, None, :, :]
     return (products * phase).sum(-1) / math.sqrt(head_dim)
@@ -68,7 +68,7 @@ def test_a_score_depends_on_the_distance_only() -> None:
     generator = torch.Generator().manual_seed(6)
     vectors = torch.randn(1, 8, 10, model.config.head_dim, generator=generator)  # 4 q + 4 k heads
     positions = torch.arange(10).unsqueeze(0)
-    turned = [scheme.turn(vectors, scheme.rotation(positions + shift), 4) for shift in (0, 37)]
+    turned = [scheme.turn(vectors, scheme.rotation(positions + shift), 4, 1) for shift in (0, 37)]
     scores = [t[:, :4] @ t[:, 4:].transpose(-2, -1) for t in turned]
     torch.testing.assert_close(scores[0], scores[1], atol=1e-4, rtol=1e-5)
     assert turned[0].shape[-1] == 2 * model.config.head_dim == model.config.key_dim
