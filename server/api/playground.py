@@ -1,5 +1,6 @@
 """The playground: ``GET /`` (one page), its static files, ``POST /v1/trace``, ``POST /v1/patch``
-and the geometry reports (``GET /v1/geometry``, ``/v1/geometry/{corpus}``, ``/v1/geometry/{corpus}/{figure}``).
+and the geometry reports (``GET /v1/geometry``, ``/v1/geometry/{corpus}``,
+``/v1/geometry/{corpus}/{figure}``).
 
 The page is plain HTML, CSS and JavaScript in ``server/static`` (no build step); its charts use
 the vendored d3 and Observable Plot in ``server/static/vendor``. Nothing is fetched from the

@@ -105,7 +105,9 @@ def trace_document(
         **_attention(recorder.weights if attention else None, attention_encoding),
         "position_bias": None if bias is None else _lower_triangle(bias[0].float()),
         **_layer_pieces(recorder),
-        "rotation": None if rotation is None else _angles(rotation),
+        "rotation": None
+        if rotation is None
+        else _angles(rotation, model.positional.key_width_factor),
         "next_token": {
             "greedy": params.greedy,
             "stages": [_stage(stage.name, stage.probs, top, names) for stage in stages],
@@ -238,15 +240,17 @@ def _lower_triangle(matrices: Tensor) -> list[Any]:
     return shaped
 
 
-def _angles(rotation: tuple[Tensor, Tensor]) -> np.ndarray:
-    """The rotation's angle per position and pair → [T, rot/2] radians.
+def _angles(rotation: tuple[Tensor, Tensor], key_width_factor: int = 1) -> np.ndarray:
+    """The rotation's angle per position and pair → [T, rot/2] radians (PoPE, whose keys are
+    twice as wide: per component, [T, hd]).
 
     cos/sin [1, 1, T, rot] in the NeoX half-split layout (the pair i is columns i and
-    i + rot/2). atan2 gives each angle modulo 2π; unwrapping along positions recovers
-    position × frequency, since no frequency turns by π or more in one position.
+    i + rot/2; PoPE's column c is component c). atan2 gives each angle modulo 2π; unwrapping
+    along positions recovers position × frequency, since no frequency turns by π or more in
+    one position.
     """
     cos, sin = (part[0, 0].float().cpu() for part in rotation)
-    half = cos.shape[-1] // 2
+    half = cos.shape[-1] if key_width_factor == 2 else cos.shape[-1] // 2
     wrapped = torch.atan2(sin[:, :half], cos[:, :half]).double().numpy()
     return np.unwrap(wrapped, axis=0).astype(np.float32)
 

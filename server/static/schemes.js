@@ -17,6 +17,9 @@ export function positionNote(scheme) {
     fire: "fire adds no vector: a small learned function of the log distance over the log query position is added to every attention score (panel 3, right).",
     fox: "fox adds no vector: each token closes a forget gate per layer and head, and a key loses log f for every later token (panel 3, right: the layer's bias).",
     cope: "cope adds no vector: a key's position counts only the keys the query gates in, σ(q·k), and q·e[that position] is added to the score (panel 3, right).",
+    irope: "irope adds no vector: it rotates queries and keys as rope does in layers 0–2, and leaves layer 3 without any position (NoPE); panel 4 shows that layer's scores as all content.",
+    stickbreaking: "stick-breaking adds nothing to the vectors or the scores: its weights are a process over the keys, each taking σ(score) of what the later keys left, so recency comes from the order alone (panel 2: rows sum to at most 1).",
+    pope: "pope adds no vector: each query and key component keeps its magnitude, softplus(x), and turns its phase by position × its own frequency (panel 4: each component's share).",
   }[scheme] ?? "";
 }
 
