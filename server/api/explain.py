@@ -140,13 +140,7 @@ async def create_patch(body: PatchRequest, served: ServedModel) -> bytes:
             "corrupted is the same tokens as clean: patching needs prompts that differ",
             param="corrupted",
         )
-    if body.target is not None and body.target >= served.vocab:
-        raise APIError(
-            400,
-            f"target is {body.target}, outside model '{served.name}''s vocabulary "
-            f"[0, {served.vocab})",
-            param="target",
-        )
+    check_target(body.target, served)
     n_layers = served.info.n_layers
     sites = changed_sites(clean, corrupted, n_layers)
     per_call = max(1, PATCH_TOKENS_PER_CALL // len(clean))
@@ -186,6 +180,16 @@ async def create_patch(body: PatchRequest, served: ServedModel) -> bytes:
             "effect": effect,
         }
     )
+
+
+def check_target(target: int | None, served: ServedModel) -> None:
+    """A 400 naming ``target`` for a token id outside the model's vocabulary."""
+    if target is not None and target >= served.vocab:
+        raise APIError(
+            400,
+            f"target is {target}, outside model '{served.name}''s vocabulary [0, {served.vocab})",
+            param="target",
+        )
 
 
 async def _prompt(body: PatchRequest, served: ServedModel, field: str) -> list[int]:

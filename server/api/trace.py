@@ -45,7 +45,7 @@ from pydantic import BaseModel, Field
 
 from server.api.completions import prompt_ids_of
 from server.api.errors import APIError, too_long
-from server.api.explain import Attribution, ScoreParts
+from server.api.explain import Attribution, ScoreParts, check_target
 from server.api.schemas import DEFAULT_LENS_TOP, MAX_TRACE_TOKENS, HeadRef, TraceRequest
 from server.api.service import ServedModel
 from server.api.structured import compile_constraint
@@ -209,13 +209,7 @@ def check_interventions(body: TraceRequest, served: ServedModel, length: int) ->
             "target names the token attribution explains: it needs attribution: true",
             param="target",
         )
-    if body.target is not None and body.target >= served.vocab:
-        raise APIError(
-            400,
-            f"target is {body.target}, outside model '{served.name}''s vocabulary "
-            f"[0, {served.vocab})",
-            param="target",
-        )
+    check_target(body.target, served)
     for index, ref in enumerate(body.ablate):
         _check_head(ref, f"ablate[{index}]", "ablate", served)
     if body.drop_positional != "all":

@@ -10,11 +10,9 @@ import math
 import pytest
 import torch
 
-from model.cache import KVCache
 from model.errors import ConfigError
 from model.transformer import AttentionRecorder, Transformer
 from tests.model.conftest import random_model, random_tokens, tiny_config
-from tests.model.test_transformer import feed_ragged
 
 PLAIN = {"window": None, "temperature_floor": None}
 
@@ -77,25 +75,6 @@ def test_the_temperature_is_llama_4s_formula() -> None:
     assert scale.shape == (1, 1, 6, 1)
     assert scale.flatten().tolist() == pytest.approx(expected)
     assert scale[0, 0, 1, 0] == 1.0 and scale[0, 0, 2, 0] > 1.0  # it starts at the floor
-
-
-def test_the_cache_decodes_as_the_full_forward_ragged_and_past_the_trained_length() -> None:
-    model = random_model("irope", seed=8)  # context_length 48
-    tokens = random_tokens(3, 60, seed=9)
-    cache = KVCache(model.config, 3, 60)
-    with torch.no_grad():
-        full = model(tokens)
-        feed_ragged(model, cache, tokens, torch.tensor([5, 17, 2]))
-        while int(cache.lengths.min()) < 60:
-            counts = (60 - cache.lengths).clamp(max=torch.tensor([1, 3, 7]))
-            starts = cache.lengths.clone()
-            logits = feed_ragged(model, cache, tokens, counts)
-            for row in range(3):
-                start, count = int(starts[row]), int(counts[row])
-                if count:
-                    torch.testing.assert_close(
-                        logits[row, :count], full[row, start : start + count], atol=2e-5, rtol=0
-                    )
 
 
 @pytest.mark.parametrize(

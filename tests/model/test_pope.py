@@ -8,10 +8,8 @@ import math
 
 import torch
 
-from model.cache import KVCache
 from model.transformer import AttentionRecorder, Transformer
 from tests.model.conftest import random_model, random_tokens
-from tests.model.test_transformer import feed_ragged
 
 
 def layer_scores(model: Transformer, tokens: torch.Tensor, layer: int = 0) -> tuple:
@@ -72,24 +70,3 @@ def test_a_score_depends_on_the_distance_only() -> None:
     scores = [t[:, :4] @ t[:, 4:].transpose(-2, -1) for t in turned]
     torch.testing.assert_close(scores[0], scores[1], atol=1e-4, rtol=1e-5)
     assert turned[0].shape[-1] == 2 * model.config.head_dim == model.config.key_dim
-
-
-def test_the_cache_decodes_as_the_full_forward_ragged_and_past_the_trained_length() -> None:
-    model = random_model("pope", seed=7)  # context_length 48
-    tokens = random_tokens(3, 60, seed=8)
-    cache = KVCache(model.config, 3, 60)
-    assert cache.keys.numel() == 0 or cache.keys.shape[-1] == 2 * cache.values.shape[-1]
-    with torch.no_grad():
-        full = model(tokens)
-        feed_ragged(model, cache, tokens, torch.tensor([6, 1, 13]))
-        assert cache.keys.shape[-1] == 2 * cache.values.shape[-1]
-        while int(cache.lengths.min()) < 60:
-            counts = (60 - cache.lengths).clamp(max=torch.tensor([2, 1, 9]))
-            starts = cache.lengths.clone()
-            logits = feed_ragged(model, cache, tokens, counts)
-            for row in range(3):
-                start, count = int(starts[row]), int(counts[row])
-                if count:
-                    torch.testing.assert_close(
-                        logits[row, :count], full[row, start : start + count], atol=2e-5, rtol=0
-                    )

@@ -6,10 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from model.cache import KVCache
 from model.transformer import AttentionRecorder
 from tests.model.conftest import random_model, random_tokens
-from tests.model.test_transformer import feed_ragged
 
 
 def reference_weights(scores: torch.Tensor) -> torch.Tensor:
@@ -60,22 +58,3 @@ def test_the_model_attends_with_those_weights() -> None:
     for weights in recorder.weights:  # [1, H, T, T]
         assert (weights.sum(-1) <= 1 + 1e-5).all()
         assert not weights.triu(1).any()
-
-
-def test_the_cache_decodes_as_the_full_forward_ragged_and_past_the_trained_length() -> None:
-    model = random_model("stickbreaking", seed=6)  # context_length 48
-    tokens = random_tokens(3, 60, seed=7)
-    cache = KVCache(model.config, 3, 60)
-    with torch.no_grad():
-        full = model(tokens)
-        feed_ragged(model, cache, tokens, torch.tensor([4, 19, 1]))
-        while int(cache.lengths.min()) < 60:
-            counts = (60 - cache.lengths).clamp(max=torch.tensor([1, 5, 3]))
-            starts = cache.lengths.clone()
-            logits = feed_ragged(model, cache, tokens, counts)
-            for row in range(3):
-                start, count = int(starts[row]), int(counts[row])
-                if count:
-                    torch.testing.assert_close(
-                        logits[row, :count], full[row, start : start + count], atol=2e-5, rtol=0
-                    )

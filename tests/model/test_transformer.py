@@ -366,3 +366,22 @@ def test_bfloat16_training_attention_is_float32_attention_rounded(biased: bool) 
     assert all(
         t.grad is not None and t.grad.dtype == torch.bfloat16 for t in (queries, keys, values)
     )
+
+
+@pytest.mark.parametrize("scheme", ALL_SCHEMES)
+def test_ragged_decoding_past_the_trained_length_equals_the_full_forward(scheme: str) -> None:
+    """Rows at different lengths, fed chunks of different widths, to 60 tokens (the tiny
+    models train at 48): each chunk's logits are the full forward's (irope's temperature and
+    window, stick-breaking's process and PoPE's wide keys all read the cache)."""
+    model = random_model(scheme, seed=8)
+    tokens = random_tokens(3, 60, seed=9)
+    cache = KVCache(model.config, 3, 60)
+    steps = [torch.tensor([5, 17, 2])] + [torch.ones(3, dtype=torch.long)] * 3  # then to 60:
+    left = 60 - sum(steps)  # [52, 40, 55] over 8 chunks of (about) equal widths per row
+    steps += [(left * (k + 1)) // 8 - (left * k) // 8 for k in range(8)]
+    with torch.no_grad():
+        full = model(tokens)
+        for counts in steps:
+            starts = cache.lengths.clone()
+            assert_rows_match(feed_ragged(model, cache, tokens, counts), full, starts, counts)
+    assert cache.lengths.tolist() == [60, 60, 60]
