@@ -24,7 +24,8 @@ def _device(scheme: PositionalScheme) -> torch.device:
 
 def _rotated_unit_vectors(scheme: PositionalScheme, positions: Tensor) -> Tensor | None:
     """R(p)·v for v = (1, …, 1)/√d_model, every head's rotation applied to its slice of v.
-    positions: [1, T] -> [T, d_model], or None for schemes without a rotation."""
+    positions: [1, T] -> [T, d_model] (PoPE: [T, 2·d_model], each component's cos and sin
+    parts), or None for schemes without a rotation."""
     if scheme.rotation(positions) is None:
         return None
     config = scheme.config
@@ -32,8 +33,8 @@ def _rotated_unit_vectors(scheme: PositionalScheme, positions: Tensor) -> Tensor
     # All-equal components give every rotation frequency the same weight, like sinusoidal.
     unit = torch.full((config.d_model,), config.d_model**-0.5, device=positions.device)
     heads = unit.view(1, config.n_heads, 1, config.head_dim).expand(-1, -1, length, -1)
-    rotated = scheme.rotate(heads, positions)  # [1, H, T, head_dim]
-    return rotated[0].permute(1, 0, 2).reshape(length, config.d_model)
+    rotated = scheme.rotate(heads, positions)  # [1, H, T, head_dim (PoPE: twice it)]
+    return rotated[0].permute(1, 0, 2).reshape(length, -1)
 
 
 def encode_positions(scheme: PositionalScheme, positions: Tensor, keys: Tensor) -> Tensor | None:

@@ -68,6 +68,13 @@ class PolarPositions(PositionalScheme):
         angles = positions.unsqueeze(-1).to(torch.float64) * frequencies  # [B, T, hd]
         return angles.cos().float().unsqueeze(1), angles.sin().float().unsqueeze(1)
 
+    def rotate(self, x: Tensor, positions: Tensor) -> Tensor:
+        """Each component of ``x`` [B, H, T, hd] turned to its phase at ``positions`` [B, T],
+        with no magnitude map or phase bias: the position alone → [B, H, T, 2·hd] (cos parts,
+        then sin parts), whose dot products are Σ_c x_c·y_c·cos((s − t)·θ_c)."""
+        cos, sin = (part.to(x.dtype) for part in self.rotation(positions))
+        return torch.cat([x * cos, x * sin], dim=-1)
+
     def turn(self, queries_keys: Tensor, rotation: Rotation, n_heads: int, layer: int) -> Tensor:
         """[B, H + Hkv, T, hd] → [B, H + Hkv, T, 2·hd]: each component as the (cos, sin) parts
         of its magnitude at its phase, keys' phases moved by δ; queries × √2, so that SDPA's

@@ -70,3 +70,16 @@ def test_a_score_depends_on_the_distance_only() -> None:
     scores = [t[:, :4] @ t[:, 4:].transpose(-2, -1) for t in turned]
     torch.testing.assert_close(scores[0], scores[1], atol=1e-4, rtol=1e-5)
     assert turned[0].shape[-1] == 2 * model.config.head_dim == model.config.key_dim
+
+
+def test_its_geometry_is_each_components_phase_and_depends_on_the_distance_only() -> None:
+    """``rotate`` (what ``ordinal geometry`` reads) turns each component by its phase alone:
+    the dot product of two positions' representations is a function of their distance."""
+    scheme = random_model("pope", seed=9).positional
+    x = torch.ones(1, 1, 30, scheme.config.head_dim)
+    turned = scheme.rotate(x, torch.arange(30).unsqueeze(0))[0, 0]  # [T, 2·hd]
+    assert turned.shape[-1] == 2 * scheme.config.head_dim
+    gram = turned @ turned.T
+    torch.testing.assert_close(gram[3, 9], gram[20, 26])  # distance 6, twice
+    expected = torch.cos(6 * scheme.frequencies).sum().float()
+    torch.testing.assert_close(gram[3, 9], expected, atol=1e-5, rtol=1e-5)
