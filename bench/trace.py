@@ -18,9 +18,10 @@ import orjson
 import torch
 
 from model.checkpoint import load_checkpoint
-from server.api.schemas import MAX_TRACE_TOKENS, TraceRequest
-from server.api.trace import trace_document
+from model.sampling_params import SamplingParams
+from server.api.schemas import MAX_TRACE_TOKENS
 from server.engine.loader import prepare
+from server.engine.trace import trace_document
 
 
 def measure(
@@ -32,15 +33,22 @@ def measure(
     loaded = prepare(scheme, scheme, model, tokenizer, None, time.perf_counter())
     ids = tokenizer.encode(Path("README.md").read_text()).ids[: tokens - 1]
     prompt = [loaded.bos, *ids]
-    body = TraceRequest.model_validate(
-        {"prompt": prompt, "logit_lens": logit_lens, "attention_encoding": encoding}
-    )
     traced, zipped = [], []
     document = b""
     for _ in range(repeats + 1):  # the first is a warm-up
         started = time.perf_counter()
         document = orjson.dumps(
-            trace_document(body, loaded, prompt), option=orjson.OPT_SERIALIZE_NUMPY
+            trace_document(
+                loaded,
+                prompt,
+                SamplingParams(),
+                True,
+                20,
+                MAX_TRACE_TOKENS,
+                logit_lens=logit_lens,
+                attention_encoding=encoding,
+            ),
+            option=orjson.OPT_SERIALIZE_NUMPY,
         )
         middle = time.perf_counter()
         compressed = gzip.compress(document, compresslevel=1)  # server.api.app's level
@@ -54,7 +62,7 @@ def measure(
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--schemes", nargs="+", default=["rope", "alibi"])
     parser.add_argument("--tokens", type=int, default=MAX_TRACE_TOKENS)
@@ -62,7 +70,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--logit-lens", action="store_true")
     parser.add_argument("--encodings", nargs="+", default=["uint8", "lists"])
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     print("| scheme | attention | trace (engine) ms | gzip ms | total ms | JSON MB | gzip MB |")
     print("|---|---|---|---|---|---|---|")
