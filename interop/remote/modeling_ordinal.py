@@ -1,21 +1,21 @@
 """ordinal's decoder for Hugging Face Transformers: a self-contained port (torch and transformers
 only), loaded with ``trust_remote_code=True``.
 
-The same model as ordinal's ``model/transformer.py`` with the same parameter names, so the
-folder's model.safetensors holds ordinal's own tensors: token embedding → positional scheme →
-pre-norm blocks (fused QKV attention, MLP) → final norm → logits. Each of ordinal's positional
-schemes is here, as the small class ordinal has in ``model/positional/``: an added vector (none,
-integer, binary, sinusoidal, learned, mds, lowrank), a rotation of queries and keys (rope, with
-p-RoPE's ``fraction`` and its context extensions), a bias on the scores from positions (alibi,
-t5, fire), a bias each layer computes from its own queries and keys (fox, cope), rope in some
-layers only (irope: the others NoPE, with Llama 4's attention temperature), or weights other
-than softmax's (stick-breaking).
+The same model as ordinal's ``model/transformer.py`` with the same parameter names, so the folder's
+model.safetensors holds ordinal's own tensors: token embedding → positional scheme → pre-norm blocks
+(fused QKV attention, MLP) → final norm → logits. Each of ordinal's positional schemes is here, as
+the small class ordinal has in ``model/positional/``: an added vector (none, integer, binary,
+sinusoidal, learned, mds, lowrank), a rotation of queries and keys (rope, with p-RoPE's ``fraction``
+and its context extensions; pope's polar turn, whose queries and keys are twice a head's width), a
+bias on the scores from positions (alibi, t5, fire), a bias each layer computes from its own queries
+and keys (fox, cope), rope in some layers only (irope: the others NoPE, with Llama 4's attention
+temperature), or weights other than softmax's (stick-breaking).
 
-Positions follow the attention mask (position = how many real tokens came before), so
-left-padded batches in ``generate()`` get the positions each row would have alone; keys and
-values are kept in a transformers ``DynamicCache``, and so are fox's per-token log forget gates
-(:func:`update_cache`). This file was copied from ordinal (interop/remote/) by
-``ordinal export``.
+Positions follow the attention mask (position = how many real tokens came before), so left-padded
+batches in ``generate()`` get the positions each row would have alone; keys and values are kept in a
+transformers ``DynamicCache`` (pope's keys as turned, twice the values' width), and so are fox's
+per-token log forget gates (:func:`update_cache`). This file was copied from ordinal
+(interop/remote/) by ``ordinal export``.
 """
 
 import math
@@ -36,7 +36,8 @@ Rotation = tuple[Tensor, Tensor]  # (cos, sin), each [B, 1, T, rotary_dim]
 # ----------------------------------------------------------------------------------------------
 # Positional schemes. Each fills the hooks that carry its positions, once per pass:
 #   embedding(positions [B, T]) → [B, T, d] | None: a vector added to the token embeddings;
-#   rotation(positions [B, T]) → Rotation | None: queries and keys turned;
+#   rotation(positions [B, T]) → Rotation | None: queries and keys turned, each layer by
+#   turn(queries_keys [2, B, H, T, hd], rotation, layer) → [2, B, H, T, hd · key_width_factor];
 #   bias(q_positions [B, Tq], k_positions [B, Tk]) → [B, H, Tq, Tk] | None: added to the scores;
 # or, a data-dependent scheme (fox, cope), in each layer from what that layer sees:
 #   key_state(layer, hidden [B, T, d]) → [B, H, T] | None: per-token scalars later queries need;
@@ -52,6 +53,7 @@ class Scheme(nn.Module):
     """No positional signal (NoPE); the base every scheme below changes one hook of."""
 
     replaces_softmax = False  # True: attention_weights, not SDPA's softmax, weighs the values
+    key_width_factor = 1  # how many times a head's width its turned keys (and cached ones) are
 
     def __init__(self, config: OrdinalConfig, params: dict[str, Any]) -> None:
         super().__init__()
@@ -63,6 +65,11 @@ class Scheme(nn.Module):
 
     def rotation(self, positions: Tensor) -> Rotation | None:
         return None
+
+    def turn(self, queries_keys: Tensor, rotation: Rotation, layer: int) -> Tensor:
+        """Queries and keys ``queries_keys`` [2, B, H, T, hd] of layer ``layer`` turned by
+        ``rotation`` → [2, B, H, T, hd · key_width_factor]: rope's pairs here."""
+        return apply_rotation(queries_keys, *rotation)
 
     def bias(self, q_positions: Tensor, k_positions: Tensor) -> Tensor | None:
         return None
@@ -241,6 +248,39 @@ class Interleaved(Rope):
         return scale[:, None, :, None]
 
 
+class Polar(Scheme):
+    """PoPE, polar coordinate positions: each component c of a head becomes the complex number
+    of magnitude softplus(x_c) at phase p·θ_c, θ_c = base^(−c/hd), a key's phase moved by a
+    learned δ (per layer, head and component, clamped to [−2π, 0]); written as its (cos, sin)
+    parts, so queries and keys are twice a head's width and q·k is
+    Σ_c |q_c|·|k_c|·cos((s − t)·θ_c − δ_c). Queries × √2, so SDPA's 1/√(2·hd) is 1/√hd."""
+
+    key_width_factor = 2
+
+    def __init__(self, config: OrdinalConfig, params: dict[str, Any]) -> None:
+        super().__init__(config, params)
+        head_dim = config.d_model // config.n_heads
+        self.base = params.get("base", 10000.0)
+        self.phase_bias = nn.Parameter(torch.zeros(config.n_layers, config.n_heads, head_dim))
+
+    def rotation(self, positions: Tensor) -> Rotation:
+        """cos/sin of each component's phase p·θ_c → each [B, 1, T, hd] (float64 angles)."""
+        head_dim = self.phase_bias.shape[-1]
+        exponents = torch.arange(head_dim, device=positions.device, dtype=torch.float64)
+        angles = positions.to(torch.float64).unsqueeze(-1) * self.base ** (-exponents / head_dim)
+        return angles.cos().float().unsqueeze(1), angles.sin().float().unsqueeze(1)
+
+    def turn(self, queries_keys: Tensor, rotation: Rotation, layer: int) -> Tensor:
+        cos, sin = (part.to(queries_keys.dtype) for part in rotation)  # [B, 1, T, hd]
+        queries, keys = F.softplus(queries_keys)  # the magnitudes, [B, H, T, hd] each
+        delta = self.phase_bias[layer].clamp(-2 * math.pi, 0.0)[None, :, None, :]  # [1, H, 1, hd]
+        key_cos = cos * delta.cos() - sin * delta.sin()  # cos(tθ + δ)
+        key_sin = sin * delta.cos() + cos * delta.sin()  # sin(tθ + δ)
+        turned_queries = torch.cat([queries * cos, queries * sin], dim=-1) * math.sqrt(2)
+        turned_keys = torch.cat([keys * key_cos, keys * key_sin], dim=-1)
+        return torch.stack([turned_queries, turned_keys.to(turned_queries.dtype)])
+
+
 def alibi_slopes(n_heads: int) -> Tensor:
     def power_of_two_slopes(n: int) -> list[float]:
         start = 2.0 ** (-8.0 / n)
@@ -396,6 +436,7 @@ SCHEMES: dict[str, type[Scheme]] = {
     "fire": Fire,
     "irope": Interleaved,
     "stickbreaking": StickBreaking,
+    "pope": Polar,
 }
 
 
@@ -467,11 +508,12 @@ class Attention(nn.Module):
         if self.qk_norm is not None:
             qkv = torch.cat([F.rms_norm(qkv[:2], (self.head_dim,)) * self.qk_norm, qkv[2:]])
         queries, keys, values = qkv
-        if inputs.rotation is not None:
-            queries, keys = apply_rotation(qkv[:2], *inputs.rotation)
+        scheme, allowed = inputs.scheme, inputs.allowed
+        if inputs.rotation is not None:  # pope's: twice a head's width, and so the cached keys
+            assert scheme is not None  # a pass's rotation comes with its scheme
+            queries, keys = scheme.turn(qkv[:2], inputs.rotation, self.layer)
         if inputs.query_scale is not None:
             queries = queries * inputs.query_scale.to(queries.dtype)
-        scheme, allowed = inputs.scheme, inputs.allowed
         key_state = None if scheme is None else scheme.key_state(self.layer, x)  # [B, H, T]
         if inputs.cache is not None:
             keys, values, key_state = update_cache(

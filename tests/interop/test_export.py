@@ -3,16 +3,17 @@ tokenizes and renders what ordinal does.
 
 Every shipped checkpoint (each scheme, p-RoPE and DroPE) is exported (native architecture where
 exact, else custom code) and loaded by ``AutoModelForCausalLM`` from the folder alone (no hub):
-logits within 1e-4 of ordinal's in float32 over 300 tokens (a table scheme's 128 rows), the same
-50 greedy tokens from ``generate()`` with its KV cache, ``AutoTokenizer``'s ids ordinal's (BOS
-included), and ``apply_chat_template`` the server's scene. The custom-code port is checked for
-every one of them too, on a left-padded batch. Tiny random checkpoints cover configs the shipped
-ones do not have (biases, GELU, partial rotation, rope scalings, p-RoPE with yarn, untied output;
-CoPE past its table's last row, FIRE without its log or its division; irope's NoPE layers,
-sliding window and temperature, and stick-breaking; RMSNorm, SwiGLU and qk_norm, which no native
-architecture has); the schemes no shipped checkpoint has yet (irope, stick-breaking) get every
-check a shipped one gets, from tiny random checkpoints (conftest.TINY_CHECKPOINTS), and are
-refused by every native target, saying why. The port reads every parameter of every scheme it
+logits within 1e-4 of ordinal's in float32 over 300 tokens (a table scheme's 128 rows), the same 50
+greedy tokens from ``generate()`` with its KV cache (holding keys as wide as ordinal's cache does:
+pope's twice a head's width), ``AutoTokenizer``'s ids ordinal's (BOS included), and
+``apply_chat_template`` the server's scene. The custom-code port is checked for every one of them
+too, on a left-padded batch. Tiny random checkpoints cover configs the shipped ones do not have
+(biases, GELU, partial rotation, rope scalings, p-RoPE with yarn, untied output; CoPE past its
+table's last row, FIRE without its log or its division; irope's NoPE layers, sliding window and
+temperature, stick-breaking and pope; RMSNorm, SwiGLU and qk_norm, which no native architecture
+has); those of conftest.TINY_CHECKPOINTS (irope's window and temperature, stick-breaking's biases,
+pope's base and phase biases past its clamp) get every check a shipped one gets, and are refused by
+every native target and by GGUF, saying why. The port reads every parameter of every scheme it
 lists, and a scheme it lacks is refused by name. The GGUF file is read back with
 ``gguf.GGUFReader``: metadata, the vocabulary and merges, and every tensor.
 """
@@ -106,11 +107,22 @@ def ordinal_greedy(model: Transformer, prompt: list[int], count: int) -> list[in
 
 
 def assert_generates_as_ordinal(model: Transformer, hf_model: Any, prompt: list[int]) -> None:
-    """``generate()`` (greedy, with its KV cache) gives ordinal's NEW_TOKENS tokens."""
+    """``generate()`` (greedy, with its KV cache) gives ordinal's NEW_TOKENS tokens, its cache
+    holding what ordinal's holds: keys ``key_dim`` wide (pope's twice a head's width, fox's
+    with its log gate as one more channel), values a head's."""
     generated = hf_model.generate(
-        torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False
+        torch.tensor([prompt]),
+        max_new_tokens=NEW_TOKENS,
+        do_sample=False,
+        return_dict_in_generate=True,
     )
-    assert generated[0, len(prompt) :].tolist() == ordinal_greedy(model, prompt, NEW_TOKENS)
+    tokens = generated.sequences[0, len(prompt) :].tolist()
+    assert tokens == ordinal_greedy(model, prompt, NEW_TOKENS)
+    config, cached = model.config, len(prompt) + NEW_TOKENS - 1  # the last token is never fed
+    key_width = config.key_dim + int(model.positional.keeps_key_state)
+    for layer in generated.past_key_values.layers:
+        assert layer.keys.shape[-2:] == (cached, key_width)
+        assert layer.values.shape[-2:] == (cached, config.head_dim)
 
 
 def assert_left_padded_rows_decode_alone(
@@ -190,6 +202,10 @@ TINY_REFUSALS = {
         "this is stickbreaking; GPT-2 only adds a vector per position; stickbreaking acts inside "
         "attention",
         "scheme 'stickbreaking' has no GGUF architecture",
+    ),
+    "pope": (
+        "this is pope; GPT-2 only adds a vector per position; pope acts inside attention",
+        "scheme 'pope' has no GGUF architecture",
     ),
 }
 
@@ -307,6 +323,8 @@ VARIANTS: list[tuple[str, dict[str, Any], str, str | None]] = [
     ),
     ("stickbreaking", {"mlp": "gelu"}, CUSTOM_ARCHITECTURE, "stickbreaking acts inside attention"),
     ("stickbreaking", {"norm": "rmsnorm", "mlp": "swiglu"}, CUSTOM_ARCHITECTURE, None),
+    ("pope", {"bias": True, "mlp": "gelu"}, CUSTOM_ARCHITECTURE, "pope acts inside attention"),
+    ("pope", {"norm": "rmsnorm", "mlp": "swiglu", "qk_norm": True}, CUSTOM_ARCHITECTURE, None),
 ]
 
 
@@ -373,6 +391,7 @@ def test_a_scheme_the_port_lacks_is_refused_by_name(monkeypatch: pytest.MonkeyPa
         ("fire", "fire acts inside attention"),
         ("fox", "fox acts inside attention"),
         ("cope", "cope acts inside attention"),
+        ("pope", "this is pope; GPT-2 only adds a vector per position; pope acts inside attention"),
         ("prope", r"p-RoPE \(fraction 0.75\) leaves its slowest pairs unturned"),
     ],
 )
@@ -593,6 +612,7 @@ def test_gguf_pads_a_vocabulary_shorter_than_the_embedding(
     ("name", "why"),
     [
         ("alibi", "'alibi' has no GGUF architecture"),
+        ("pope", "'pope' has no GGUF architecture"),
         ("prope", r"not exactly llama.cpp's nemotron: p-RoPE \(fraction 0.75\)"),
     ],
 )

@@ -1,8 +1,9 @@
 """``ordinal export`` then ``ordinal import``: the checkpoint comes back as it was.
 
 Every shipped checkpoint is exported as custom code (each scheme, p-RoPE and DroPE), and rope
-(Nemotron), learned, none and DroPE (GPT-2) also natively; so is a tiny random bfloat16
-checkpoint of each scheme none ships yet (irope, stick-breaking: conftest.TINY_CHECKPOINTS).
+(Nemotron), learned, none and DroPE (GPT-2) also natively; so is each tiny random bfloat16
+checkpoint of what none ships (conftest.TINY_CHECKPOINTS: irope's window, stick-breaking's biases,
+pope's base and phase biases past its clamp).
 Each folder is imported back and must give the same config, every tensor bit for bit in the
 stored dtype (bfloat16: the weights file's data identical), the same tokenizer and chat
 template, and logits equal to the original's. The GPT-2 exports of mds and lowrank baked their
