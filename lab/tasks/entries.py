@@ -8,6 +8,9 @@ entry of its own name, and some entries are a scheme with a recipe of its own.
   does) and the model recalibrated at the training length for ``recalibration`` × the steps,
   with a fresh optimiser on the same schedule shape, its warmup scaled alike. 0.1, the share
   the shipped ``drope`` checkpoint recalibrates for (200 of 2,000 steps: checkpoints/README.md);
+- ``irope``: the scheme with a schedule for the suite's two layers, rope then NoPE (its
+  default, a NoPE layer every fourth, would leave both rope), the NoPE layer's temperature
+  from L = 32;
 - ``fox-slow``: fox with its gates starting near 1 (bias 3: σ(3) ≈ 0.95 per token) instead of
   the paper's 1/2, which leaves a key 20 tokens back e⁻¹⁴ of its score at the start: whether
   fox's failure to learn copy at L comes from where its gates start.
@@ -73,8 +76,13 @@ def describe(recipe: dict[str, Any], steps: int) -> str:
     return words
 
 
+# The suite's model has two layers: irope's default (Llama 4's NoPE every fourth layer) would
+# leave both rope. Here the second is NoPE, its temperature from the full suite's L = 32.
+IROPE_SCHEDULE = {"layers": "rope,none", "temperature_floor": 32}
+
 ENTRIES: dict[str, Entry] = {
     **{name: Entry(name, name) for name in SCHEMES},
+    "irope": Entry("irope", "irope", IROPE_SCHEDULE),
     "prope": Entry("prope", "rope", {"fraction": 0.75}),
     "drope": Entry("drope", "rope", continued_as="none", recalibration=0.1),
     "fox-slow": Entry("fox-slow", "fox", {"bias_init": 3.0}),
