@@ -54,7 +54,17 @@ TRAIN_CHOICES = {
 MODEL_SIZE_DEFAULTS = {name: PRESETS[DEFAULT_PRESET].model[name] for name in MODEL_SIZE_FLAGS}
 EVAL_MULTIPLES = (1, 2, 4)  # lab.evaluate.MULTIPLES
 # lab.tasks.TASKS, in its order, and lab.tasks.suite's defaults.
-TASKS = ("recall", "copy", "counting", "flipflop", "longcount", "periodic")
+TASKS = (
+    "recall",
+    "copy",
+    "counting",
+    "flipflop",
+    "longcount",
+    "periodic",
+    "needle",
+    "variables",
+    "indirect",
+)
 TASK_DEFAULTS: dict[str, Any] = {"seeds": 3, "jobs": 2, "out": Path("docs/tasks")}
 # lab.tasks.entries.ENTRIES (every scheme, then the suite's recipes) and the choices of
 # --longest (lab.tasks.training.LONGEST, the first the default); tests/model/test_tasks_report.py

@@ -143,11 +143,13 @@ def test_models_describe_each_scheme(
         # The scheme's own kind and claim (the playground's note), from its class.
         assert entry["kind"] == SCHEMES[name].kind == stored.positional.kind
         assert entry["claim"] == SCHEMES[name].claim
-        # Every scheme declares what the CPU kernel computes for it: the kernel decodes each,
-        # with the variant this process chose (model.backend; ORDINAL_CPU_ISA=torch: none).
+        # Every scheme declares what the CPU kernel computes for it: the kernel decodes each
+        # that names a bias, with the variant this process chose (model.backend;
+        # ORDINAL_CPU_ISA=torch: none), and the torch blocks the others (irope, PoPE, ...).
         isa = cpu.chosen()
-        assert entry["decode_backend"] == ("cpu-kernel" if isa else "torch")
-        assert entry["cpu_isa"] == isa
+        on_kernel = isa and SCHEMES[name].kernel_bias is not None
+        assert entry["decode_backend"] == ("cpu-kernel" if on_kernel else "torch")
+        assert entry["cpu_isa"] == (isa if on_kernel else None)
     assert listed["binary"]["max_positions"] == 2**8
     assert listed["rope"]["max_positions"] is None
 

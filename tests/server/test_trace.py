@@ -634,9 +634,11 @@ def test_the_shipped_models_trace_causal_attention_and_normalised_stages(
     with httpx.Client(base_url=shipped.url, timeout=60) as client:
         result = trace(client, model=scheme, top=2048, temperature=0.8, top_k=40, top_p=0.9)
         attention = square(result["attention"])
-        torch.testing.assert_close(
-            attention.sum(-1), torch.ones(attention.shape[:-1]), atol=1e-3, rtol=0
-        )
+        sums = attention.sum(-1)
+        if SCHEMES[SHIPPED_MODELS[scheme]].replaces_softmax:  # stick-breaking: at most 1
+            assert (sums <= 1 + 1e-3).all()
+        else:
+            torch.testing.assert_close(sums, torch.ones(attention.shape[:-1]), atol=1e-3, rtol=0)
         for entry in result["next_token"]["stages"]:
             assert sum(probs_of(entry).values()) == pytest.approx(1, abs=1e-4), entry["name"]
         assert stage(result, "top_k")["kept"] <= 40

@@ -54,9 +54,12 @@ def test_every_split_adds_up_to_the_score_the_softmax_took(name: str) -> None:
         trace = traced(name, score_parts=(layer, head))
         parts = trace["score_parts"]
         score = torch.tensor(parts["score"])
-        # the score is the one the model used: its softmax is the recorded attention row
+        # the score is the one the model used: its softmax (or the weights a scheme puts in
+        # its place: stick-breaking's) is the recorded attention row
         weights = trace["attention"][layer][head][-1]
-        assert close(list(weights), score.softmax(-1), atol=1e-3)
+        allowed = torch.ones(1, 1, 1, len(score), dtype=torch.bool)
+        expected = served(name).model.positional.attention_weights(score[None, None, None], allowed)
+        assert close(list(weights), expected.flatten(), atol=1e-3)
         assert parts["distance"] == list(range(len(score) - 1, -1, -1))
         if parts["content"] is None:  # added vectors past layer 0: no exact split
             assert parts["kind"] == "added" and layer > 0 and parts["note"] == MIXED_NOTE
@@ -70,7 +73,7 @@ def test_every_split_adds_up_to_the_score_the_softmax_took(name: str) -> None:
         if parts["kind"] == "added":
             assert close(parts["score"], sum(map(torch.tensor, parts["terms"].values())), 1e-4)
             assert close(parts["content"], parts["terms"]["token_token"], atol=0)
-        if parts["kind"] == "none":
+        if parts["kind"] in ("none", "weights"):  # stick-breaking: no position in its scores
             assert not position.any()
         elif name == "integer" and layer == 0:  # p·(1, 1, …, 1): LayerNorm removes the mean
             assert ERASED_NOTE in parts["note"]
