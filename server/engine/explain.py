@@ -46,11 +46,16 @@ SEPARABLE_NOTE = {
     "added": "at layer 0 the norm's scale is taken from the run, so the score splits exactly into "
     "token·token (content) and token·position, position·token and position·position "
     "(position), listed under terms.",
-    "none": "this model has no positional signal here: the whole score is content.",
+    "none": "no positional signal reaches this layer's scores: the whole score is content.",
     "weights": "no position enters the score, so it is all content: stick-breaking reads the "
     "keys' order when it turns scores into weights (each key gets σ(score) of what the later "
     "keys left).",
 }
+POLAR_NOTE = (
+    "content is Σ softplus(q)·softplus(k)/√d, the score at distance 0 with no phase bias; "
+    "position is what the phases add. Each component's share is listed under frequencies "
+    "(fastest first)."
+)
 MIXED_NOTE = (
     "past layer 0 the residual stream holds the positional vector mixed with what earlier "
     "layers computed from it and from the tokens, so no exact split exists: only the score is "
@@ -106,6 +111,8 @@ def score_parts(
         assert unrotated is not None
         content = _unturned(model, *unrotated)
         shares, frequency = _pair_shares(model, query, keys, scale)
+        if model.positional.key_width_factor == 2:  # PoPE: magnitudes, not raw components
+            parts["note"] = POLAR_NOTE
         parts |= {"frequencies": [_floats(share) for share in shares], "frequency": frequency}
     elif kind in ("bias", "data-dependent"):  # the bias itself, not score − content's rounding
         return parts | {"content": _floats(dot), "position": _floats(bias)}
