@@ -426,6 +426,10 @@ class Transformer(nn.Module):
         self.token_embedding = nn.Embedding(config.vocab_size, config.d_model)
         self.positional = build_scheme(config)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layers))
+        # The layers the scheme's schedule leaves without its signal (irope's NoPE layers),
+        # fixed by the config: a pass reads this rather than asking the scheme per layer.
+        layers = range(config.n_layers)
+        self.skipped_layers = frozenset(i for i in layers if not self.positional.acts_at(i))
         self.final_norm = make_norm(config)
         self.lm_head = Linear(config.d_model, config.vocab_size, bias=False)
         if config.tie_embeddings:
@@ -651,17 +655,14 @@ class Transformer(nn.Module):
         scheme = self.positional
         mask = self._attention_mask(positions, key_positions, plan, dtype)
         kept = LayerInputs(scheme.rotation(positions), mask, cache, plan, scheme)
-        layers = range(self.config.n_layers)
-        if not dropped and all(scheme.acts_at(layer) for layer in layers):
+        if not dropped and not self.skipped_layers:
             return [kept] * self.config.n_layers
-        plain = LayerInputs(
-            None, self._attention_mask(positions, key_positions, plan, dtype, False)
-        )
-        plain = replace(plain, cache=cache, plan=plan)
+        causal = self._attention_mask(positions, key_positions, plan, dtype, with_scheme=False)
+        plain = LayerInputs(None, causal, cache, plan)
         skipped = replace(plain, query_scale=scheme.query_scale(positions))
         return [
-            plain if layer in dropped else kept if scheme.acts_at(layer) else skipped
-            for layer in layers
+            plain if layer in dropped else skipped if layer in self.skipped_layers else kept
+            for layer in range(self.config.n_layers)
         ]
 
     def _attention_mask(

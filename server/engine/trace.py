@@ -87,7 +87,7 @@ def trace_document(
         parts = None
         if score_parts is not None:
             layer, head = score_parts
-            dropped = layer in drop_positional or not model.positional.acts_at(layer)
+            dropped = layer in drop_positional or layer in model.skipped_layers
             parts = explain.score_parts(model, recorder, layer, head, ids, vectors, dropped)
         attributed = None
         if attribution:
