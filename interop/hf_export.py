@@ -119,7 +119,7 @@ class Exported:
 # A scheme registered since is refused until the port has it.
 PORTED_SCHEMES = (
     "none", "integer", "binary", "sinusoidal", "learned", "rope", "alibi", "t5", "mds", "lowrank",
-    "fox", "cope", "fire", "irope", "stickbreaking", "pope",
+    "fox", "cope", "fire", "irope", "stickbreaking", "pope", "path", "pathfox",
 )  # fmt: skip
 
 

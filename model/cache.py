@@ -243,6 +243,12 @@ class KVCache:
             _store(self._layer_values[layer][plan.rows], plan, values),
         )
 
+    def rewrite_keys(self, layer: int, plan: CacheWrite, keys: Tensor) -> None:
+        """Replace the keys of every slot up to ``plan.key_length`` of ``layer`` with ``keys``
+        [B, H, key_length, hd]: a scheme that turns the keys already cached (PaTH's
+        ``move_keys``), once the pass that turned them has attended."""
+        self._layer_keys[layer][plan.rows][:, :, : plan.key_length] = keys
+
     def write_key_state(self, layer: int, plan: CacheWrite, state: Tensor) -> Tensor:
         """Store the new tokens' key state [B, H, T] for ``layer`` (as :meth:`write` stores
         their keys) and return that of every slot up to the longest row → [B, H, key_length]."""

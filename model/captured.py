@@ -75,7 +75,10 @@ class CapturedDecode:
         # Why steps run eagerly instead, once known (then for good).
         self.failure: str | None = None
         if not model.positional.prefix_stable:
-            self.failure = "the scheme's tables depend on each pass (rope's dynamic scaling)"
+            self.failure = (
+                "the scheme's cached entries depend on each pass (rope's dynamic scaling, "
+                "PaTH's turned keys)"
+            )
         elif model.training:
             self.failure = "the model is training (dropout)"
 

@@ -184,6 +184,10 @@ class LayerInputs:
     recorder: AttentionRecorder | None = None
     head_gates: Tensor | None = None  # [H, 1, 1]: 0 for an ablated head, 1 for the others
     query_scale: Tensor | None = None  # [B|1, 1, T, 1]: the scheme's, where it skips a layer
+    # For a scheme that turns keys (PaTH): [B|1, 1, T, Tk] key j comes before new token s, and
+    # [B, T] the new tokens that are not a ragged pass's padding (None: all are)
+    before: Tensor | None = None
+    new_tokens: Tensor | None = None
 
 
 class Linear(nn.Linear):
@@ -349,6 +353,12 @@ class Attention(nn.Module):
         if scheme is not None and scheme.data_dependent:  # fox, cope: one key head per query head
             explain = recorder is not None
             layer_bias = scheme.layer_bias(layer, queries, keys, state, mask.allowed(), explain)
+        moved = None  # PaTH: the keys turned by this pass's tokens, kept once attention is done
+        if scheme is not None and scheme.rewrites_keys:
+            assert inputs.before is not None  # the pass computes it for such a scheme
+            moved = scheme.move_keys(layer, x, queries, keys, inputs.before, inputs.new_tokens)
+            bias = moved.bias if layer_bias is None else layer_bias.bias + moved.bias
+            layer_bias = LayerBias(bias) if layer_bias is None else layer_bias._replace(bias=bias)
         if layer_bias is not None:
             mask = mask.plus(layer_bias.bias.to(queries.dtype))
         weights = None  # [B, H, T, Tk]: the scheme's own, where it replaces softmax
@@ -362,6 +372,9 @@ class Attention(nn.Module):
         else:
             values = values.repeat_interleave(heads // kv_heads, dim=1)
             out = weights.to(values.dtype) @ values
+        if moved is not None and cache is not None:
+            assert plan is not None
+            cache.rewrite_keys(layer, plan, moved.keys)
         if head_gates is not None:
             out = out * head_gates.to(out.dtype)
         if recorder is not None and recorder.keep_outputs:
@@ -655,6 +668,9 @@ class Transformer(nn.Module):
         scheme = self.positional
         mask = self._attention_mask(positions, key_positions, plan, dtype)
         kept = LayerInputs(scheme.rotation(positions), mask, cache, plan, scheme)
+        if scheme.rewrites_keys:
+            before, new_tokens = self._transition_masks(positions, key_positions, plan)
+            kept = replace(kept, before=before, new_tokens=new_tokens)
         if not dropped and not self.skipped_layers:
             return [kept] * self.config.n_layers
         causal = self._attention_mask(positions, key_positions, plan, dtype, with_scheme=False)
@@ -664,6 +680,19 @@ class Transformer(nn.Module):
             plain if layer in dropped else skipped if layer in self.skipped_layers else kept
             for layer in range(self.config.n_layers)
         ]
+
+    @staticmethod
+    def _transition_masks(
+        positions: Tensor, key_positions: Tensor, plan: CacheWrite | None
+    ) -> tuple[Tensor, Tensor | None]:
+        """LayerInputs' ``before`` and ``new_tokens`` for a scheme that turns keys."""
+        before = (key_positions < positions.unsqueeze(-1)).unsqueeze(1)  # [B|1, 1, T, Tk]
+        new_tokens = None
+        if plan is not None and plan.same_start is None:  # padding past each row's count
+            counts = plan.end - plan.positions[:, 0]  # [B]
+            offsets = torch.arange(positions.shape[-1])
+            new_tokens = (offsets < counts.unsqueeze(1)).to(positions.device)  # [B, T]
+        return before, new_tokens
 
     def _attention_mask(
         self,

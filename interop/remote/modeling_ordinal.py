@@ -9,7 +9,8 @@ sinusoidal, learned, mds, lowrank), a rotation of queries and keys (rope, with p
 and its context extensions; pope's polar turn, whose queries and keys are twice a head's width), a
 bias on the scores from positions (alibi, t5, fire), a bias each layer computes from its own queries
 and keys (fox, cope), rope in some layers only (irope: the others NoPE, with Llama 4's attention
-temperature), or weights other than softmax's (stick-breaking).
+temperature), weights other than softmax's (stick-breaking), or keys turned by the tokens after
+them (path, pathfox).
 
 Positions follow the attention mask (position = how many real tokens came before), so left-padded
 batches in ``generate()`` get the positions each row would have alone; keys and values are kept in a
@@ -47,12 +48,15 @@ Rotation = tuple[Tensor, Tensor]  # (cos, sin), each [B, 1, T, rotary_dim]
 #   query_scale(positions [B, T]) → [B, 1, T, 1] | None: a factor on those layers' queries.
 # A scheme that replaces softmax (stick-breaking: ``replaces_softmax``) weighs the values itself:
 #   attention_weights(scores [B, H, Tq, Tk], allowed [B, 1, Tq, Tk]) → [B, H, Tq, Tk].
+# A scheme that turns keys by the tokens after them (PaTH: ``rewrites_keys``):
+#   move_keys(layer, hidden, queries, keys, before, new_tokens) → (bias, keys after the pass).
 
 
 class Scheme(nn.Module):
     """No positional signal (NoPE); the base every scheme below changes one hook of."""
 
     replaces_softmax = False  # True: attention_weights, not SDPA's softmax, weighs the values
+    rewrites_keys = False  # True: move_keys turns the keys, and the cache keeps them turned
     key_width_factor = 1  # how many times a head's width its turned keys (and cached ones) are
 
     def __init__(self, config: OrdinalConfig, params: dict[str, Any]) -> None:
@@ -83,6 +87,18 @@ class Scheme(nn.Module):
         """``queries`` [B, H, Tq, hd], ``keys`` [B, H, Tk, hd] (the cached ones included),
         ``key_state`` [B, H, Tk], ``allowed`` [B, 1, Tq, Tk] bool (where a query may look)."""
         return None
+
+    def move_keys(
+        self,
+        layer: int,
+        hidden: Tensor,
+        queries: Tensor,
+        keys: Tensor,
+        before: Tensor,
+        new_tokens: Tensor,
+    ) -> tuple[Tensor, Tensor]:
+        """Only where ``rewrites_keys`` (PaTH): see Path.move_keys."""
+        raise NotImplementedError
 
     def acts_at(self, layer: int) -> bool:
         """Whether layer ``layer`` gets the hooks above (else it attends as NoPE's)."""
@@ -420,6 +436,70 @@ class StickBreaking(Scheme):
         return (F.logsigmoid(scores) + later).exp().where(allowed, 0.0)
 
 
+class Path(Scheme):
+    """PaTH: each token t turns every key before it by H_t = I − β_t·w_t·w_tᵀ, w_t a unit
+    direction and β_t = 2·σ(u·x_t + b) from the layer's normalised input, so query i scores key
+    j by q_iᵀ·H_i⋯H_{j+1}·k_j. A pass's effect is solved in one unit lower-triangular system
+    (the UT transform), and the cache keeps every key turned by all the tokens after it
+    (``move_keys``; rewrite_cached_keys)."""
+
+    rewrites_keys = True
+
+    def __init__(self, config: OrdinalConfig, params: dict[str, Any]) -> None:
+        super().__init__(config, params)
+        layers, heads, width = config.n_layers, config.n_heads, config.d_model
+        self.direction_weight = nn.Parameter(torch.zeros(layers, width, width))
+        self.strength_weight = nn.Parameter(torch.zeros(layers, heads, width))
+        self.strength_bias = nn.Parameter(torch.zeros(layers, heads))
+
+    def move_keys(
+        self,
+        layer: int,
+        hidden: Tensor,
+        queries: Tensor,
+        keys: Tensor,
+        before: Tensor,
+        new_tokens: Tensor,
+    ) -> tuple[Tensor, Tensor]:
+        """``hidden`` [B, n, d] the new tokens, ``queries`` [B, H, n, hd] theirs, ``keys``
+        [B, H, Tk, hd] as cached (the new ones raw), ``before`` [B, 1, n, Tk] key j precedes
+        token s, ``new_tokens`` [B, n] (False: padding, which turns nothing) → the score bias
+        [B, H, n, Tk] on q·k/√hd, and every key after the pass [B, H, Tk, hd]."""
+        batch, n, _ = hidden.shape
+        w = F.linear(hidden, self.direction_weight[layer]).view(batch, n, self.config.n_heads, -1)
+        w = F.normalize(w.transpose(1, 2).float(), dim=-1)  # [B, H, n, hd]
+        beta = 2 * torch.sigmoid(
+            F.linear(hidden, self.strength_weight[layer], self.strength_bias[layer])
+        )
+        beta = (beta.float().transpose(1, 2) * new_tokens.unsqueeze(1)).unsqueeze(-1)
+        queries, keys = queries.float(), keys.float()
+        ones = torch.ones(n, n, dtype=torch.bool, device=hidden.device)
+        system = torch.eye(n, device=hidden.device) + (
+            beta * (w @ w.transpose(-2, -1))
+        ).masked_fill(~ones.tril(-1), 0.0)
+        right = (beta * (w @ keys.transpose(-2, -1))).masked_fill(~before, 0.0)
+        shares = torch.linalg.solve_triangular(system, right, upper=False, unitriangular=True)
+        reach = (queries @ w.transpose(-2, -1)).masked_fill(~ones.tril(), 0.0)  # s ≤ i
+        bias = -(reach @ shares) / math.sqrt(queries.shape[-1])
+        return bias, keys - shares.transpose(-2, -1) @ w
+
+
+class PathFox(Path):
+    """PaTH-FoX: PaTH's transitions and FoX's forget gates on the same scores."""
+
+    def __init__(self, config: OrdinalConfig, params: dict[str, Any]) -> None:
+        super().__init__(config, params)
+        self.forgetting = Fox(config, {})
+
+    def key_state(self, layer: int, hidden: Tensor) -> Tensor:
+        return self.forgetting.key_state(layer, hidden)
+
+    def layer_bias(
+        self, layer: int, queries: Tensor, keys: Tensor, key_state: Tensor | None, allowed: Tensor
+    ) -> Tensor:
+        return self.forgetting.layer_bias(layer, queries, keys, key_state, allowed)
+
+
 SCHEMES: dict[str, type[Scheme]] = {
     "none": Scheme,
     "integer": Integer,
@@ -437,6 +517,8 @@ SCHEMES: dict[str, type[Scheme]] = {
     "irope": Interleaved,
     "stickbreaking": StickBreaking,
     "pope": Polar,
+    "path": Path,
+    "pathfox": PathFox,
 }
 
 
@@ -459,6 +541,14 @@ def apply_rotation(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return torch.cat((out, passed), dim=-1)
 
 
+def rewrite_cached_keys(cache: DynamicCache, layer: int, keys: Tensor) -> None:
+    """Layer ``layer``'s cached keys become ``keys`` [B, H, Tk, hd] (PaTH's, turned by the
+    pass), in place: a key state kept as one more channel (update_cache) stays."""
+    stored = getattr(cache.layers[layer], "keys", None)  # a DynamicLayer's
+    assert stored is not None  # this pass has just appended its keys
+    stored[..., : keys.shape[-1]] = keys.to(stored.dtype)
+
+
 class PassInputs(NamedTuple):
     """What one layer of a pass reads besides its input."""
 
@@ -468,6 +558,8 @@ class PassInputs(NamedTuple):
     mask: Tensor  # [B, 1|H, T, Tk] additive: the scheme's position bias, −inf where not allowed
     cache: DynamicCache | None
     query_scale: Tensor | None = None  # [B, 1, T, 1]: the scheme's, in a layer it leaves out
+    before: Tensor | None = None  # [B, 1, T, Tk] bool: key j precedes new token s (PaTH)
+    new_tokens: Tensor | None = None  # [B, T] bool: the pass's tokens that are not padding
 
 
 def update_cache(
@@ -524,12 +616,21 @@ class Attention(nn.Module):
             bias = scheme.layer_bias(self.layer, queries, keys, key_state, allowed)
             if bias is not None:
                 mask = mask + bias.to(mask.dtype)
+        moved = None
+        if scheme is not None and scheme.rewrites_keys:
+            assert inputs.before is not None and inputs.new_tokens is not None
+            turned, moved = scheme.move_keys(
+                self.layer, x, queries, keys, inputs.before, inputs.new_tokens
+            )
+            mask = mask + turned.to(mask.dtype)
         if scheme is not None and scheme.replaces_softmax:  # in float32, as ordinal's
             scores = queries.float() @ keys.float().transpose(-2, -1) / math.sqrt(self.head_dim)
             scores = scores + mask.float().where(allowed, 0.0)  # [B, H, T, Tk]
             out = scheme.attention_weights(scores, allowed).to(values.dtype) @ values
         else:
             out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask)
+        if moved is not None and inputs.cache is not None:  # once attention has read them
+            rewrite_cached_keys(inputs.cache, self.layer, moved)
         return self.proj(out.transpose(1, 2).reshape(batch, length, width))
 
 
@@ -648,7 +749,8 @@ class OrdinalForCausalLM(PreTrainedModel, GenerationMixin):
         mask = causal if bias is None else causal + bias.to(x.dtype)
 
         scheme = self.positional
-        kept = PassInputs(scheme, rotation, allowed, mask, cache)
+        before = (slots < query_slots).unsqueeze(0).unsqueeze(0)  # [1, 1, T, Tk]
+        kept = PassInputs(scheme, rotation, allowed, mask, cache, None, before, real[:, past:])
         # A layer the scheme's schedule leaves out: causality alone, and its query scale.
         left_out = PassInputs(None, None, allowed, causal, cache, scheme.query_scale(positions))
         for layer, block in enumerate(self.blocks):

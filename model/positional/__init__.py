@@ -46,6 +46,8 @@ _CLASSES = {
     "irope": "irope:InterleavedPositions",
     "stickbreaking": "stickbreaking:StickBreakingPositions",
     "pope": "pope:PolarPositions",
+    "path": "path:PathPositions",
+    "pathfox": "path:PathForgettingPositions",
 }
 
 

@@ -21,6 +21,11 @@ order of the keys is what tells positions apart:
 
 (f) ``attention_weights(scores, allowed)``: each query's weights over its keys, from the scores.
 
+A scheme may also turn the keys themselves by what comes after them (``rewrites_keys``: PaTH):
+
+(g) ``move_keys(layer, hidden, queries, keys, before, new_tokens)``: the new tokens' effect on
+    the scores, and every key after the pass, which the KV cache keeps in place of the old.
+
 The defaults contribute nothing, so ``none`` (NoPE) is the base class itself.
 
 What the CPU decode kernel (``model.kernels.decode_step``) does for a scheme is declared here
@@ -78,6 +83,13 @@ _EMPTY = torch.empty(0)
 _NO_KERNEL_TENSORS = KernelTensors(_EMPTY, _EMPTY, _EMPTY, _EMPTY)
 
 
+class MovedKeys(NamedTuple):
+    """What a scheme that turns keys (g) does in one layer's pass."""
+
+    bias: Tensor  # [B, H, Tq, Tk] added to the scaled scores q·k/√hd of the keys as given
+    keys: Tensor  # [B, H, Tk, hd] every key after the pass, which the cache keeps
+
+
 class LayerBias(NamedTuple):
     """What a data-dependent scheme adds to one layer's scores, and how it got there (the
     trace shows both; each field is None where the scheme has no such thing)."""
@@ -114,6 +126,9 @@ class PositionalScheme(nn.Module):
     # True: attention_weights replaces softmax (f), so the model builds the explicit mask and
     # attention weighs the values itself rather than through SDPA.
     replaces_softmax: ClassVar[bool] = False
+    # True: move_keys turns every key by the tokens after it (g), and the cache keeps the
+    # turned keys; such a scheme is data_dependent and never prefix_stable.
+    rewrites_keys: ClassVar[bool] = False
     # How many times a head's width its turned keys are (and so the cached ones): 2 for PoPE,
     # whose every component becomes a (cos, sin) pair.
     key_width_factor: ClassVar[int] = 1
@@ -197,6 +212,22 @@ class PositionalScheme(nn.Module):
         ``explain``: also fill LayerBias's other fields, which only the trace reads (the model
         passes False otherwise, and a scheme may then take a faster path to the same bias)."""
         return None
+
+    def move_keys(
+        self,
+        layer: int,
+        hidden: Tensor,
+        queries: Tensor,
+        keys: Tensor,
+        before: Tensor,
+        new_tokens: Tensor | None,
+    ) -> MovedKeys:
+        """(g) Layer ``layer``'s pass of the new tokens of ``hidden`` [B, Tq, d_model] (its
+        normalised input), whose ``queries`` are [B, H, Tq, hd], over ``keys`` [B, H, Tk, hd]
+        (as the cache holds them; the new tokens' own as computed); ``before`` [B|1, 1, Tq, Tk]
+        bool: key j comes before new token s; ``new_tokens`` [B, Tq] bool, False on a ragged
+        pass's padding (None: no padding). Only where ``rewrites_keys``."""
+        raise NotImplementedError(f"scheme {self.name!r} does not turn its keys")
 
     def attention_weights(self, scores: Tensor, allowed: Tensor) -> Tensor:
         """(f) Each query's weights over its keys [B, H, Tq, Tk] from ``scores`` (q·k/√d plus

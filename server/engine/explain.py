@@ -42,7 +42,8 @@ SEPARABLE_NOTE = {
     "adds. Each rotation pair's share is listed under frequencies (fastest first).",
     "bias": "content is q·k/√d; position is the scheme's bias, added to every score.",
     "data-dependent": "content is q·k/√d; position is the bias this layer computed from its own "
-    "inputs (fox's forget gates, cope's contextual positions).",
+    "inputs (fox's forget gates, cope's contextual positions, what PaTH's transitions of the "
+    "tokens in between did to the key).",
     "added": "at layer 0 the norm's scale is taken from the run, so the score splits exactly into "
     "token·token (content) and token·position, position·token and position·position "
     "(position), listed under terms.",

@@ -14,8 +14,8 @@ from model.checkpoint import save_checkpoint
 from tests.model.conftest import random_model, tiny_tokenizer  # noqa: F401
 
 # What no shipped checkpoint covers (irope's window and temperature; stick-breaking's biases; pope's
-# base, untied output and phase biases past its clamp), as tiny random checkpoints stored in
-# bfloat16 as the shipped ones are: scheme → config changes. Each is exported and checked as a
+# base, untied output and phase biases past its clamp; PaTH-FoX), as tiny random checkpoints stored
+# in bfloat16 as the shipped ones are: scheme → config changes. Each is exported and checked as a
 # shipped checkpoint is (tests/interop/test_export.py), and imported back bit for bit
 # (test_roundtrip.py).
 TINY_CHECKPOINTS: dict[str, dict[str, Any]] = {
@@ -34,6 +34,7 @@ TINY_CHECKPOINTS: dict[str, dict[str, Any]] = {
     },
     "stickbreaking": {"bias": True},
     "pope": {"tie_embeddings": False, "positional": {"scheme": "pope", "base": 500.0}},
+    "pathfox": {"bias": True},
 }
 # Parameters redrawn uniform in [low, high] after random_model's N(0, 0.3): scheme → (name, low,
 # high). pope's δ past both ends of its clamp to [−2π, 0], which the port must apply as ordinal.

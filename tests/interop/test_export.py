@@ -207,6 +207,10 @@ TINY_REFUSALS = {
         "this is pope; GPT-2 only adds a vector per position; pope acts inside attention",
         "scheme 'pope' has no GGUF architecture",
     ),
+    "pathfox": (
+        "this is pathfox; GPT-2 only adds a vector per position; pathfox acts inside attention",
+        "scheme 'pathfox' has no GGUF architecture",
+    ),
 }
 
 
@@ -325,6 +329,8 @@ VARIANTS: list[tuple[str, dict[str, Any], str, str | None]] = [
     ("stickbreaking", {"norm": "rmsnorm", "mlp": "swiglu"}, CUSTOM_ARCHITECTURE, None),
     ("pope", {"bias": True, "mlp": "gelu"}, CUSTOM_ARCHITECTURE, "pope acts inside attention"),
     ("pope", {"norm": "rmsnorm", "mlp": "swiglu", "qk_norm": True}, CUSTOM_ARCHITECTURE, None),
+    ("path", {"bias": True, "mlp": "gelu"}, CUSTOM_ARCHITECTURE, "path acts inside attention"),
+    ("pathfox", {"norm": "rmsnorm", "mlp": "swiglu", "qk_norm": True}, CUSTOM_ARCHITECTURE, None),
 ]
 
 

@@ -389,11 +389,11 @@ NO_POSITION_ONLY_SIGNAL = ("none", "data-dependent", "weights")
 def test_every_scheme_with_a_position_only_signal_is_unique(
     requirements: dict[str, RequirementRow],
 ) -> None:
-    # none has no positional signal; fox and cope have one only through the content (their bias
-    # comes from each layer's inputs), and stick-breaking only through its weights' process, so
-    # nothing position-only tells their positions apart.
+    # none has no positional signal; fox, cope and PaTH have one only through the content (their
+    # bias or turn comes from each layer's inputs), and stick-breaking only through its weights'
+    # process, so nothing position-only tells their positions apart.
     silent = {name for name, scheme in SCHEMES.items() if scheme.kind in NO_POSITION_ONLY_SIGNAL}
-    assert silent == {"none", "fox", "cope", "stickbreaking"}
+    assert silent == {"none", "fox", "cope", "stickbreaking", "path", "pathfox"}
     for name in silent:
         assert requirements[name].unique is False, name
     assert all(row.unique for name, row in requirements.items() if name not in silent)

@@ -46,6 +46,8 @@ SCHEME_SETTINGS: dict[str, dict[str, Any]] = {
     "irope": {"layers": "rope,none", "window": 8, "temperature_floor": 16},
     "stickbreaking": {},
     "pope": {},
+    "path": {},
+    "pathfox": {},
 }
 
 

@@ -26,7 +26,7 @@ from tests.model.conftest import random_model, random_tokens
 # Schemes the kernel refuses by declaring so: irope's schedule rotates some layers only, and the
 # kernel applies one rotation to every layer.
 # stick-breaking's weights are not the kernel's softmax; PoPE's keys are twice a head's width
-TORCH_ONLY = {"irope", "stickbreaking", "pope"}
+TORCH_ONLY = {"irope", "stickbreaking", "pope", "path", "pathfox"}
 
 
 @pytest.mark.parametrize("scheme", sorted(SCHEMES))

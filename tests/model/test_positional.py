@@ -389,12 +389,12 @@ def test_every_scheme_keeps_its_config_parameters_and_table_size(scheme: str) ->
 
 
 # The hook each kind fills (model/positional/base.py's (a)-(e)); "none" fills none.
-KIND_HOOKS = {
-    "added": "embedding",
-    "rotation": "rotation",
-    "bias": "attention_bias",
-    "data-dependent": "layer_bias",
-    "weights": "attention_weights",
+KIND_HOOKS = {  # a kind's hooks: a scheme of that kind fills at least one
+    "added": ("embedding",),
+    "rotation": ("rotation",),
+    "bias": ("attention_bias",),
+    "data-dependent": ("layer_bias", "move_keys"),
+    "weights": ("attention_weights",),
 }
 
 
@@ -408,13 +408,14 @@ def test_every_scheme_declares_its_kind_and_claim_and_the_kind_is_its_hook(schem
     assert cls.claim.strip() and "\n" not in cls.claim
     filled = {
         kind
-        for kind, hook in KIND_HOOKS.items()
-        if getattr(cls, hook) is not getattr(PositionalScheme, hook)
+        for kind, hooks in KIND_HOOKS.items()
+        if any(getattr(cls, hook) is not getattr(PositionalScheme, hook) for hook in hooks)
     }
     window = {"bias"} if scheme == "irope" else set()  # irope's sliding window masks by distance
     assert filled == ({cls.kind} - {"none"}) | window, (cls.kind, filled)
     assert cls.data_dependent == (cls.kind == "data-dependent")
     assert cls.replaces_softmax == (cls.kind == "weights")
+    assert not cls.rewrites_keys or cls.data_dependent  # PaTH's turn comes from its tokens
 
 
 def test_check_positions_accepts_the_last_row_and_refuses_the_next() -> None:

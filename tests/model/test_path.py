@@ -1,0 +1,108 @@
+"""PaTH (model/positional/path.py): its scores are q_iᵀ·H_i⋯H_{j+1}·k_j from explicit d × d
+Householder products, the cache keeps every key turned by the tokens after it, β = 0 is NoPE,
+and PaTH-FoX with its gates open is PaTH. (That the cached forward equals the full forward,
+ragged and past the trained length, is tests/model/test_transformer.py's, for every scheme.)"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from model.cache import KVCache
+from model.positional.path import householder_pass
+from model.transformer import AttentionRecorder, Transformer
+from tests.model.conftest import random_model, random_tokens
+
+
+def householder(direction: torch.Tensor, strength: torch.Tensor) -> torch.Tensor:
+    """H = I − β·w·wᵀ → [d, d]."""
+    return torch.eye(direction.shape[0], dtype=direction.dtype) - strength * torch.outer(
+        direction, direction
+    )
+
+
+def turned_by(directions, strengths, first: int, last: int, key: torch.Tensor) -> torch.Tensor:
+    """H_last ⋯ H_first · key, the product formed matrix by matrix."""
+    for s in range(first, last + 1):
+        key = householder(directions[s], strengths[s]) @ key
+    return key
+
+
+def test_scores_are_the_explicit_products_of_householder_matrices() -> None:
+    generator = torch.Generator().manual_seed(0)
+    length, dim = 24, 8
+    queries, keys, directions = (
+        torch.randn(1, 1, length, dim, generator=generator, dtype=torch.float64) for _ in range(3)
+    )
+    directions = torch.nn.functional.normalize(directions, dim=-1)
+    strengths = 2 * torch.rand(1, 1, length, generator=generator, dtype=torch.float64)
+    before = torch.ones(length, length, dtype=torch.bool).tril(-1)[None, None]
+    moved = householder_pass(queries, keys, directions, strengths, before)
+    scores = (queries @ keys.transpose(-2, -1)).float() / math.sqrt(dim) + moved.bias
+    w, beta = directions[0, 0], strengths[0, 0]
+    for i in range(length):
+        for j in range(i + 1):
+            expected = queries[0, 0, i] @ turned_by(w, beta, j + 1, i, keys[0, 0, j])
+            assert abs(float(scores[0, 0, i, j]) - float(expected) / math.sqrt(dim)) < 1e-5
+    for j in range(length):  # after the pass, each key carries every transition after it
+        expected = turned_by(w, beta, j + 1, length - 1, keys[0, 0, j])
+        torch.testing.assert_close(moved.keys[0, 0, j].double(), expected, atol=1e-5, rtol=0)
+
+
+def test_the_cache_keeps_each_key_turned_by_every_later_token() -> None:
+    model = random_model("path", seed=1)
+    tokens = random_tokens(1, 20, seed=2)
+    cache = KVCache(model.config, rows=1, max_length=32)
+    recorder = AttentionRecorder(weights=False, scores_of=0)
+    with torch.no_grad():
+        model(tokens[:, :7], cache)  # a prompt, then one token at a time
+        for t in range(7, 20):
+            model(tokens[:, t : t + 1], cache)
+        model.traced_forward(tokens, recorder)  # the raw keys of layer 0, and its input
+    assert recorder.scores is not None and recorder.embedded is not None
+    raw = recorder.scores.keys[0]  # [H, T, hd]: nothing turns them in a full forward
+    hidden = model.blocks[0].attention_norm(recorder.embedded)
+    directions, strengths = model.positional.transitions(0, hidden)
+    cached = cache.keys[0, 0, :, :20]  # [H, T, hd]
+    for head in range(raw.shape[0]):
+        w, beta = directions[0, head].double(), strengths[0, head].double()
+        for j in (0, 5, 13, 19):
+            expected = turned_by(w, beta, j + 1, 19, raw[head, j].double())
+            torch.testing.assert_close(cached[head, j].double(), expected, atol=1e-5, rtol=0)
+
+
+def nope_twin(model: Transformer) -> Transformer:
+    """A ``none`` model with ``model``'s weights (the scheme's own left out)."""
+    twin = Transformer(random_model("none").config).eval()
+    weights = {k: v for k, v in model.state_dict().items() if not k.startswith("positional.")}
+    twin.load_state_dict(weights)
+    return twin
+
+
+def test_with_every_strength_zero_it_is_nope() -> None:
+    model = random_model("path", seed=3)
+    tokens = random_tokens(2, 30, seed=4)
+    with torch.no_grad():
+        turning = model(tokens)
+        model.positional.strength_bias.fill_(-1e4)  # β = 2·σ(−10⁴) = 0: every H is I
+        still = model(tokens)
+        nope = nope_twin(model)(tokens)
+    torch.testing.assert_close(still, nope, atol=1e-5, rtol=1e-5)
+    assert (turning - nope).abs().max() > 1e-2  # the transitions did something before
+
+
+def test_pathfox_with_its_gates_open_is_path() -> None:
+    fox = random_model("pathfox", seed=5)
+    path = random_model("path", seed=5)
+    tokens = random_tokens(2, 30, seed=6)
+    with torch.no_grad():
+        weights = {
+            name: value
+            for name, value in fox.state_dict().items()
+            if not name.startswith("positional.forgetting.")
+        }
+        path.load_state_dict(weights)
+        assert (fox(tokens) - path(tokens)).abs().max() > 1e-2  # the gates did something
+        fox.positional.forgetting.gate_bias.fill_(1e4)  # log σ(10⁴) = 0: nothing forgotten
+        torch.testing.assert_close(fox(tokens), path(tokens), atol=1e-5, rtol=1e-5)
