@@ -101,7 +101,8 @@ serve: $(STAMP)
 # prope is rope keeping the fastest 75% of its frequencies (p-RoPE), drope the rope checkpoint
 # with rope removed and recalibrated for DROPE_FLAGS, a fifth of the base's steps (DroPE; needs
 # rope in SCHEMES or built).
-SCHEMES := none integer binary sinusoidal learned rope alibi t5 mds lowrank fox cope fire irope
+SCHEMES := none integer binary sinusoidal learned rope alibi t5 mds lowrank fox cope fire irope \
+	stickbreaking pope path
 RECIPES ?= prope drope
 DROPE_FLAGS ?= --steps 480 --warmup-steps 48
 EVAL_FLAGS ?=
