@@ -5,6 +5,7 @@ GPU the last tests replay it from graphs."""
 
 from __future__ import annotations
 
+import contextlib
 import random
 
 import pytest
@@ -208,3 +209,51 @@ def test_fixed_shape_steps_give_the_full_forwards_logprobs(scheme: str, device: 
         expected = predicting.gather(-1, ids[0, len(prompt) :, None])[:, 0]
     assert batch.captured is not None and batch.captured.steps
     torch.testing.assert_close(torch.tensor(chosen), expected.cpu(), atol=1e-4, rtol=0)
+
+
+class _FailingCapture:
+    """torch.cuda's capture API as a CPU test needs it: streams that run the warm-up where it
+    is, and a capture that fails as a real one can (an op that may not be recorded)."""
+
+    class Stream:
+        def wait_stream(self, stream: object) -> None:
+            pass
+
+    @staticmethod
+    def stream(stream: object) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+    @staticmethod
+    def current_stream() -> _FailingCapture.Stream:
+        return _FailingCapture.Stream()
+
+    class CUDAGraph:
+        pass
+
+    @staticmethod
+    def graph(*args: object, **kwargs: object) -> contextlib.AbstractContextManager[None]:
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+
+def test_a_capture_that_fails_decodes_eagerly_from_then_on(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The fallback, on a CPU with a fake capture: the first step's recording fails, the step
+    runs eagerly (the warm-up's writes are the step's own), nothing is recorded again, and every
+    token is the ordinary batch's."""
+    model = random_model("rope", seed=7)
+    prompt = random_tokens(1, 9, seed=8)[0].tolist()
+    ordinary = DecodeBatch(model, 2, MAX_LENGTH, TINY_VOCAB, 0, graphs=False)
+    failing = DecodeBatch(model, 2, MAX_LENGTH, TINY_VOCAB, 0, graphs=True)
+    assert failing.captured is not None and failing.captured.failure is None
+    failing.captured.replay = True  # as on a GPU: record, then replay
+    for name in ("Stream", "stream", "current_stream", "CUDAGraph", "graph"):
+        monkeypatch.setattr(torch.cuda, name, getattr(_FailingCapture, name))
+    with torch.inference_mode(), caplog.at_level("WARNING", logger="ordinal.captured"):
+        got = decode_alone(failing, prompt, GREEDY, 12)
+        assert got == decode_alone(ordinary, prompt, GREEDY, 12)
+    assert (failing.captured.failure or "").startswith("capturing a step failed: operation")
+    assert not failing.captured.steps
+    assert [record.message for record in caplog.records] == [
+        f"{failing.captured.failure}: decoding eagerly"
+    ]

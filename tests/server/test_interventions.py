@@ -24,8 +24,11 @@ from model.transformer import Transformer
 from tests.server.conftest import Running
 from tests.server.test_trace import PROMPT, model_of, stage
 
-# fox and cope see positions only through the content (gates), so they are relative too.
-RELATIVE = ("rope", "alibi", "t5", "none", "fox", "cope", "stickbreaking", "pope")
+# fox, cope and path see positions only through the content (gates, transitions), so they are
+# relative too.
+RELATIVE = (
+    "rope", "alibi", "t5", "none", "fox", "cope", "stickbreaking", "pope", "path", "pathfox",
+)  # fmt: skip
 ABSOLUTE = ("integer", "binary", "sinusoidal", "learned", "mds", "lowrank")
 # FIRE's distance is normalised by max(L, i): relative while every query stays below L, not
 # past it, so an offset claims neither (its bias is tested against T5's and ALiBi's instead).
