@@ -9,7 +9,7 @@ import { $, note, showError } from "./dom.js";
 import { biasRaster, gateChart, heatmap, rotationChart, vectorHeatmap } from "./heatmap.js";
 import { plot } from "./plot.js";
 import { drawReport } from "./report.js";
-import { BIAS_MEANING, positionNote } from "./schemes.js";
+import { BIAS_MEANING, LAYER_BIAS_MEANING, positionNote } from "./schemes.js";
 import { model, modelInfo, state } from "./state.js";
 
 async function positionalTrace(name) {
@@ -62,7 +62,7 @@ function drawPositional(trace) {
 function encodingOf(trace) {
   if (trace.embedding.position_vectors) return addedVectors(trace);
   if (trace.position_bias) return scoreBias(trace);
-  if (trace.forget_gates || trace.contextual_positions) return dataDependent(trace);
+  if (trace.forget_gates || trace.contextual_positions || trace.layer_bias) return dataDependent(trace);
   if (trace.rotation) return rotation(trace);
   return [
     [note(positionNote(trace.scheme))],
@@ -104,25 +104,36 @@ function scoreBias(trace) {
   ];
 }
 
-// fox, cope: what this prompt made of positions, in layer 0 (per head).
+// fox, cope, path: what this prompt made of positions, in layer 0 (per head).
 function dataDependent(trace) {
   const length = trace.tokens.length;
   const gates = trace.forget_gates;
-  const encoding = gates
-    ? gateChart(gates)
-    : heatmap(trace.contextual_positions[0][0], {
+  const counted = trace.contextual_positions;
+  let encoding;
+  if (gates) encoding = gateChart(gates);
+  else if (counted) {
+    encoding = heatmap(counted[0][0], {
       title: "cope, layer 0, head 0: the position of each key seen from each query",
       scheme: "Viridis", label: "contextual position", size: 330,
     });
-  const perHead = gates ? trace.layer_bias[0] : trace.contextual_positions[0];
+  } else {
+    encoding = heatmap(trace.layer_bias[0][0], {
+      title: `${trace.scheme}, layer 0, head 0: what the tokens between key and query add to each score`,
+      scheme: "RdBu", pivot: 0, label: "added to the score", size: 330,
+    });
+  }
+  const perHead = counted ? counted[0] : trace.layer_bias[0];
   const points = perHead.flatMap((matrix, head) => matrix[length - 1].map((value, key) => ({
     distance: length - 1 - key, value, head: `head ${head}`,
   })));
+  const meaning = trace.scheme === "fox"
+    ? "Σ log f; a straight line would be alibi"
+    : LAYER_BIAS_MEANING[trace.scheme] ?? "bias";
+  const title = counted
+    ? "layer 0: the last query's contextual position vs distance (the diagonal counts every token)"
+    : `layer 0: the last query's bias vs distance (${meaning})`;
   return [[encoding], distancePlot(points, {
-    title: gates
-      ? "layer 0: the last query's bias vs distance (Σ log f; a straight line would be alibi)"
-      : "layer 0: the last query's contextual position vs distance (the diagonal counts every token)",
-    y: gates ? "added to the score" : "contextual position", stroke: "head",
+    title, y: counted ? "contextual position" : "added to the score", stroke: "head",
   })];
 }
 

@@ -19,6 +19,8 @@ export function positionNote(scheme) {
     cope: "cope adds no vector: a key's position counts only the keys the query gates in, σ(q·k), and q·e[that position] is added to the score (panel 3, right).",
     irope: "irope adds no vector: it rotates queries and keys as rope does in layers 0–2, and leaves layer 3 without any position (NoPE); panel 4 shows that layer's scores as all content.",
     stickbreaking: "stick-breaking adds nothing to the vectors or the scores: its weights are a process over the keys, each taking σ(score) of what the later keys left, so recency comes from the order alone (panel 2: rows sum to at most 1).",
+    path: "path adds no vector: every later token turns a key by its Householder transition I − β·w·wᵀ, chosen by that token, so what lies between key and query is the position (panel 3, right: what the transitions add to each score).",
+    pathfox: "pathfox adds no vector: the later tokens turn each key by their Householder transitions and fade it by their forget gates (panel 3, right: both, added to the score).",
     pope: "pope adds no vector: each query and key component keeps its magnitude, softplus(x), and turns its phase by position × its own frequency (panel 4: each component's share).",
   }[scheme] ?? "";
 }
@@ -32,4 +34,6 @@ export const BIAS_MEANING = {
 export const LAYER_BIAS_MEANING = {
   fox: "Σ log f over the tokens after the key",
   cope: "q·e[contextual position]",
+  path: "q·(H_i⋯H_{j+1}·k − k)/√d: what the transitions did to the key",
+  pathfox: "Σ log f, plus what the transitions did to the key",
 };
