@@ -154,19 +154,23 @@ def decode_section(results: Results) -> str:
         rows = [
             [
                 name,
+                "kernel" if on_kernel(name) else "torch",
                 rate(row["batch_1"]),
                 rate(row["batch_32"]),
                 target(
                     row["batch_1"] / fastest, SLOWEST_SCHEME_GOAL, ratio(row["batch_1"] / fastest)
-                ),
+                )
+                if on_kernel(name)
+                else ratio(row["batch_1"] / fastest),
             ]
             for name, row in schemes.items()
         ]
         header = [
             "scheme",
+            "decoded by",
             "batch 1",
             "batch 32",
-            f"batch 1 ÷ fastest (≥ {SLOWEST_SCHEME_GOAL:g}×)",
+            f"batch 1 ÷ fastest (≥ {SLOWEST_SCHEME_GOAL:g}× on the kernel)",
         ]
         parts.append(f"### {size}\n\n" + table(header, rows))
     return "\n".join(parts)
@@ -310,11 +314,18 @@ def interference_section(results: Results) -> str:
     )
 
 
+def on_kernel(scheme: str) -> bool:
+    """Whether the CPU decode kernel runs ``scheme`` (the schemes that declare no
+    ``kernel_bias`` decode with the torch blocks: irope, stick-breaking, PoPE, PaTH)."""
+    return scheme in SCHEMES and SCHEMES[scheme].kernel_bias is not None
+
+
 def slowest_shares(decoded: Results) -> dict[str, float]:
-    """Each size's slowest scheme's batch-1 rate ÷ its fastest's (GPT-2's layout aside)."""
+    """Each size's slowest kernel-decoded scheme's batch-1 rate ÷ its fastest's (GPT-2's layout
+    and the torch-decoded schemes aside: the target is the kernel's, across its schemes)."""
     shares = {}
     for size, data in decoded["sizes"].items():
-        rates = [row["batch_1"] for name, row in data["ours"].items() if name != GPT2_LAYOUT]
+        rates = [row["batch_1"] for name, row in data["ours"].items() if on_kernel(name)]
         shares[size] = min(rates) / max(rates)
     return shares
 
@@ -387,7 +398,7 @@ def targets_section(results: dict[str, Results]) -> str:
         ),
         *(
             row(
-                f"slowest scheme ÷ fastest at batch 1, {size}",
+                f"slowest kernel-decoded scheme ÷ fastest at batch 1, {size}",
                 ratio(share),
                 f"≥ {SLOWEST_SCHEME_GOAL:g}×",
                 share,
