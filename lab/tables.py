@@ -6,7 +6,8 @@ checkpoints' folders and the Shakespeare geometry report hold, never typed by ha
 
 Each table sits between two marker lines (``<!-- scheme table: … -->``); everything else in the
 two READMEs is prose. A row per checkpoint folder, in the registry's order (prope and drope, the
-recipes on another scheme, last). Figures: bits per character from ``eval.json`` (``ordinal eval
+recipes on another scheme, last); README's table also has a row for a registered scheme no
+checkpoint ships. Figures: bits per character from ``eval.json`` (``ordinal eval
 --save``), wall time and tokens from ``metrics.json``, positional parameters from the weights,
 stress and monotonicity from docs/geometry/shakespeare/report.json (``ordinal geometry``). In
 each bpc column the best checkpoint is bold.
@@ -55,6 +56,7 @@ HOW_IT_ENTERS = {
     "learned δ",
     "path": "each key turned by the Householder transitions I − β·w·wᵀ of the tokens after it, "
     "w and β from those tokens",
+    "pathfox": "path's transitions and fox's forget gates on the same scores (PaTH-FoX)",
     "prope": "rotates with the fastest 75% of rope's frequencies",
     "drope": "the rope checkpoint with rope removed, recalibrated 480 steps",
 }
@@ -152,6 +154,17 @@ def _geometry(report: dict[str, Any], checkpoint: Checkpoint) -> tuple[str, str]
     return "not measured yet", "not measured yet"
 
 
+def unshipped_row(scheme: str) -> list[str]:
+    """README's row of a registered scheme no checkpoint ships (PaTH-FoX): what it is, and its
+    positional parameters at the shipped preset's size."""
+    from model.config import preset  # torch: only when a table is made
+    from model.transformer import Transformer
+
+    model = Transformer(preset("shipped").model_config(scheme))
+    parameters = sum(p.numel() for p in model.positional.parameters())
+    return [f"`{scheme}`", HOW_IT_ENTERS[scheme], f"{parameters:,}", *["not shipped"] * 7]
+
+
 def readme_table(checkpoints: Sequence[Checkpoint], report: dict[str, Any]) -> list[str]:
     header = [
         "scheme", "how it enters", "positional parameters",
@@ -159,8 +172,8 @@ def readme_table(checkpoints: Sequence[Checkpoint], report: dict[str, Any]) -> l
         "scale-free stress vs corpus", "monotonicity violations",
     ]  # fmt: skip
     best = {m: _best(checkpoints, m) for m in MULTIPLES}
-    rows = [
-        [
+    rows = {
+        c.name: [
             c.label,
             HOW_IT_ENTERS[c.name],
             c.positional_parameters(),
@@ -169,8 +182,10 @@ def readme_table(checkpoints: Sequence[Checkpoint], report: dict[str, Any]) -> l
             *_geometry(report, c),
         ]
         for c in checkpoints
-    ]
-    return markdown_table(header, rows)
+    }
+    # every registered scheme in the registry's order, then the recipes on another scheme
+    ordered = [rows.pop(name) if name in rows else unshipped_row(name) for name in SCHEMES]
+    return markdown_table(header, [*ordered, *rows.values()])
 
 
 def results_table(checkpoints: Sequence[Checkpoint]) -> list[str]:
