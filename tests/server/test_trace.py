@@ -28,7 +28,10 @@ from server.api.playground import GEOMETRY_REPORTS, STATIC
 from server.api.schemas import MAX_TRACE_TOKENS
 from server.engine.trace import round_significant
 from tests.server.conftest import Running
-from tests.test_shipped_checkpoints import SHIPPED_MODELS, SHIPPED_SCHEMES
+from tests.test_shipped_checkpoints import SHIPPED_MODELS
+
+# Kinds without an encoding per position: the geometry report has no row of theirs.
+TEXTUAL = ("data-dependent", "weights")
 
 PROMPT = "To be, or not to be, that is the question"
 # About 45 tokens: past t5's max_distance (24), within the table schemes' 64 positions.
@@ -146,11 +149,16 @@ def test_first_layer_attention_is_the_models_own(
         if bias is not None:
             scores = scores + bias
         future = torch.ones(len(ids), len(ids), dtype=torch.bool).triu(1)
-        if model.positional.data_dependent:  # fox, cope: the bias of the layer's own inputs
-            state = model.positional.key_state(0, block.attention_norm(x))
-            inside = model.positional.layer_bias(0, queries, keys, state, ~future)
-            assert inside is not None
-            scores = scores + inside.bias
+        scheme = model.positional
+        if scheme.data_dependent:  # fox, cope, path: the bias of the layer's own inputs
+            hidden = block.attention_norm(x)
+            inside = scheme.layer_bias(0, queries, keys, scheme.key_state(0, hidden), ~future)
+            moved = None
+            if scheme.rewrites_keys:  # PaTH: what the transitions between key and query did
+                before = torch.ones_like(future).tril(-1)[None, None]
+                moved = scheme.move_keys(0, hidden, queries, keys, before, None)
+            assert inside is not None or moved is not None
+            scores = scores + sum(part.bias for part in (inside, moved) if part is not None)
         # softmax, or the weights a scheme puts in its place (stick-breaking's)
         expected = model.positional.attention_weights(scores, ~future[None, None])[0]
     torch.testing.assert_close(square(result["attention"][0]), expected, **ROUNDED)
@@ -558,8 +566,10 @@ def test_geometry_serves_the_report_and_its_figures(client: httpx.Client, corpus
     assert response.content == (folder / "report.json").read_bytes()  # byte for byte
     report = response.json()
     # synthetic measures every scheme untrained; shakespeare, the shipped checkpoints with an
-    # encoding per position: the ten, fire and prope (fox's and cope's depend on the text)
-    expected = set(SCHEMES) if corpus == "synthetic" else {*SHIPPED_SCHEMES, "fire"}
+    # encoding per position (fox's, cope's and path's depend on the text, stick-breaking's is
+    # its process over the keys)
+    by_position = {name for name in SHIPPED_MODELS.values() if SCHEMES[name].kind not in TEXTUAL}
+    expected = set(SCHEMES) if corpus == "synthetic" else by_position
     assert {row["scheme"] for row in report["requirements"]} == expected
     if corpus == "shakespeare":
         assert "prope (rope)" in {row["label"] for row in report["requirements"]}
