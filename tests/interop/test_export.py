@@ -359,7 +359,12 @@ def test_a_config_exports_to_the_architecture_that_is_exact(
 
 
 # Parameters that only set a scheme's initial weights, which a trained model stores.
-INITIALISATION_ONLY = {"fox": {"bias_init"}, "t5": {"alibi_init"}}
+INITIALISATION_ONLY = {
+    "fox": {"bias_init"},
+    "t5": {"alibi_init"},
+    "path": {"beta_bias_init"},
+    "pathfox": {"beta_bias_init"},
+}
 
 
 def test_the_port_computes_every_shipped_scheme_with_all_its_parameters() -> None:
