@@ -154,7 +154,7 @@ def test_shipped_logits_match_the_reference(name: str) -> None:
     assert others.max() <= reference["top_logits"][-1] + ATOL, f"the top {TOP} tokens changed"
 
 
-def test_shipped_checkpoints_fit_in_40_mb() -> None:
+def test_shipped_checkpoints_fit_in_60_mb() -> None:
     missing = [name for name in SHIPPED_MODELS if not (SHIPPED / name).is_dir()]
     assert not missing, f"checkpoints not shipped yet: {missing}"
     size = sum(
