@@ -342,20 +342,26 @@ def results_table(reports: list[dict[str, Any]]) -> str:
     header += [f"bpc at {m} ({reports[0]['results'][m]['window']} tokens)" for m in multiples]
     rows = []
     for report in reports:
-        folder = Path(report["checkpoint"])
-        metrics_path = folder / "metrics.json"
+        metrics_path = Path(report["checkpoint"]) / "metrics.json"
         metrics = json.loads(metrics_path.read_text()) if metrics_path.exists() else {}
-        budgets = [metrics.get("init", {}), metrics] if "init" in metrics else [metrics]
-        cells = [
-            report_label(report),
-            f"{report['parameters']:,}",
-            " + ".join(f"{budget.get('tokens_seen', 0) / 1e6:.1f} M" for budget in budgets),
-            " + ".join(f"{budget.get('wall_seconds', 0) / 60:.1f} min" for budget in budgets),
-        ]
-        for result in report["results"].values():
-            cells.append(f"{result['bpc']:.3f}" if result["supported"] else "past its table")
-        rows.append(cells)
+        rows.append(checkpoint_row(report, metrics))
     return "\n".join(markdown_table(header, rows)) + "\n"
+
+
+def checkpoint_row(report: dict[str, Any], metrics: dict[str, Any]) -> list[str]:
+    """One checkpoint's cells of :func:`results_table`: its label, parameters, training tokens
+    and wall time (the base's budget first where it was trained from another), then its bpc at
+    each multiple, "past its table" where the length is not supported."""
+    budgets = [metrics.get("init", {}), metrics] if "init" in metrics else [metrics]
+    cells = [
+        report_label(report),
+        f"{report['parameters']:,}",
+        " + ".join(f"{budget.get('tokens_seen', 0) / 1e6:.1f} M" for budget in budgets),
+        " + ".join(f"{budget.get('wall_seconds', 0) / 60:.1f} min" for budget in budgets),
+    ]
+    for result in report["results"].values():
+        cells.append(f"{result['bpc']:.3f}" if result["supported"] else "past its table")
+    return cells
 
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"  # the first eight bytes of every PNG

@@ -22,9 +22,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from lab.curves import checkpoint_label
+from lab.evaluate import checkpoint_row
 from lab.markdown import markdown_table
+from model.checkpoint import load_checkpoint
+from model.config import preset
 from model.positional import SCHEMES
+from model.transformer import Transformer
 
 ROOT = Path(__file__).resolve().parent.parent
 CHECKPOINTS = ROOT / "checkpoints"
@@ -110,17 +113,13 @@ class Checkpoint:
         result = self.eval["results"].get(multiple)
         return result["bpc"] if result and result["supported"] else None
 
-    def wall(self, unit_each: bool, shared_mark: str) -> str:
-        """ "8.1 + 1.8 min" (or "8.1 min + 1.8 min"), marked where the cores were shared."""
-        minutes = [f"{budget['wall_seconds'] / 60:.1f}" for budget in self.budgets]
-        mark = shared_mark if self.name in CORES_SHARED else ""
-        joined = " min + ".join(minutes) if unit_each else " + ".join(minutes)
-        return f"{joined} min{mark}"
+    def wall(self) -> str:
+        """README's "8.1 + 1.8 min", marked ¹ where the cores were shared."""
+        minutes = " + ".join(f"{budget['wall_seconds'] / 60:.1f}" for budget in self.budgets)
+        return f"{minutes} min" + ("¹" if self.name in CORES_SHARED else "")
 
     def positional_parameters(self) -> str:
         """Trained positional parameters, and stored fixed ones (mds's coordinates)."""
-        from model.checkpoint import load_checkpoint  # torch: only when a table is made
-
         model, _ = load_checkpoint(CHECKPOINTS / self.name, device="cpu")
         trained = sum(p.numel() for p in model.positional.parameters())
         stored = sum(
@@ -134,12 +133,14 @@ def _best(checkpoints: Sequence[Checkpoint], multiple: str) -> float | None:
     return min(values, default=None)
 
 
+def _bold_if_best(cell: str, best: float | None) -> str:
+    """A bpc ``cell`` ("2.048", "past its table"), bold where it shows the column's best."""
+    return f"**{cell}**" if best is not None and cell == f"{best:.3f}" else cell
+
+
 def _bpc_cell(checkpoint: Checkpoint, multiple: str, best: float | None) -> str:
     value = checkpoint.bpc(multiple)
-    if value is None:
-        return "past its table"
-    text = f"{value:.3f}"
-    return f"**{text}**" if best is not None and f"{best:.3f}" == text else text
+    return "past its table" if value is None else _bold_if_best(f"{value:.3f}", best)
 
 
 def _geometry(report: dict[str, Any], checkpoint: Checkpoint) -> tuple[str, str]:
@@ -157,9 +158,6 @@ def _geometry(report: dict[str, Any], checkpoint: Checkpoint) -> tuple[str, str]
 def unshipped_row(scheme: str) -> list[str]:
     """README's row of a registered scheme no checkpoint ships (PaTH-FoX): what it is, and its
     positional parameters at the shipped preset's size."""
-    from model.config import preset  # torch: only when a table is made
-    from model.transformer import Transformer
-
     model = Transformer(preset("shipped").model_config(scheme))
     parameters = sum(p.numel() for p in model.positional.parameters())
     return [f"`{scheme}`", HOW_IT_ENTERS[scheme], f"{parameters:,}", *["not shipped"] * 7]
@@ -178,7 +176,7 @@ def readme_table(checkpoints: Sequence[Checkpoint], report: dict[str, Any]) -> l
             HOW_IT_ENTERS[c.name],
             c.positional_parameters(),
             *(_bpc_cell(c, m, best[m]) for m in MULTIPLES),
-            c.wall(False, "¹"),
+            c.wall(),
             *_geometry(report, c),
         ]
         for c in checkpoints
@@ -189,27 +187,21 @@ def readme_table(checkpoints: Sequence[Checkpoint], report: dict[str, Any]) -> l
 
 
 def results_table(checkpoints: Sequence[Checkpoint]) -> list[str]:
+    """checkpoints/README's table: ``ordinal eval --table``'s row of each checkpoint
+    (``lab.evaluate.checkpoint_row``), with v2's bpc at 1×, the best of each column bold, and
+    a wall time taken beside other work marked so."""
     header = [
         "scheme", "parameters", "training tokens", "train wall time", "bpc at 1x (128 tokens)",
         "v2 at 1x", "bpc at 2x (256 tokens)", "bpc at 4x (512 tokens)", "bpc at 8x (1024 tokens)",
     ]  # fmt: skip
-    best = {m: _best(checkpoints, m) for m in MULTIPLES}
+    best = [_best(checkpoints, m) for m in MULTIPLES]
     rows = []
     for c in checkpoints:
-        tokens = " + ".join(f"{budget['tokens_seen'] / 1e6:.1f} M" for budget in c.budgets)
-        bpc = [_bpc_cell(c, m, best[m]) for m in MULTIPLES]
+        label, parameters, tokens, wall, *bpc = checkpoint_row(c.eval, c.metrics)
+        bpc = [_bold_if_best(cell, value) for cell, value in zip(bpc, best, strict=True)]
         v2 = f"{V2_BPC[c.name]:.3f}" if c.name in V2_BPC else "—"
-        rows.append(
-            [
-                checkpoint_label(c.name, c.scheme),
-                f"{c.eval['parameters']:,}",
-                tokens,
-                c.wall(True, " (cores shared)"),
-                bpc[0],
-                v2,
-                *bpc[1:],
-            ]
-        )
+        wall += " (cores shared)" if c.name in CORES_SHARED else ""
+        rows.append([label, parameters, tokens, wall, bpc[0], v2, *bpc[1:]])
     return markdown_table(header, rows)
 
 
@@ -243,16 +235,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m lab.tables", description=__doc__)
     parser.add_argument("--check", action="store_true", help="only say whether they are current")
     args = parser.parse_args(argv)
-    stale = [path for path, text in generated().items() if path.read_text() != text]
-    if args.check:
-        for path in stale:
+    stale = {path: text for path, text in generated().items() if path.read_text() != text}
+    for path, text in stale.items():
+        if args.check:
             print(f"{path.relative_to(ROOT)}: its scheme table is stale (python -m lab.tables)")
-        return 1 if stale else 0
-    for path, text in generated().items():
-        if path in stale:
+        else:
             path.write_text(text)
             print(f"rewrote {path.relative_to(ROOT)}")
-    return 0
+    return 1 if stale and args.check else 0
 
 
 if __name__ == "__main__":

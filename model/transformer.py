@@ -357,8 +357,11 @@ class Attention(nn.Module):
         if scheme is not None and scheme.rewrites_keys:
             assert inputs.before is not None  # the pass computes it for such a scheme
             moved = scheme.move_keys(layer, x, queries, keys, inputs.before, inputs.new_tokens)
-            bias = moved.bias if layer_bias is None else layer_bias.bias + moved.bias
-            layer_bias = LayerBias(bias) if layer_bias is None else layer_bias._replace(bias=bias)
+            layer_bias = (  # PaTH-FoX: the gates' bias and the transitions' on the same scores
+                LayerBias(moved.bias)
+                if layer_bias is None
+                else layer_bias._replace(bias=layer_bias.bias + moved.bias)
+            )
         if layer_bias is not None:
             mask = mask.plus(layer_bias.bias.to(queries.dtype))
         weights = None  # [B, H, T, Tk]: the scheme's own, where it replaces softmax

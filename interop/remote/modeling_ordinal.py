@@ -750,7 +750,9 @@ class OrdinalForCausalLM(PreTrainedModel, GenerationMixin):
 
         scheme = self.positional
         before = (slots < query_slots).unsqueeze(0).unsqueeze(0)  # [1, 1, T, Tk]
-        kept = PassInputs(scheme, rotation, allowed, mask, cache, None, before, real[:, past:])
+        kept = PassInputs(
+            scheme, rotation, allowed, mask, cache, before=before, new_tokens=real[:, past:]
+        )
         # A layer the scheme's schedule leaves out: causality alone, and its query scale.
         left_out = PassInputs(None, None, allowed, causal, cache, scheme.query_scale(positions))
         for layer, block in enumerate(self.blocks):
