@@ -54,7 +54,6 @@ using simd::f32x16;
 constexpr int64_t kColumns = 64;  // outputs per packed block: 4 vectors of 16 floats
 constexpr int64_t kVectors = kColumns / simd::kLanes;
 constexpr int64_t kInputBlock = 128;  // inputs per pass: 32 KB of float32 weights, L1-sized
-constexpr int64_t kAhead = 8;         // weight rows fetched ahead, for weights coming from memory
 
 // A tile of R rows by C vectors of outputs, as many as the ISA's registers hold beside a row of
 // the tile's weights and a broadcast input: the most rows sharing each load of the weights
@@ -78,11 +77,18 @@ struct Operands {
   const W* row(int64_t column, int64_t k) const { return packed + column * K + k * kColumns; }
 };
 
+// Cache lines a tile fetches into L2 as it goes, spread evenly over its inputs: `count` lines
+// from `first` (none: count 0).
+struct Lines {
+  const char* first = nullptr;
+  int64_t count = 0;
+};
+
 // Rows [row, row + R) and the C·16 outputs from `column` + 16·`vector` (inside the block that
-// starts at `column`), over inputs [k0, k1).
+// starts at `column`), over inputs [k0, k1); fetching `fetch` meanwhile.
 template <int R, int C, typename W>
 inline void full_tile(const Operands<W>& o, int64_t row, int64_t column, int64_t vector,
-                      int64_t k0, int64_t k1) {
+                      int64_t k0, int64_t k1, Lines fetch = {}) {
   // Every loop over the tile unrolled, so that its accumulators stay in registers.
   f32x16 acc[R][C];
   float* y = o.y + row * o.N + column + simd::kLanes * vector;
@@ -91,14 +97,18 @@ inline void full_tile(const Operands<W>& o, int64_t row, int64_t column, int64_t
 #pragma GCC unroll 8
     for (int v = 0; v < C; ++v)
       acc[r][v] = k0 == 0 ? simd::zero() : simd::load(y + r * o.N + simd::kLanes * v);
+  const int64_t per_input = (fetch.count + (k1 - k0) - 1) / (k1 - k0);
+  const char *line = fetch.first, *stop = fetch.first + 64 * fetch.count;
   const float* x = o.x + row * o.K;
   for (int64_t k = k0; k < k1; ++k) {
     const W* w = o.row(column, k) + simd::kLanes * vector;
     f32x16 weights[C];
 #pragma GCC unroll 8
     for (int v = 0; v < C; ++v) weights[v] = simd::load(w + simd::kLanes * v);
-    if (k + kAhead < o.K)  // more rows in flight when the weights come from memory
-      for (int v = 0; v < C; ++v) simd::prefetch_near(w + kAhead * kColumns + simd::kLanes * v);
+    if (line < stop) {
+      for (int64_t j = 0; j < per_input; ++j) simd::prefetch_l2(line + 64 * j);
+      line += 64 * per_input;
+    }
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const f32x16 input = simd::broadcast(x[r * o.K + k]);
@@ -133,37 +143,62 @@ inline void ragged_block(const Operands<W>& o, int64_t row, int64_t column) {
   }
 }
 
-// Rows [row, row + rows) of one block's outputs over inputs [k0, k1), in tiles of R rows.
-template <int R, typename W>
-inline void tile_rows(const Operands<W>& o, int64_t row, int64_t column, int64_t k0, int64_t k1) {
-  if constexpr (kTileVectors == kVectors) {
-    full_tile<R, kVectors>(o, row, column, 0, k0, k1);
-  } else {
-    for (int64_t vector = 0; vector < kVectors; vector += kTileVectors)
-      full_tile<R, kTileVectors>(o, row, column, vector, k0, k1);
+// How the block's next weights are fetched (column_block): pass `pass` of `passes` over the
+// current inputs fetches its share of `next`.
+struct Fetching {
+  Lines next;
+  int64_t pass = 0, passes = 1;
+  Lines share() const {
+    const int64_t begin = next.count * pass / passes, end = next.count * (pass + 1) / passes;
+    return {next.first + 64 * begin, end - begin};
   }
+};
+
+// Rows [row, row + R) of one block's outputs over inputs [k0, k1), one tile of vectors at a time.
+template <int R, typename W>
+inline void tile_rows(const Operands<W>& o, int64_t row, int64_t column, int64_t k0, int64_t k1,
+                      Fetching fetching) {
+  for (int64_t vector = 0; vector < kVectors; vector += kTileVectors, ++fetching.pass)
+    full_tile<R, kTileVectors>(o, row, column, vector, k0, k1, fetching.share());
 }
 
+// One block of outputs (64 from `column`) for every row. While a pass over a block's inputs reads
+// its weights from L1, the weights the block reads next (its next inputs, or the next block's
+// first) are fetched into L2, a share per tile, so that they are there when the next pass starts.
+// The CPU's own prefetchers start only on a miss, and follow a tile of a part of the block (as
+// AVX2's registers allow) too slowly.
 template <typename W>
 inline void column_block(const Operands<W>& o, int64_t column) {
   if (o.N - column < kColumns) {
     for (int64_t row = 0; row < o.M; ++row) ragged_block(o, row, column);
     return;
   }
+  const auto inputs_from = [&](int64_t at, int64_t k) -> Lines {
+    const int64_t bytes = (std::min(o.K, k + kInputBlock) - k) * kColumns * int64_t(sizeof(W));
+    return {reinterpret_cast<const char*>(o.row(at, k)), bytes / 64};
+  };
+  constexpr int64_t kTilesPerGroup = kVectors / kTileVectors;
+  const int64_t groups = (o.M + kRowGroup - 1) / kRowGroup;
   for (int64_t k0 = 0; k0 < o.K; k0 += kInputBlock) {
     const int64_t k1 = std::min(o.K, k0 + kInputBlock);
+    Fetching fetching;
+    if (k1 < o.K)
+      fetching.next = inputs_from(column, k1);
+    else if (column + kColumns < o.N)
+      fetching.next = inputs_from(column + kColumns, 0);
     if (o.M == 1) {  // one row: the whole block's four chains side by side
-      full_tile<1, kVectors>(o, 0, column, 0, k0, k1);
+      full_tile<1, kVectors>(o, 0, column, 0, k0, k1, fetching.next);
       continue;
     }
-    for (int64_t row = 0; row < o.M; row += kRowGroup) {
+    fetching.passes = groups * kTilesPerGroup;
+    for (int64_t row = 0; row < o.M; row += kRowGroup, fetching.pass += kTilesPerGroup) {
       switch (std::min<int64_t>(kRowGroup, o.M - row)) {
-        case 6: if constexpr (kRowGroup >= 6) tile_rows<6>(o, row, column, k0, k1); break;
-        case 5: if constexpr (kRowGroup >= 5) tile_rows<5>(o, row, column, k0, k1); break;
-        case 4: if constexpr (kRowGroup >= 4) tile_rows<4>(o, row, column, k0, k1); break;
-        case 3: if constexpr (kRowGroup >= 3) tile_rows<3>(o, row, column, k0, k1); break;
-        case 2: if constexpr (kRowGroup >= 2) tile_rows<2>(o, row, column, k0, k1); break;
-        default: tile_rows<1>(o, row, column, k0, k1);
+        case 6: if constexpr (kRowGroup >= 6) tile_rows<6>(o, row, column, k0, k1, fetching); break;
+        case 5: if constexpr (kRowGroup >= 5) tile_rows<5>(o, row, column, k0, k1, fetching); break;
+        case 4: if constexpr (kRowGroup >= 4) tile_rows<4>(o, row, column, k0, k1, fetching); break;
+        case 3: if constexpr (kRowGroup >= 3) tile_rows<3>(o, row, column, k0, k1, fetching); break;
+        case 2: if constexpr (kRowGroup >= 2) tile_rows<2>(o, row, column, k0, k1, fetching); break;
+        default: tile_rows<1>(o, row, column, k0, k1, fetching);
       }
     }
   }
