@@ -56,15 +56,28 @@ def cpu_model() -> str:
 
 
 def cpu_class() -> str:
-    """The kernel variant this process decodes with (``torch``: none): the CPU class its
-    figures belong to, and their folder under bench/results."""
-    return cpu.chosen() or "torch"
+    """The CPU class this process's figures belong to, and their folder under bench/results: the
+    kernel variant it decodes with (``torch``: none), and where that is a narrower one forced on
+    a wider CPU (``ORDINAL_CPU_ISA=avx2`` on an AVX-512 machine), that CPU's too, as
+    ``avx2-on-avx512``: the AVX2 code measured on an AVX-512 CPU is kept beside a real AVX2
+    CPU's figures, never over them."""
+    variant = cpu.chosen() or "torch"
+    widest = next((isa for isa in cpu.runnable() if isa != "scalar"), None)
+    if variant in ("torch", "scalar") or widest in (None, variant):
+        return variant
+    return f"{variant}-on-{widest}"
+
+
+def variant_of(cpu_class: str) -> str:
+    """The kernel variant of a CPU class (``avx2-on-avx512`` → ``avx2``)."""
+    return cpu_class.split("-on-")[0]
 
 
 # Each class's title in docs/benchmarks.md, in the order the sections come.
 CLASS_TITLES = {
     "avx512": "AVX-512",
     "avx2": "AVX2",
+    "avx2-on-avx512": "AVX2 forced on an AVX-512 CPU",
     "neon": "NEON",
     "scalar": "scalar kernels",
     "torch": "no kernels (torch)",
@@ -132,7 +145,8 @@ def divide(a: float | None, b: float | None) -> float | None:
 def machine_section(info: Results, decoded: Results) -> str:
     device = f"GPU {info['gpu']} (bfloat16)" if info["gpu"] else "CPU (float32)"
     where = f"{decoded.get('device', 'cpu')} in {decoded.get('dtype', 'float32')}"
-    variant = info.get("cpu_isa", "avx512")  # runs before the variants were all on AVX-512
+    # the class's variant (runs before the variants were all on AVX-512)
+    variant = variant_of(info.get("cpu_isa", "avx512"))
     return (
         f"Measured {info['date']} on {info['cpu']} with the {variant} kernels, "
         f"{info['cores']} cores "
@@ -676,7 +690,7 @@ def peers_section(load: Results) -> str:
         "## Against vLLM and llama.cpp (`bench.peers --load`)\n\n"
         f"`{load['command']}`, {load['date']}"
         + (f", {load['cpu']}" if "cpu" in load else "")
-        + (f", ordinal's {load['cpu_isa']} kernels" if "cpu_isa" in load else "")
+        + (f", ordinal's {variant_of(load['cpu_isa'])} kernels" if "cpu_isa" in load else "")
         + ", load average at start "
         f"{load['load_average_at_start']:.2f}; medians of {load['rounds']} interleaved rounds, "
         "the same streaming client (aiohttp) and greedy requests for every server, one compute "
@@ -770,7 +784,8 @@ def main() -> None:
 
     info = machine()
     folder = args.results / info["cpu_isa"]
-    print(f"measuring on {info['cpu']} with the {info['cpu_isa']} kernels, into {folder}")
+    variant = variant_of(info["cpu_isa"])
+    print(f"measuring on {info['cpu']} with the {variant} kernels, into {folder}")
     if "decode" in args.stages:  # the page's header dates the decode run (and the machine)
         write_json_atomic(folder / "machine.json", info)
     for stage in args.stages:

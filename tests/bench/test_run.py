@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+import bench.run
 from bench.run import (
     CLASS_TITLES,
     STAGES,
@@ -144,3 +145,26 @@ def test_the_slowest_scheme_target_is_over_the_kernel_decoded_schemes() -> None:
         "learned+bias": {"batch_1": 200.0, "batch_32": 1.0},
     }}}}  # fmt: skip
     assert slowest_shares(decoded) == {"tiny": 0.8}
+
+
+@pytest.mark.parametrize(
+    ("chosen", "runnable", "expected"),
+    [
+        ("avx512", ("avx512", "avx2", "scalar"), "avx512"),
+        ("avx2", ("avx2", "scalar"), "avx2"),  # a real AVX2 CPU
+        ("avx2", ("avx512", "avx2", "scalar"), "avx2-on-avx512"),  # the AVX2 code, forced
+        ("scalar", ("avx512", "avx2", "scalar"), "scalar"),
+        (None, ("avx512", "avx2", "scalar"), "torch"),
+    ],
+)
+def test_a_forced_variant_is_its_own_class_beside_a_real_cpus(
+    monkeypatch: pytest.MonkeyPatch, chosen: str | None, runnable: tuple, expected: str
+) -> None:
+    """The AVX2 code measured on an AVX-512 CPU goes to its own folder and section, so it never
+    overwrites what a real AVX2 CPU measured; every class has a title in the report."""
+    monkeypatch.setattr(bench.run.cpu, "chosen", lambda: chosen)
+    monkeypatch.setattr(bench.run.cpu, "runnable", lambda: runnable)
+    found = bench.run.cpu_class()
+    assert found == expected
+    assert found in CLASS_TITLES
+    assert bench.run.variant_of(found) == (chosen or "torch")
