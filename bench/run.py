@@ -51,7 +51,7 @@ def cpu_model() -> str:
             if line.startswith("model name"):
                 name = line.split(":", 1)[1].strip()
                 break
-    widest = next((isa for isa in cpu.runnable() if isa != "scalar"), None)
+    widest = cpu.widest()
     return f"{name} with {CLASS_TITLES[widest]}" if widest else name
 
 
@@ -61,8 +61,7 @@ def cpu_class() -> str:
     a wider CPU (``ORDINAL_CPU_ISA=avx2`` on an AVX-512 machine), that CPU's too, as
     ``avx2-on-avx512``: the AVX2 code measured on an AVX-512 CPU is kept beside a real AVX2
     CPU's figures, never over them."""
-    variant = cpu.chosen() or "torch"
-    widest = next((isa for isa in cpu.runnable() if isa != "scalar"), None)
+    variant, widest = cpu.chosen() or "torch", cpu.widest()
     if variant in ("torch", "scalar") or widest in (None, variant):
         return variant
     return f"{variant}-on-{widest}"

@@ -47,6 +47,12 @@ def runnable() -> tuple[str, ...]:
     return tuple(isa for isa in isas if CPU_NEEDS[isa] <= flags)
 
 
+def widest() -> str | None:
+    """The fastest vector variant this CPU runs (what runs unless one is forced), or None where
+    it runs none: the scalar variant is not a vector one (``chosen`` says why it is not run)."""
+    return next((isa for isa in runnable() if isa != "scalar"), None)
+
+
 @functools.cache
 def chosen() -> str | None:
     """The variant this process runs: ``ORDINAL_CPU_ISA``'s, else the fastest vector variant this
@@ -58,7 +64,7 @@ def chosen() -> str | None:
     if wanted == NO_KERNELS:
         return None
     if not wanted:
-        return next((isa for isa in runnable() if isa != "scalar"), None)
+        return widest()
     if wanted not in runnable():
         known = ", ".join([*CPU_NEEDS, NO_KERNELS])
         raise IsaError(

@@ -54,6 +54,7 @@ using simd::f32x16;
 constexpr int64_t kColumns = 64;  // outputs per packed block: 4 vectors of 16 floats
 constexpr int64_t kVectors = kColumns / simd::kLanes;
 constexpr int64_t kInputBlock = 128;  // inputs per pass: 32 KB of float32 weights, L1-sized
+constexpr int64_t kLine = 64;         // bytes in a cache line
 
 // A tile of R rows by C vectors of outputs, as many as the ISA's registers hold beside a row of
 // the tile's weights and a broadcast input: the most rows sharing each load of the weights
@@ -65,6 +66,7 @@ constexpr int accumulator_rows(int vectors) {
 }
 constexpr int kTileVectors = accumulator_rows(4) >= 6 ? 4 : accumulator_rows(2) >= 6 ? 2 : 1;
 constexpr int kRowGroup = std::min(6, std::max(1, accumulator_rows(kTileVectors)));
+constexpr int64_t kTilesPerGroup = kVectors / kTileVectors;  // tiles of a row group, one block
 
 template <typename W>
 struct Operands {
@@ -88,7 +90,7 @@ struct Lines {
 // starts at `column`), over inputs [k0, k1); fetching `fetch` meanwhile.
 template <int R, int C, typename W>
 inline void full_tile(const Operands<W>& o, int64_t row, int64_t column, int64_t vector,
-                      int64_t k0, int64_t k1, Lines fetch = {}) {
+                      int64_t k0, int64_t k1, Lines fetch) {
   // Every loop over the tile unrolled, so that its accumulators stay in registers.
   f32x16 acc[R][C];
   float* y = o.y + row * o.N + column + simd::kLanes * vector;
@@ -98,7 +100,7 @@ inline void full_tile(const Operands<W>& o, int64_t row, int64_t column, int64_t
     for (int v = 0; v < C; ++v)
       acc[r][v] = k0 == 0 ? simd::zero() : simd::load(y + r * o.N + simd::kLanes * v);
   const int64_t per_input = (fetch.count + (k1 - k0) - 1) / (k1 - k0);
-  const char *line = fetch.first, *stop = fetch.first + 64 * fetch.count;
+  const char *line = fetch.first, *stop = fetch.first + kLine * fetch.count;
   const float* x = o.x + row * o.K;
   for (int64_t k = k0; k < k1; ++k) {
     const W* w = o.row(column, k) + simd::kLanes * vector;
@@ -106,8 +108,8 @@ inline void full_tile(const Operands<W>& o, int64_t row, int64_t column, int64_t
 #pragma GCC unroll 8
     for (int v = 0; v < C; ++v) weights[v] = simd::load(w + simd::kLanes * v);
     if (line < stop) {
-      for (int64_t j = 0; j < per_input; ++j) simd::prefetch_l2(line + 64 * j);
-      line += 64 * per_input;
+      for (int64_t j = 0; j < per_input; ++j) simd::prefetch_l2(line + kLine * j);
+      line += kLine * per_input;
     }
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
@@ -143,23 +145,23 @@ inline void ragged_block(const Operands<W>& o, int64_t row, int64_t column) {
   }
 }
 
-// How the block's next weights are fetched (column_block): pass `pass` of `passes` over the
-// current inputs fetches its share of `next`.
-struct Fetching {
-  Lines next;
-  int64_t pass = 0, passes = 1;
-  Lines share() const {
-    const int64_t begin = next.count * pass / passes, end = next.count * (pass + 1) / passes;
-    return {next.first + 64 * begin, end - begin};
-  }
-};
+// Tile `pass` of `passes` over a block's inputs fetches its share of `next`, the weights the
+// block reads after them (column_block).
+inline Lines share(Lines next, int64_t pass, int64_t passes) {
+  const int64_t begin = next.count * pass / passes, end = next.count * (pass + 1) / passes;
+  return {next.first + kLine * begin, end - begin};
+}
 
-// Rows [row, row + R) of one block's outputs over inputs [k0, k1), one tile of vectors at a time.
+// Rows [row, row + R) of one block's outputs over inputs [k0, k1), one tile of vectors at a time,
+// each fetching its share of `next` (the block's tiles counted row group by row group).
 template <int R, typename W>
 inline void tile_rows(const Operands<W>& o, int64_t row, int64_t column, int64_t k0, int64_t k1,
-                      Fetching fetching) {
-  for (int64_t vector = 0; vector < kVectors; vector += kTileVectors, ++fetching.pass)
-    full_tile<R, kTileVectors>(o, row, column, vector, k0, k1, fetching.share());
+                      Lines next, int64_t passes) {
+  for (int64_t tile = 0; tile < kTilesPerGroup; ++tile) {
+    const int64_t pass = row / kRowGroup * kTilesPerGroup + tile;
+    full_tile<R, kTileVectors>(o, row, column, tile * kTileVectors, k0, k1,
+                               share(next, pass, passes));
+  }
 }
 
 // One block of outputs (64 from `column`) for every row. While a pass over a block's inputs reads
@@ -175,30 +177,28 @@ inline void column_block(const Operands<W>& o, int64_t column) {
   }
   const auto inputs_from = [&](int64_t at, int64_t k) -> Lines {
     const int64_t bytes = (std::min(o.K, k + kInputBlock) - k) * kColumns * int64_t(sizeof(W));
-    return {reinterpret_cast<const char*>(o.row(at, k)), bytes / 64};
+    return {reinterpret_cast<const char*>(o.row(at, k)), bytes / kLine};
   };
-  constexpr int64_t kTilesPerGroup = kVectors / kTileVectors;
-  const int64_t groups = (o.M + kRowGroup - 1) / kRowGroup;
+  const int64_t passes = (o.M + kRowGroup - 1) / kRowGroup * kTilesPerGroup;
   for (int64_t k0 = 0; k0 < o.K; k0 += kInputBlock) {
     const int64_t k1 = std::min(o.K, k0 + kInputBlock);
-    Fetching fetching;
+    Lines next;
     if (k1 < o.K)
-      fetching.next = inputs_from(column, k1);
+      next = inputs_from(column, k1);
     else if (column + kColumns < o.N)
-      fetching.next = inputs_from(column + kColumns, 0);
+      next = inputs_from(column + kColumns, 0);
     if (o.M == 1) {  // one row: the whole block's four chains side by side
-      full_tile<1, kVectors>(o, 0, column, 0, k0, k1, fetching.next);
+      full_tile<1, kVectors>(o, 0, column, 0, k0, k1, next);
       continue;
     }
-    fetching.passes = groups * kTilesPerGroup;
-    for (int64_t row = 0; row < o.M; row += kRowGroup, fetching.pass += kTilesPerGroup) {
+    for (int64_t row = 0; row < o.M; row += kRowGroup) {
       switch (std::min<int64_t>(kRowGroup, o.M - row)) {
-        case 6: if constexpr (kRowGroup >= 6) tile_rows<6>(o, row, column, k0, k1, fetching); break;
-        case 5: if constexpr (kRowGroup >= 5) tile_rows<5>(o, row, column, k0, k1, fetching); break;
-        case 4: if constexpr (kRowGroup >= 4) tile_rows<4>(o, row, column, k0, k1, fetching); break;
-        case 3: if constexpr (kRowGroup >= 3) tile_rows<3>(o, row, column, k0, k1, fetching); break;
-        case 2: if constexpr (kRowGroup >= 2) tile_rows<2>(o, row, column, k0, k1, fetching); break;
-        default: tile_rows<1>(o, row, column, k0, k1, fetching);
+        case 6: if constexpr (kRowGroup >= 6) tile_rows<6>(o, row, column, k0, k1, next, passes); break;
+        case 5: if constexpr (kRowGroup >= 5) tile_rows<5>(o, row, column, k0, k1, next, passes); break;
+        case 4: if constexpr (kRowGroup >= 4) tile_rows<4>(o, row, column, k0, k1, next, passes); break;
+        case 3: if constexpr (kRowGroup >= 3) tile_rows<3>(o, row, column, k0, k1, next, passes); break;
+        case 2: if constexpr (kRowGroup >= 2) tile_rows<2>(o, row, column, k0, k1, next, passes); break;
+        default: tile_rows<1>(o, row, column, k0, k1, next, passes);
       }
     }
   }
