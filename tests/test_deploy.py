@@ -691,13 +691,21 @@ def test_nginx_spreads_requests_over_two_replicas_and_streams_unbuffered(
                     if any(choice.get("text") for choice in event.get("choices", [])):
                         arrivals.append(time.perf_counter())
 
-        served = Counter(
-            re.search(r"upstream=(\S+)", line)[1]
-            for line in access_log.read_text().splitlines()
-            if '"POST /v1/completions' in line
-        )
+        # nginx logs a request once its upstream response has ended, which for the stream can
+        # be just after the client has read [DONE] and left: wait for the last line.
+        requests = 21
+        deadline = time.monotonic() + 10
+        while True:
+            served = Counter(
+                re.search(r"upstream=(\S+)", line)[1]
+                for line in access_log.read_text().splitlines()
+                if '"POST /v1/completions' in line
+            )
+            if sum(served.values()) >= requests or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
         assert set(served) == set(upstreams), served  # both replicas answered
-        assert sum(served.values()) == 21
+        assert sum(served.values()) == requests
         # Token by token: the first token arrived while the rest were still being generated
         # (each takes at least FORWARD_SECONDS), not all at once when the stream ended.
         # (A token can carry no text yet: part of a character, held back until it completes.)
