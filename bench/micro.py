@@ -11,6 +11,9 @@
 5. The engine process without HTTP: the shipped rope checkpoint decoding 1 and 32 sampled
    streams of 256 tokens after a 32-token prompt, with a frame sent every step
    (``stream_interval`` 0) and at most every 20 ms — what the server costs before any HTTP work.
+6. PaTH's pass in blocks of ``model.positional.path.BLOCK`` tokens against one triangular system
+   over the whole pass (the block as long as the prompt): the shipped path checkpoint's forward
+   over prompts of 128 to 1,024 tokens (interleaved rounds, medians).
 
 ``--profile`` instead profiles one decode step (``DecodeBatch.step``: the forward, the cache and
 the sampling) of the shipped rope checkpoint at batch 1 and 32, sampled at temperature 0.8:
@@ -37,6 +40,7 @@ import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
 import model.kernels as kernels
+import model.positional.path as path
 from bench.decode import GPT2_LAYOUT, GREEDY, NEW_TOKENS, PROMPT_TOKENS, model_sizes
 from bench.run import rate, ratio, table
 from model.checkpoint import load_checkpoint
@@ -261,6 +265,29 @@ def step_profile(checkpoint: Path, steps: int = 20) -> str:
     return "One decode step of the shipped rope checkpoint, profiled:\n\n" + "\n".join(parts)
 
 
+def path_blocks(checkpoint: Path = Path("checkpoints/path"), rounds: int = 5) -> str:
+    """The path checkpoint's forward, its pass in blocks and as one system, by prompt length."""
+    model = load_checkpoint(checkpoint)[0].eval()
+    blocked = path.BLOCK
+    rows = []
+    try:
+        for length in (128, 512, 1024):
+            tokens = torch.randint(model.config.vocab_size, (1, length))
+            times: dict[int, list[float]] = {blocked: [], length: []}
+            for _ in range(rounds):
+                for block in times:
+                    path.BLOCK = block
+                    start = time.perf_counter()
+                    model(tokens)
+                    times[block].append(time.perf_counter() - start)
+            one, blocks = (1e3 * statistics.median(times[block]) for block in (length, blocked))
+            rows.append([str(length), f"{one:.1f}", f"{blocks:.1f}", f"{one / blocks:.2f}×"])
+    finally:
+        path.BLOCK = blocked
+    header = ["prompt tokens", "one system ms", f"blocks of {blocked} ms", "speed-up"]
+    return "PaTH's forward over a prompt (shipped path checkpoint):\n\n" + table(header, rows)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--checkpoint", type=Path, default=Path("checkpoints/rope"))
@@ -273,7 +300,7 @@ def main() -> None:
         return
     with torch.inference_mode():
         sections = (linear_layouts, linear_kernel_products, linear_kernel_decode)
-        for section in (*sections, gelu_forms, sampling_paths):
+        for section in (*sections, gelu_forms, sampling_paths, path_blocks):
             print(section() + "\n", flush=True)
     print(engine_without_http(args.checkpoint), flush=True)
 

@@ -436,12 +436,16 @@ class StickBreaking(Scheme):
         return (F.logsigmoid(scores) + later).exp().where(allowed, 0.0)
 
 
+# PaTH's tokens per block (ordinal's model/positional/path.py BLOCK).
+PATH_BLOCK = 32
+
+
 class Path(Scheme):
     """PaTH: each token t turns every key before it by H_t = I − β_t·w_t·w_tᵀ, w_t a unit
     direction and β_t = 2·σ(u·x_t + b) from the layer's normalised input, so query i scores key
-    j by q_iᵀ·H_i⋯H_{j+1}·k_j. A pass's effect is solved in one unit lower-triangular system
-    (the UT transform), and the cache keeps every key turned by all the tokens after it
-    (``move_keys``; rewrite_cached_keys)."""
+    j by q_iᵀ·H_i⋯H_{j+1}·k_j. A pass's effect is solved block by block of PATH_BLOCK tokens,
+    each one unit lower-triangular system (the UT transform), and the cache keeps every key
+    turned by all the tokens after it (``move_keys``; rewrite_cached_keys)."""
 
     rewrites_keys = True
 
@@ -472,16 +476,23 @@ class Path(Scheme):
             F.linear(hidden, self.strength_weight[layer], self.strength_bias[layer])
         )
         beta = (beta.float().transpose(1, 2) * new_tokens.unsqueeze(1)).unsqueeze(-1)
-        queries, keys = queries.float(), keys.float()
-        ones = torch.ones(n, n, dtype=torch.bool, device=hidden.device)
-        system = torch.eye(n, device=hidden.device) + (
-            beta * (w @ w.transpose(-2, -1))
-        ).masked_fill(~ones.tril(-1), 0.0)
-        right = (beta * (w @ keys.transpose(-2, -1))).masked_fill(~before, 0.0)
-        shares = torch.linalg.solve_triangular(system, right, upper=False, unitriangular=True)
-        reach = (queries @ w.transpose(-2, -1)).masked_fill(~ones.tril(), 0.0)  # s ≤ i
-        bias = -(reach @ shares) / math.sqrt(queries.shape[-1])
-        return bias, keys - shares.transpose(-2, -1) @ w
+        queries, keys, moved, biases = queries.float(), keys.float(), keys.float(), []
+        for start in range(0, n, PATH_BLOCK):  # ordinal's blocks, for the same rounding
+            block = slice(start, start + PATH_BLOCK)
+            wb, bb, qb = w[..., block, :], beta[..., block, :], queries[..., block, :]
+            size = wb.shape[-2]
+            lower = torch.ones(size, size, dtype=torch.bool, device=hidden.device)
+            between = (bb * (wb @ wb.transpose(-2, -1))).masked_fill(~lower.tril(-1), 0.0)
+            right = (bb * (wb @ moved.transpose(-2, -1))).masked_fill(~before[..., block, :], 0.0)
+            system = torch.eye(size, device=hidden.device) + between
+            shares = torch.linalg.solve_triangular(system, right, upper=False, unitriangular=True)
+            reach = (qb @ wb.transpose(-2, -1)).masked_fill(~lower.tril(), 0.0)  # s ≤ i
+            bias = -(reach @ shares)
+            if start > 0:  # what the earlier blocks did to the keys this block's queries see
+                bias = bias + qb @ (moved - keys).transpose(-2, -1)
+            biases.append(bias)
+            moved = moved - shares.transpose(-2, -1) @ wb
+        return torch.cat(biases, dim=-2) / math.sqrt(queries.shape[-1]), moved
 
 
 class PathFox(Path):

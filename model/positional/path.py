@@ -12,16 +12,19 @@ depends on a position, so any length is accepted and moving the prompt changes n
 
 Computed without forming any d × d matrix, for a pass of n new tokens after keys k̂_j that already
 carry the transitions of every earlier token (the KV cache keeps them so, and a full forward
-starts with none). The tokens' effect on key j is Σ_s w_s·U[s, j], where U solves
+starts with none). The pass takes its tokens in blocks of ``BLOCK`` (the paper's chunks). A
+block's effect on key j is Σ_s w_s·U[s, j] over its tokens s, where U solves
 
     (I + D·strictly_lower(W·Wᵀ)) · U = D · (W·K̂ᵀ masked to j before s),    D = diag(β),
 
-a unit lower-triangular system of n rows (the paper's UT transform). Query i's score for key j
-loses Σ_{s ≤ i} (q_i·w_s)·U[s, j], the bias ``move_keys`` returns; after the pass every key
-becomes k̂_j − Σ_s w_s·U[s, j], which the cache writes back in place of what it held (the paper's
-§3.4), so that the next pass starts from keys carrying every transition so far. A prefix kept
-from another request would lack the transitions that came after it, so PaTH is not
-``prefix_stable``: no prefix cache, no speculative drafts, no captured steps.
+a unit lower-triangular system of one block's rows (the paper's UT transform), solved by
+forward substitution. Query i scores the keys as the blocks before its own left them, less
+Σ_{s ≤ i} (q_i·w_s)·U[s, j] over its own block's tokens; then the keys become
+k̂_j − Σ_s w_s·U[s, j] for the next block. After the pass the cache writes the keys back in
+place of what it held (the paper's §3.4), so that the next pass starts from keys carrying every
+transition so far. A prefix kept from another request would lack the transitions that came
+after it, so PaTH is not ``prefix_stable``: no prefix cache, no speculative drafts, no captured
+steps.
 
 PaTH-FoX (``pathfox``) adds FoX's forget gates to the same scores (fox.py): the paper's best
 model at long context.
@@ -46,6 +49,11 @@ class PathParams:
     beta_bias_init: float = 0.0
 
 
+# Tokens per block of a pass: the size of each triangular system. A pass of n tokens costs
+# O(n·T·(d + BLOCK)) in blocks, where one system of n rows costs O(n²·T).
+BLOCK = 32
+
+
 def householder_pass(
     queries: Tensor,
     keys: Tensor,
@@ -59,20 +67,30 @@ def householder_pass(
     as the cache holds it (the new tokens' own raw); ``directions`` [B, H, n, hd] unit w_s and
     ``strengths`` [B, H, n] β_s of the new tokens (0 on padding); ``before`` [B|1, 1, n, Tk]
     bool, True where key j comes before new token s. → the score bias [B, H, n, Tk] on
-    q·k/√hd, and the keys after the pass [B, H, Tk, hd]. In float32 (a triangular solve).
+    q·k/√hd, and the keys after the pass [B, H, Tk, hd]. In float32, autocast or not, so that
+    training turns keys with the arithmetic of inference.
     """
-    dtype = queries.dtype
-    queries, keys, directions = queries.float(), keys.float(), directions.float()
-    beta = strengths.float().unsqueeze(-1)  # [B, H, n, 1]
-    n = directions.shape[-2]
-    ones = torch.ones(n, n, dtype=torch.bool, device=queries.device)
-    between = beta * (directions @ directions.transpose(-2, -1))  # β_s·(w_s·w_r)
-    system = torch.eye(n, device=queries.device) + between.masked_fill(~ones.tril(-1), 0.0)
-    right = (beta * (directions @ keys.transpose(-2, -1))).masked_fill(~before, 0.0)
-    shares = torch.linalg.solve_triangular(system, right, upper=False, unitriangular=True)
-    reach = (queries @ directions.transpose(-2, -1)).masked_fill(~ones.tril(), 0.0)  # s ≤ i
-    bias = -(reach @ shares) / math.sqrt(queries.shape[-1])
-    moved = keys - shares.transpose(-2, -1) @ directions
+    dtype, device = queries.dtype, queries.device
+    with torch.autocast(device.type, enabled=False):
+        queries, keys, directions = queries.float(), keys.float(), directions.float()
+        beta = strengths.float().unsqueeze(-1)  # [B, H, n, 1]
+        moved, biases = keys, []
+        for start in range(0, directions.shape[-2], BLOCK):
+            block = slice(start, start + BLOCK)
+            w, b, q = directions[..., block, :], beta[..., block, :], queries[..., block, :]
+            size = w.shape[-2]
+            lower = torch.ones(size, size, dtype=torch.bool, device=device)
+            between = (b * (w @ w.transpose(-2, -1))).masked_fill(~lower.tril(-1), 0.0)
+            right = (b * (w @ moved.transpose(-2, -1))).masked_fill(~before[..., block, :], 0.0)
+            system = torch.eye(size, device=device) + between
+            shares = torch.linalg.solve_triangular(system, right, upper=False, unitriangular=True)
+            reach = (q @ w.transpose(-2, -1)).masked_fill(~lower.tril(), 0.0)  # s ≤ i
+            bias = -(reach @ shares)
+            if start > 0:  # what the earlier blocks did to the keys this block's queries see
+                bias = bias + q @ (moved - keys).transpose(-2, -1)
+            biases.append(bias)
+            moved = moved - shares.transpose(-2, -1) @ w
+        bias = torch.cat(biases, dim=-2) / math.sqrt(queries.shape[-1])
     return MovedKeys(bias.to(dtype), moved.to(dtype))
 
 

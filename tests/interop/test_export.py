@@ -384,6 +384,14 @@ def test_the_port_computes_every_shipped_scheme_with_all_its_parameters() -> Non
                 assert f'params.get("{field.name}"' in source, (scheme, field.name)
 
 
+def test_the_port_blocks_path_as_ordinal_does() -> None:
+    """The same blocks round the same way: the exported logits stay within 1e-4."""
+    from interop.remote.modeling_ordinal import PATH_BLOCK
+    from model.positional.path import BLOCK
+
+    assert PATH_BLOCK == BLOCK
+
+
 def test_a_scheme_the_port_lacks_is_refused_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
     """A scheme registered after the port was written (here: fox, as if it were)."""
     monkeypatch.setattr(

@@ -10,9 +10,10 @@ import math
 import torch
 
 from model.cache import KVCache
-from model.positional.path import householder_pass
+from model.positional.path import BLOCK, householder_pass
 from model.transformer import AttentionRecorder, Transformer
 from tests.model.conftest import random_model, random_tokens
+from tests.model.test_transformer import assert_rows_match, feed_ragged
 
 
 def householder(direction: torch.Tensor, strength: torch.Tensor) -> torch.Tensor:
@@ -31,7 +32,7 @@ def turned_by(directions, strengths, first: int, last: int, key: torch.Tensor) -
 
 def test_scores_are_the_explicit_products_of_householder_matrices() -> None:
     generator = torch.Generator().manual_seed(0)
-    length, dim = 24, 8
+    length, dim = 2 * BLOCK + 7, 8  # two whole blocks and a part of one
     queries, keys, directions = (
         torch.randn(1, 1, length, dim, generator=generator, dtype=torch.float64) for _ in range(3)
     )
@@ -106,3 +107,18 @@ def test_pathfox_with_its_gates_open_is_path() -> None:
         assert (fox(tokens) - path(tokens)).abs().max() > 1e-2  # the gates did something
         fox.positional.forgetting.gate_bias.fill_(1e4)  # log σ(10⁴) = 0: nothing forgotten
         torch.testing.assert_close(fox(tokens), path(tokens), atol=1e-5, rtol=1e-5)
+
+
+def test_passes_of_several_blocks_cache_as_the_full_forward_does() -> None:
+    """Ragged passes longer than a block, then single tokens and a short ragged pass: each
+    row's logits equal the full forward's (the generic cache tests stay within one block)."""
+    length = 3 * BLOCK + 5
+    model = random_model("path", seed=7, context_length=length, max_positions=length)
+    tokens = random_tokens(3, length, seed=8)
+    cache = KVCache(model.config, rows=3, max_length=length)
+    with torch.no_grad():
+        full = model(tokens)
+        for counts in ([BLOCK + 9, 2 * BLOCK + 3, 1], [1, 1, 1], [BLOCK + 2, 4, 2 * BLOCK]):
+            starts = cache.lengths.clone()
+            logits = feed_ragged(model, cache, tokens, torch.tensor(counts))
+            assert_rows_match(logits, full, starts, torch.tensor(counts))
