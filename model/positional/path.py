@@ -67,30 +67,29 @@ def householder_pass(
     as the cache holds it (the new tokens' own raw); ``directions`` [B, H, n, hd] unit w_s and
     ``strengths`` [B, H, n] β_s of the new tokens (0 on padding); ``before`` [B|1, 1, n, Tk]
     bool, True where key j comes before new token s. → the score bias [B, H, n, Tk] on
-    q·k/√hd, and the keys after the pass [B, H, Tk, hd]. In float32, autocast or not, so that
-    training turns keys with the arithmetic of inference.
+    q·k/√hd, and the keys after the pass [B, H, Tk, hd]. In float32 (under training's
+    autocast the products run in bfloat16, as the step's other products do).
     """
     dtype, device = queries.dtype, queries.device
-    with torch.autocast(device.type, enabled=False):
-        queries, keys, directions = queries.float(), keys.float(), directions.float()
-        beta = strengths.float().unsqueeze(-1)  # [B, H, n, 1]
-        moved, biases = keys, []
-        for start in range(0, directions.shape[-2], BLOCK):
-            block = slice(start, start + BLOCK)
-            w, b, q = directions[..., block, :], beta[..., block, :], queries[..., block, :]
-            size = w.shape[-2]
-            lower = torch.ones(size, size, dtype=torch.bool, device=device)
-            between = (b * (w @ w.transpose(-2, -1))).masked_fill(~lower.tril(-1), 0.0)
-            right = (b * (w @ moved.transpose(-2, -1))).masked_fill(~before[..., block, :], 0.0)
-            system = torch.eye(size, device=device) + between
-            shares = torch.linalg.solve_triangular(system, right, upper=False, unitriangular=True)
-            reach = (q @ w.transpose(-2, -1)).masked_fill(~lower.tril(), 0.0)  # s ≤ i
-            bias = -(reach @ shares)
-            if start > 0:  # what the earlier blocks did to the keys this block's queries see
-                bias = bias + q @ (moved - keys).transpose(-2, -1)
-            biases.append(bias)
-            moved = moved - shares.transpose(-2, -1) @ w
-        bias = torch.cat(biases, dim=-2) / math.sqrt(queries.shape[-1])
+    queries, keys, directions = queries.float(), keys.float(), directions.float()
+    beta = strengths.float().unsqueeze(-1)  # [B, H, n, 1]
+    moved, biases = keys, []
+    for start in range(0, directions.shape[-2], BLOCK):
+        block = slice(start, start + BLOCK)
+        w, b, q = directions[..., block, :], beta[..., block, :], queries[..., block, :]
+        size = w.shape[-2]
+        lower = torch.ones(size, size, dtype=torch.bool, device=device)
+        between = (b * (w @ w.transpose(-2, -1))).masked_fill(~lower.tril(-1), 0.0)
+        right = (b * (w @ moved.transpose(-2, -1))).masked_fill(~before[..., block, :], 0.0)
+        system = torch.eye(size, device=device) + between
+        shares = torch.linalg.solve_triangular(system, right, upper=False, unitriangular=True)
+        reach = (q @ w.transpose(-2, -1)).masked_fill(~lower.tril(), 0.0)  # s ≤ i
+        bias = -(reach @ shares)
+        if start > 0:  # what the earlier blocks did to the keys this block's queries see
+            bias = bias + q @ (moved - keys).transpose(-2, -1)
+        biases.append(bias)
+        moved = moved - shares.transpose(-2, -1) @ w
+    bias = torch.cat(biases, dim=-2) / math.sqrt(queries.shape[-1])
     return MovedKeys(bias.to(dtype), moved.to(dtype))
 
 
