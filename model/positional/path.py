@@ -78,12 +78,14 @@ def householder_pass(
         block = slice(start, start + BLOCK)
         w, b, q = directions[..., block, :], beta[..., block, :], queries[..., block, :]
         size = w.shape[-2]
-        lower = torch.ones(size, size, dtype=torch.bool, device=device)
-        between = (b * (w @ w.transpose(-2, -1))).masked_fill(~lower.tril(-1), 0.0)
         right = (b * (w @ moved.transpose(-2, -1))).masked_fill(~before[..., block, :], 0.0)
-        system = torch.eye(size, device=device) + between
-        shares = torch.linalg.solve_triangular(system, right, upper=False, unitriangular=True)
-        reach = (q @ w.transpose(-2, -1)).masked_fill(~lower.tril(), 0.0)  # s ≤ i
+        shares, reach = right, q @ w.transpose(-2, -1)  # one token (a decode step): system I
+        if size > 1:
+            lower = torch.ones(size, size, dtype=torch.bool, device=device)
+            between = (b * (w @ w.transpose(-2, -1))).masked_fill(~lower.tril(-1), 0.0)
+            system = torch.eye(size, device=device) + between
+            shares = torch.linalg.solve_triangular(system, right, upper=False, unitriangular=True)
+            reach = reach.masked_fill(~lower.tril(), 0.0)  # s ≤ i
         bias = -(reach @ shares)
         if start > 0:  # what the earlier blocks did to the keys this block's queries see
             bias = bias + q @ (moved - keys).transpose(-2, -1)
