@@ -18,13 +18,13 @@ block's effect on key j is Σ_s w_s·U[s, j] over its tokens s, where U solves
     (I + D·strictly_lower(W·Wᵀ)) · U = D · (W·K̂ᵀ masked to j before s),    D = diag(β),
 
 a unit lower-triangular system of one block's rows (the paper's UT transform), solved by
-forward substitution. Query i scores the keys as the blocks before its own left them, less
-Σ_{s ≤ i} (q_i·w_s)·U[s, j] over its own block's tokens; then the keys become
-k̂_j − Σ_s w_s·U[s, j] for the next block. After the pass the cache writes the keys back in
-place of what it held (the paper's §3.4), so that the next pass starts from keys carrying every
-transition so far. A prefix kept from another request would lack the transitions that came
-after it, so PaTH is not ``prefix_stable``: no prefix cache, no speculative drafts, no captured
-steps.
+substitution (in training, inverted by doubling blocks: ``unit_lower_inverse``). Query i scores
+the keys as the blocks before its own left them, less Σ_{s ≤ i} (q_i·w_s)·U[s, j] over its own
+block's tokens; then the keys become k̂_j − Σ_s w_s·U[s, j] for the next block. After the pass
+the cache writes the keys back in place of what it held (the paper's §3.4), so that the next
+pass starts from keys carrying every transition so far. A prefix kept from another request would
+lack the transitions that came after it, so PaTH is not ``prefix_stable``: no prefix cache, no
+speculative drafts, no captured steps.
 
 PaTH-FoX (``pathfox``) adds FoX's forget gates to the same scores (fox.py): the paper's best
 model at long context.
@@ -52,6 +52,33 @@ class PathParams:
 # Tokens per block of a pass: the size of each triangular system. A pass of n tokens costs
 # O(n·T·(d + BLOCK)) in blocks, where one system of n rows costs O(n²·T).
 BLOCK = 32
+
+
+def unit_lower_inverse(system: Tensor) -> Tensor:
+    """The inverse of unit lower-triangular ``system`` [..., c, c], in float32, by doubling
+    blocks: the inverse of [[A, 0], [C, B]] is [[A⁻¹, 0], [−B⁻¹·C·A⁻¹, B⁻¹]], so the inverses
+    of the 1 × 1 diagonal blocks (1) make those of the 2 × 2, then 4 × 4, … — substitution done
+    a level at a time in batched products, where a triangular solve is a call per matrix."""
+    size = system.shape[-1]
+    padded = 1 << (size - 1).bit_length()  # identity below and right of it up to a power of 2
+    with torch.autocast(system.device.type, enabled=False):
+        padding = torch.arange(padded, device=system.device) >= size
+        system = F.pad(system.float(), (0, padded - size, 0, padded - size)) + torch.diag(
+            padding.float()
+        )
+        *batch, _, _ = system.shape
+        blocks = system.new_ones(*batch, padded, 1, 1)  # the inverses of the diagonal blocks
+        span = 1
+        while span < padded:
+            count = padded // (2 * span)
+            pairs = system.view(*batch, count, 2 * span, count, 2 * span)
+            pairs = pairs.diagonal(dim1=-4, dim2=-2).movedim(-1, -3)  # [..., count, 2s, 2s]
+            first, second = blocks[..., 0::2, :, :], blocks[..., 1::2, :, :]
+            corner = -(second @ pairs[..., span:, :span] @ first)
+            top = torch.cat([first, torch.zeros_like(first)], dim=-1)
+            blocks = torch.cat([top, torch.cat([corner, second], dim=-1)], dim=-2)
+            span *= 2
+        return blocks[..., 0, :size, :size]
 
 
 def householder_pass(
@@ -84,7 +111,12 @@ def householder_pass(
             lower = torch.ones(size, size, dtype=torch.bool, device=device)
             between = (b * (w @ w.transpose(-2, -1))).masked_fill(~lower.tril(-1), 0.0)
             system = torch.eye(size, device=device) + between
-            shares = torch.linalg.solve_triangular(system, right, upper=False, unitriangular=True)
+            if system.requires_grad:  # training: a solve's backward is two more solves
+                shares = unit_lower_inverse(system) @ right
+            else:  # without gradients one solve is the fewest calls
+                shares = torch.linalg.solve_triangular(
+                    system, right, upper=False, unitriangular=True
+                )
             reach = reach.masked_fill(~lower.tril(), 0.0)  # s ≤ i
         bias = -(reach @ shares)
         if start > 0:  # what the earlier blocks did to the keys this block's queries see

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
+import torch.nn.functional as F
 
 from model.cache import KVCache
-from model.positional.path import BLOCK, householder_pass
+from model.positional.path import BLOCK, householder_pass, unit_lower_inverse
 from model.transformer import AttentionRecorder, Transformer
 from tests.model.conftest import random_model, random_tokens
 from tests.model.test_transformer import assert_rows_match, feed_ragged
@@ -49,6 +51,57 @@ def test_scores_are_the_explicit_products_of_householder_matrices() -> None:
     for j in range(length):  # after the pass, each key carries every transition after it
         expected = turned_by(w, beta, j + 1, length - 1, keys[0, 0, j])
         torch.testing.assert_close(moved.keys[0, 0, j].double(), expected, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 7, 16, 31, BLOCK, 100])
+def test_unit_lower_inverse_inverts_a_block_system(size: int) -> None:
+    """PaTH's own systems (I + strictly_lower(β·W·Wᵀ)), β up to 2: the inverse's product with
+    the system is I, within float32 rounding of its largest entries."""
+    generator = torch.Generator().manual_seed(size)
+    directions = F.normalize(torch.randn(4, size, 8, generator=generator), dim=-1)
+    strengths = 2 * torch.rand(4, size, 1, generator=generator)
+    system = torch.eye(size) + (strengths * (directions @ directions.transpose(-2, -1))).tril(-1)
+    inverse = unit_lower_inverse(system).double()
+    exact = torch.linalg.inv(system.double())
+    assert torch.equal(inverse.triu(1), torch.zeros_like(inverse))
+    torch.testing.assert_close(inverse, exact, atol=1e-5 * float(exact.abs().max()), rtol=0)
+
+
+def one_system(queries, keys, directions, strengths, before) -> torch.Tensor:
+    """The score bias of a whole pass solved as one system (the UT transform, unblocked)."""
+    beta = strengths.unsqueeze(-1)
+    n = directions.shape[-2]
+    ones = torch.ones(n, n, dtype=torch.bool)
+    between = (beta * (directions @ directions.transpose(-2, -1))).masked_fill(~ones.tril(-1), 0)
+    right = (beta * (directions @ keys.transpose(-2, -1))).masked_fill(~before, 0.0)
+    shares = torch.linalg.solve_triangular(
+        torch.eye(n) + between, right, upper=False, unitriangular=True
+    )
+    reach = (queries @ directions.transpose(-2, -1)).masked_fill(~ones.tril(), 0.0)
+    return -(reach @ shares) / math.sqrt(queries.shape[-1])
+
+
+def test_training_inverts_where_inference_solves_and_both_agree() -> None:
+    """With gradients the blocks' systems are inverted, without they are solved: the same
+    bias either way, and the gradients of one system solved over the whole pass."""
+    generator = torch.Generator().manual_seed(9)
+    length, dim = 2 * BLOCK + 11, 8
+    queries, keys, directions = (torch.randn(2, 3, length, dim, generator=generator) for _ in "qkw")
+    directions = F.normalize(directions, dim=-1)
+    strengths = 2 * torch.rand(2, 3, length, generator=generator)
+    before = torch.ones(length, length, dtype=torch.bool).tril(-1)[None, None]
+    solved = householder_pass(queries, keys, directions, strengths, before)
+    inputs = [t.clone().requires_grad_() for t in (queries, keys, directions, strengths)]
+    inverted = householder_pass(*inputs, before)
+    torch.testing.assert_close(inverted.bias, solved.bias, atol=1e-5, rtol=0)
+    torch.testing.assert_close(inverted.keys, solved.keys, atol=1e-5, rtol=0)
+    reference = [t.clone().requires_grad_() for t in (queries, keys, directions, strengths)]
+    weights = torch.randn(solved.bias.shape, generator=generator)
+    (inverted.bias * weights).sum().backward()
+    (one_system(*reference, before) * weights).sum().backward()
+    for got, expected in zip(inputs, reference, strict=True):
+        assert got.grad is not None and expected.grad is not None
+        torch.testing.assert_close(got.grad, expected.grad, atol=1e-4, rtol=1e-4)
 
 
 def test_the_cache_keeps_each_key_turned_by_every_later_token() -> None:
